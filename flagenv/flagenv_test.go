@@ -1,0 +1,29 @@
+package flagenv
+
+import (
+	"flag"
+	"testing"
+)
+
+func TestEnvFillsUnsetFlagsOnly(t *testing.T) {
+	t.Setenv("KVMESH_BLOCK_SIZE", "32")
+	t.Setenv("KVMESH_MODEL", "from-env")
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	bs := fs.Int("block-size", 16, "block size")
+	model := fs.String("model", "m", "model")
+	if err := Parse(fs, []string{"--model", "from-flag"}); err != nil {
+		t.Fatal(err)
+	}
+	if *bs != 32 || *model != "from-flag" {
+		t.Fatalf("block-size=%d model=%q; want 32 from env and from-flag from args", *bs, *model)
+	}
+}
+
+func TestBadEnvValueIsAnError(t *testing.T) {
+	t.Setenv("KVMESH_BLOCK_SIZE", "many")
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	fs.Int("block-size", 16, "")
+	if err := Parse(fs, nil); err == nil {
+		t.Fatal("KVMESH_BLOCK_SIZE=many accepted")
+	}
+}

@@ -1,0 +1,72 @@
+// Package kvevents speaks the KV-cache event protocol of vLLM and SGLang:
+// msgpack KVEventBatch payloads carried in 3-frame ZMQ messages
+// (topic, 8-byte big-endian sequence, payload), with a ROUTER replay endpoint.
+//
+// Decoding is tolerant the way the engines' history demands: array-like and
+// map-encoded events, missing trailing fields, unknown extra fields and tags,
+// and block hashes as signed or unsigned ints or as digest bytes (folded to
+// their last 8 bytes, big-endian). Malformed input is an error, never a panic.
+package kvevents
+
+// Kind tells which event an Event holds.
+type Kind uint8
+
+const (
+	KindUnknown Kind = iota // an event tag this package does not know; skipped
+	KindBlockStored
+	KindBlockRemoved
+	KindAllBlocksCleared
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindBlockStored:
+		return "BlockStored"
+	case KindBlockRemoved:
+		return "BlockRemoved"
+	case KindAllBlocksCleared:
+		return "AllBlocksCleared"
+	}
+	return "Unknown"
+}
+
+// Event is one KV-cache event. It is a flat struct rather than an interface so
+// a decoder can reuse a batch's events (and their slices) without allocating.
+type Event struct {
+	Kind Kind
+
+	// BlockHashes are the engine's hashes of the stored or removed blocks,
+	// normalised to uint64 (BlockStored, BlockRemoved).
+	BlockHashes []uint64
+
+	// ParentHash is the engine hash of the block before BlockHashes[0];
+	// HasParent is false for a prefix that starts at the beginning (BlockStored).
+	ParentHash uint64
+	HasParent  bool
+
+	// TokenIDs are the tokens of all stored blocks, concatenated (BlockStored).
+	TokenIDs []uint32
+	// BlockSize is the engine's block size in tokens (BlockStored).
+	BlockSize int
+
+	// LoRAID and LoRAName identify the adapter the blocks belong to; zero
+	// values for the base model (BlockStored).
+	LoRAID   int64
+	LoRAName string
+
+	// Medium is the storage tier ("GPU", "CPU", ...); "" when the engine did
+	// not say, which means GPU (BlockStored, BlockRemoved).
+	Medium string
+
+	// GroupIdx is the KV-cache group for hybrid models (BlockStored,
+	// BlockRemoved); 0 when absent.
+	GroupIdx int
+}
+
+// Batch is one KVEventBatch: [ts, events, data_parallel_rank].
+type Batch struct {
+	TS     float64
+	Events []Event
+	// DPRank is the data-parallel rank, -1 when the publisher sent none.
+	DPRank int
+}

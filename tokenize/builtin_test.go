@@ -1,0 +1,48 @@
+package tokenize
+
+import (
+	"encoding/json"
+	"testing"
+)
+
+func TestBuiltinWordsAreTokens(t *testing.T) {
+	ids, err := Builtin{}.Encode("Hello world, hi  there", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// BOS, "Hello", " world", ",", " hi", "  ", "there"
+	if len(ids) != 7 || ids[0] != BuiltinBOS {
+		t.Fatalf("got %d ids %v, want BOS + 6 pieces", len(ids), ids)
+	}
+	again, _ := Builtin{}.Encode(" world", false)
+	if again[0] != ids[2] {
+		t.Fatal("the same piece got two ids")
+	}
+}
+
+func TestBuiltinChatSharesPrefixAcrossTurns(t *testing.T) {
+	one := `[{"role":"system","content":"You are terse."},{"role":"user","content":"hi"}]`
+	two := `[{"role":"system","content":"You are terse."},{"role":"user","content":"hi"},{"role":"assistant","content":"yo"},{"role":"user","content":[{"type":"text","text":"more"}]}]`
+	_, a, err := Builtin{}.EncodeChat(Chat{Messages: json.RawMessage(one)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, b, err := Builtin{}.EncodeChat(Chat{Messages: json.RawMessage(two), AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			t.Fatalf("turn 2 diverges from turn 1 at token %d", i)
+		}
+	}
+	if want := "<|system|>\nYou are terse.\n<|user|>\nhi\n<|assistant|>\nyo\n<|user|>\nmore\n<|assistant|>\n"; p != want {
+		t.Fatalf("prompt %q, want %q", p, want)
+	}
+}
+
+func TestBuiltinRejectsInvalidUTF8(t *testing.T) {
+	if _, err := (Builtin{}).Encode("a\xffb", false); err == nil {
+		t.Fatal("invalid UTF-8 accepted")
+	}
+}

@@ -1,0 +1,32 @@
+// Package tokenize turns request text into the token ids an engine will see.
+//
+// Routing by cached prefix only works when the router produces exactly the
+// ids the engine produced: one wrong id in the first block and nothing
+// matches. Models describes what the router and enginesim need: encode a
+// completion prompt (special tokens as the engine adds them) and render plus
+// encode a chat (special tokens only from the template, as vLLM does).
+package tokenize
+
+import "encoding/json"
+
+// Model tokenizes prompts the way one served model's engine does.
+// Implementations must be safe for concurrent use.
+type Model interface {
+	// Encode tokenizes a completion prompt. addSpecialTokens mirrors vLLM's
+	// flag of the same name (true by default for /v1/completions).
+	Encode(text string, addSpecialTokens bool) ([]uint32, error)
+	// EncodeChat renders a chat request with the model's chat template and
+	// tokenizes the result without adding special tokens (vLLM's chat path).
+	EncodeChat(chat Chat) (prompt string, ids []uint32, err error)
+}
+
+// Chat is the part of a chat-completions request that decides the prompt.
+// Messages and Tools stay raw JSON so templates see keys in request order.
+type Chat struct {
+	Messages             json.RawMessage
+	Tools                json.RawMessage // may be nil
+	AddGenerationPrompt  bool
+	ContinueFinalMessage bool
+	// TemplateKwargs are extra template variables (chat_template_kwargs).
+	TemplateKwargs json.RawMessage // may be nil
+}
