@@ -1,0 +1,71 @@
+// Package fleet is a router's view of the replicas it can route to: who they
+// are, whether they are alive, how loaded and how warm they are, and how old
+// that knowledge is. Gossip feeds a Table; each routing decision reads one
+// cheap, consistent Snapshot of it.
+package fleet
+
+import (
+	"time"
+
+	"github.com/kvmesh/kvmesh/bloom"
+)
+
+// Protocol names what a replica speaks and how its state is known.
+const (
+	ProtocolVLLM   = "vllm"   // engine with a sidecar feeding KV events (vLLM or enginesim)
+	ProtocolSGLang = "sglang" // SGLang engine with a sidecar
+	ProtocolStatic = "static" // configured upstream without a sidecar: load-balanced only
+)
+
+// Replica is one engine replica as a router knows it at one moment.
+type Replica struct {
+	Name     string
+	Models   []string // served model names and LoRA adapters (from the engine's /v1/models)
+	URL      string   // engine base URL, e.g. http://127.0.0.1:8000
+	Protocol string
+	// KVEvents is true when a sidecar feeds this replica's resident blocks.
+	KVEvents bool
+	// Selected is true when the replica takes part in prefix matching; an
+	// unselected replica still receives traffic by load.
+	Selected bool
+	// Online is false once the replica is known to be down (sidecar says the
+	// engine is unhealthy, the sidecar left or fell silent).
+	Online bool
+	// Stale is true when the replica's state is older than the table's TTL:
+	// it is then routed by load only.
+	Stale bool
+
+	BlockSize int
+	// Filter holds the replica's resident block keys; nil when unknown.
+	// Read it only through Snapshot.MatchPrefix, which handles concurrency.
+	Filter           *bloom.Filter
+	FilterGeneration uint64
+	FilterKeys       int
+
+	Load Load
+	// UpdatedAt is when the last state (load or filter) arrived.
+	UpdatedAt time.Time
+}
+
+// Serves reports whether the replica serves model (a served name or adapter).
+func (r *Replica) Serves(model string) bool {
+	for _, m := range r.Models {
+		if m == model {
+			return true
+		}
+	}
+	return false
+}
+
+// Load is a replica's live load: the engine's own counts plus what the
+// cluster's routers have dispatched that the engine may not count yet.
+type Load struct {
+	Waiting int     // requests queued at the engine
+	Running int     // requests running at the engine
+	KVUsage float64 // fraction of KV cache in use, 0..1
+	// InflightRequests and InflightPrefillTokens are the requests (and their
+	// uncached prompt tokens) that all routers together have dispatched to
+	// this replica and not yet seen finish.
+	InflightRequests      int
+	InflightPrefillTokens int
+}
