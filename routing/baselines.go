@@ -1,0 +1,170 @@
+package routing
+
+import (
+	"math/rand/v2"
+	"sort"
+	"sync/atomic"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// fillOrder resets d and lists every candidate in d.Order.
+func fillOrder(d *Decision, n int) {
+	d.Order = d.Order[:0]
+	for i := range n {
+		d.Order = append(d.Order, i)
+	}
+	d.Pick, d.Mode, d.PredictedCachedTokens, d.Degraded, d.Reason = -1, ModeBalance, 0, false, ""
+}
+
+// finish sets Pick from the head of Order and the mode for static upstreams.
+func finish(d *Decision, cands []Candidate, mode Mode) {
+	if len(d.Order) == 0 {
+		d.Pick = -1
+		return
+	}
+	d.Pick = d.Order[0]
+	d.Mode = mode
+	if cands[d.Pick].Static {
+		d.Mode = ModeStatic
+	}
+}
+
+type random struct{}
+
+func newRandom() random { return random{} }
+
+func (random) Name() string { return "random" }
+
+func (random) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	rand.Shuffle(len(d.Order), func(i, j int) { d.Order[i], d.Order[j] = d.Order[j], d.Order[i] })
+	finish(d, cands, ModeBalance)
+	d.Reason = "random"
+}
+
+type roundRobin struct{ next atomic.Uint64 }
+
+func (*roundRobin) Name() string { return "round-robin" }
+
+func (r *roundRobin) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	if n := len(cands); n > 0 {
+		start := int(r.next.Add(1) % uint64(n))
+		for i := range d.Order {
+			d.Order[i] = (start + i) % n
+		}
+	}
+	finish(d, cands, ModeBalance)
+	d.Reason = "round-robin"
+}
+
+type leastLoaded struct{ cfg Config }
+
+func (leastLoaded) Name() string { return "least-loaded" }
+
+func (p leastLoaded) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	sortByLoad(d.Order, cands, &p.cfg)
+	finish(d, cands, ModeBalance)
+	d.Reason = "fewest outstanding requests"
+}
+
+// sortByLoad orders idx by outstanding requests, then queued engine time.
+func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
+	sort.SliceStable(idx, func(a, b int) bool {
+		ca, cb := &cands[idx[a]], &cands[idx[b]]
+		if oa, ob := outstanding(ca), outstanding(cb); oa != ob {
+			return oa < ob
+		}
+		return cfg.queue(ca) < cfg.queue(cb)
+	})
+}
+
+// rendezvousOrder orders idx by highest-random-weight hashing of key: every
+// router computes the same order for the same key and replica names.
+func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
+	weight := func(i int) uint64 { return mix(xxhash.Sum64String(cands[i].Name) ^ key) }
+	sort.Slice(idx, func(a, b int) bool {
+		wa, wb := weight(idx[a]), weight(idx[b])
+		if wa != wb {
+			return wa > wb
+		}
+		return cands[idx[a]].Name < cands[idx[b]].Name
+	})
+}
+
+// boundedHome returns the position in order (a rendezvous order) of the
+// first candidate whose load is within the bound; 0 when all exceed it.
+func boundedHome(order []int, cands []Candidate, bound float64) int {
+	total := 0
+	for _, i := range order {
+		total += outstanding(&cands[i])
+	}
+	// CHWBL: capacity = ceil(bound × (total+1) / n), counting this request.
+	limit := bound * float64(total+1) / float64(len(order))
+	for pos, i := range order {
+		if float64(outstanding(&cands[i])+1) <= limit+1e-9 {
+			return pos
+		}
+	}
+	return 0
+}
+
+func mix(x uint64) uint64 {
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	return x
+}
+
+// chwbl is consistent hashing with bounded loads on the prompt's affinity
+// key (KubeAI's policy): same prefix, same replica, unless it is overloaded.
+type chwbl struct{ cfg Config }
+
+func (chwbl) Name() string { return "chwbl" }
+
+func (p chwbl) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	rendezvousOrder(d.Order, cands, req.AffinityKey)
+	if h := boundedHome(d.Order, cands, p.cfg.LoadBound); h > 0 {
+		moveToFront(d.Order, h)
+	}
+	finish(d, cands, ModeCold)
+	d.Reason = "consistent hash, bounded load"
+}
+
+func moveToFront(order []int, pos int) {
+	v := order[pos]
+	copy(order[1:pos+1], order[:pos])
+	order[0] = v
+}
+
+// prefixPin sends a request to the replica holding its longest prefix,
+// whatever its load; a prefix nobody holds goes to its consistent-hash home.
+type prefixPin struct{ cfg Config }
+
+func (prefixPin) Name() string { return "prefix-pin" }
+
+func (p prefixPin) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	rendezvousOrder(d.Order, cands, req.AffinityKey)
+	matched := func(i int) int {
+		if cands[i].PrefixAware {
+			return cands[i].MatchedTokens
+		}
+		return 0
+	}
+	sort.SliceStable(d.Order, func(a, b int) bool { return matched(d.Order[a]) > matched(d.Order[b]) })
+	mode := ModeCold
+	if len(d.Order) > 0 && matched(d.Order[0]) > 0 {
+		mode = ModePrefix
+	}
+	finish(d, cands, mode)
+	if d.Pick >= 0 {
+		d.PredictedCachedTokens = matched(d.Pick)
+	}
+	d.Reason = "longest prefix"
+}

@@ -1,0 +1,82 @@
+package routing
+
+import "time"
+
+// Config holds the cost model and thresholds. Zero fields take defaults
+// calibrated on an 8B model on one H200 (see ../shared/calibration): prefill
+// costs about 30 µs per uncached token; each running sequence slows the steps
+// that a new prefill shares with it.
+type Config struct {
+	// PrefillPerToken is the engine time to prefill one uncached token.
+	PrefillPerToken time.Duration
+	// PerRunning is the delay each running sequence adds to a new request's
+	// first token (decode steps interleaved with its prefill).
+	PerRunning time.Duration
+	// TokensPerWaiting estimates the prefill work of a request the engine
+	// reports waiting when no router has told us its size.
+	TokensPerWaiting int
+	// LoadBound is consistent hashing's bound: a replica may take a key only
+	// while its load is at most LoadBound × the mean (CHWBL's 1+ε).
+	LoadBound float64
+	// ColdSlack lets kvaware keep a cold prefix on its consistent-hash home
+	// when that home's predicted TTFT is within this much of the best one, so
+	// routers agree on where new prefixes go.
+	ColdSlack time.Duration
+	// ImbalanceEnter and ImbalanceExit are the ratios of the most loaded
+	// replica's queue to the mean queue at which kvaware switches to
+	// least-load mode and back; ImbalanceMinQueue is the queue below which
+	// no imbalance counts.
+	ImbalanceEnter    float64
+	ImbalanceExit     float64
+	ImbalanceMinQueue time.Duration
+	// SpeculativeTTL is how long a routed request's blocks count as resident
+	// at its replica before the replica's own events confirm them, so bursts
+	// of siblings co-locate; SpeculativeMaxKeys bounds the records.
+	SpeculativeTTL     time.Duration
+	SpeculativeMaxKeys int
+}
+
+func (c Config) withDefaults() Config {
+	def := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&c.PrefillPerToken, 30*time.Microsecond)
+	def(&c.PerRunning, 500*time.Microsecond)
+	def(&c.ColdSlack, 50*time.Millisecond)
+	def(&c.ImbalanceMinQueue, 2*time.Second)
+	def(&c.SpeculativeTTL, 2*time.Second)
+	if c.TokensPerWaiting == 0 {
+		c.TokensPerWaiting = 1024
+	}
+	if c.LoadBound == 0 {
+		c.LoadBound = 1.25
+	}
+	if c.ImbalanceEnter == 0 {
+		c.ImbalanceEnter = 4
+	}
+	if c.ImbalanceExit == 0 {
+		c.ImbalanceExit = 2
+	}
+	if c.SpeculativeMaxKeys == 0 {
+		c.SpeculativeMaxKeys = 1 << 20
+	}
+	return c
+}
+
+// queue is the engine time already ahead of a new request at c.
+func (cfg *Config) queue(c *Candidate) time.Duration {
+	pending := max(c.PendingPrefillTokens, c.Waiting*cfg.TokensPerWaiting)
+	return time.Duration(pending)*cfg.PrefillPerToken + time.Duration(c.Running)*cfg.PerRunning
+}
+
+// ttft predicts the time to first token of req at c given matched tokens.
+func (cfg *Config) ttft(c *Candidate, promptTokens, matched int) time.Duration {
+	return cfg.queue(c) + time.Duration(promptTokens-matched)*cfg.PrefillPerToken
+}
+
+// outstanding is the request count least-load balancing compares.
+func outstanding(c *Candidate) int {
+	return max(c.InflightRequests, c.Waiting+c.Running)
+}

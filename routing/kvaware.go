@@ -1,0 +1,212 @@
+package routing
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// kvaware picks the replica with the smallest predicted time to first token.
+// It keeps two pieces of state, both bounded: speculative records (recently
+// routed blocks, trusted until the replica's own events confirm them) and
+// whether it is in least-load mode because the fleet is badly imbalanced.
+type kvaware struct {
+	cfg Config
+
+	mu   sync.Mutex
+	spec map[uint64]specRecord
+
+	degraded     atomic.Bool
+	degradations atomic.Uint64
+}
+
+type specRecord struct {
+	replica string
+	expires int64 // UnixNano
+}
+
+func newKVAware(cfg Config) *kvaware {
+	return &kvaware{cfg: cfg, spec: make(map[uint64]specRecord)}
+}
+
+func (*kvaware) Name() string { return "kvaware" }
+
+// Degradations counts switches into least-load mode.
+func (p *kvaware) Degradations() uint64 { return p.degradations.Load() }
+
+// Degraded reports whether the policy is in least-load mode now.
+func (p *kvaware) Degraded() bool { return p.degraded.Load() }
+
+// ClearRecords forgets speculative records for the named replicas (all when
+// names is empty), as after a model update or a canary switch.
+func (p *kvaware) ClearRecords(names []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(names) == 0 {
+		clear(p.spec)
+		return
+	}
+	for k, r := range p.spec {
+		if slices.Contains(names, r.replica) {
+			delete(p.spec, k)
+		}
+	}
+}
+
+const stackCands = 64
+
+func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
+	fillOrder(d, len(cands))
+	if len(cands) == 0 {
+		return
+	}
+	var matchedBuf [stackCands]int
+	var ttftBuf [stackCands]time.Duration
+	matched, ttft := matchedBuf[:0], ttftBuf[:0]
+	if len(cands) > stackCands {
+		matched, ttft = make([]int, 0, len(cands)), make([]time.Duration, 0, len(cands))
+	}
+	matched = matched[:len(cands)]
+	ttft = ttft[:len(cands)]
+
+	p.speculativeMatches(req, cands, matched)
+	bestMatched := 0
+	for i := range cands {
+		c := &cands[i]
+		if !c.PrefixAware {
+			matched[i] = 0
+		} else {
+			matched[i] = min(max(matched[i], c.MatchedTokens), req.PromptTokens)
+		}
+		bestMatched = max(bestMatched, matched[i])
+		ttft[i] = p.cfg.ttft(c, req.PromptTokens, matched[i])
+	}
+
+	if p.checkImbalance(cands) {
+		sortByLoad(d.Order, cands, &p.cfg)
+		finish(d, cands, ModeBalance)
+		d.Degraded = true
+		d.PredictedCachedTokens = matched[d.Pick]
+		d.Reason = "imbalanced fleet: least-load mode"
+		return
+	}
+
+	slices.SortStableFunc(d.Order, func(a, b int) int {
+		if c := cmp.Compare(ttft[a], ttft[b]); c != 0 {
+			return c
+		}
+		return cmp.Compare(matched[b], matched[a])
+	})
+	mode := ModePrefix
+	if bestMatched == 0 {
+		mode = ModeCold
+		p.placeCold(req, cands, ttft, d)
+	} else if matched[d.Order[0]] == 0 {
+		mode = ModeBalance
+	}
+	finish(d, cands, mode)
+	d.PredictedCachedTokens = matched[d.Pick]
+	d.Reason = fmt.Sprintf("predicted ttft %v (queue %v, %d/%d tokens cached)",
+		ttft[d.Pick], p.cfg.queue(&cands[d.Pick]), matched[d.Pick], req.PromptTokens)
+	if cands[d.Pick].PrefixAware {
+		p.record(req, cands[d.Pick].Name)
+	}
+}
+
+// placeCold moves the consistent-hash home of a prefix nobody holds to the
+// front of d.Order when it is nearly as good as the best, so that routers
+// which have not yet seen each other's choices still agree.
+func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duration, d *Decision) {
+	if req.AffinityKey == 0 || len(d.Order) < 2 {
+		return
+	}
+	var homeBuf [stackCands]int
+	home := append(homeBuf[:0], d.Order...)
+	rendezvousOrder(home, cands, req.AffinityKey)
+	h := home[boundedHome(home, cands, p.cfg.LoadBound)]
+	if ttft[h] > ttft[d.Order[0]]+p.cfg.ColdSlack {
+		return
+	}
+	moveToFront(d.Order, slices.Index(d.Order, h))
+}
+
+// checkImbalance updates least-load mode from the spread of queues: enter
+// when the longest queue exceeds ImbalanceEnter × the mean, leave below
+// ImbalanceExit × the mean.
+func (p *kvaware) checkImbalance(cands []Candidate) bool {
+	if len(cands) < 2 {
+		return false
+	}
+	var total, longest time.Duration
+	for i := range cands {
+		q := p.cfg.queue(&cands[i])
+		total += q
+		longest = max(longest, q)
+	}
+	mean := float64(total) / float64(len(cands))
+	if p.degraded.Load() {
+		if float64(longest) <= p.cfg.ImbalanceExit*mean || longest < p.cfg.ImbalanceMinQueue {
+			p.degraded.Store(false)
+		}
+	} else if float64(longest) > p.cfg.ImbalanceEnter*mean && longest >= p.cfg.ImbalanceMinQueue {
+		if p.degraded.CompareAndSwap(false, true) {
+			p.degradations.Add(1)
+		}
+	}
+	return p.degraded.Load()
+}
+
+// speculativeMatches adds to matched[i] the leading blocks recently routed to
+// candidate i that its filter may not show yet.
+func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []int) {
+	clear(matched)
+	if req.BlockSize <= 0 || len(req.Keys) == 0 {
+		return
+	}
+	now := req.Now.UnixNano()
+	owner := -1
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for j, k := range req.Keys {
+		r, ok := p.spec[k]
+		if !ok || r.expires < now {
+			break
+		}
+		if owner < 0 || cands[owner].Name != r.replica {
+			if j > 0 {
+				break // the chain continues elsewhere: keys are chained, so only one owner counts
+			}
+			owner = slices.IndexFunc(cands, func(c Candidate) bool { return c.Name == r.replica })
+			if owner < 0 {
+				break
+			}
+		}
+		matched[owner] = (j + 1) * req.BlockSize
+	}
+}
+
+func (p *kvaware) record(req *Request, replica string) {
+	if req.BlockSize <= 0 || len(req.Keys) == 0 {
+		return
+	}
+	expires := req.Now.Add(p.cfg.SpeculativeTTL).UnixNano()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.spec)+len(req.Keys) > p.cfg.SpeculativeMaxKeys {
+		now := req.Now.UnixNano()
+		for k, r := range p.spec {
+			if r.expires < now {
+				delete(p.spec, k)
+			}
+		}
+		if len(p.spec)+len(req.Keys) > p.cfg.SpeculativeMaxKeys {
+			clear(p.spec) // bounded memory beats perfect recall
+		}
+	}
+	for _, k := range req.Keys {
+		p.spec[k] = specRecord{replica: replica, expires: expires}
+	}
+}

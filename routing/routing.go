@@ -1,0 +1,112 @@
+// Package routing decides which replica serves a request. It is a pure core:
+// a request and the candidates' state (as one router sees them at one moment)
+// go in, a decision comes out. No sockets, no clocks (time is an input), so
+// every policy can be tested and simulated exactly.
+//
+// The default policy, kvaware, predicts each replica's time to first token as
+// the prefill work already queued there plus this request's uncached prefill,
+// and picks the smallest: a warm replica wins until its queue costs more than
+// the prefill it saves. The other policies are baselines for side-by-side
+// comparison.
+package routing
+
+import (
+	"fmt"
+	"time"
+)
+
+// Mode says why a replica was picked; it is reported as X-Kvmesh-Mode.
+type Mode string
+
+const (
+	ModePrefix   Mode = "prefix"   // picked for a cached prefix
+	ModeBalance  Mode = "balance"  // picked by load (no useful prefix, or degraded to least-load)
+	ModeCold     Mode = "cold"     // a prefix no replica holds, placed by consistent hashing
+	ModeStatic   Mode = "static"   // a static upstream without KV events
+	ModeFallback Mode = "fallback" // no replica could serve; the fallback took it (set by the proxy)
+)
+
+// Candidate is one replica that serves the request's model, as the router
+// sees it for this decision.
+type Candidate struct {
+	Name string
+	// PrefixAware is true when the replica's resident blocks are known and
+	// fresh enough to trust: it has KV events, takes part in prefix matching,
+	// and its state is not stale. Otherwise it is routed by load only.
+	PrefixAware bool
+	// Static is true for an upstream without a sidecar.
+	Static bool
+	// MatchedTokens is how many leading prompt tokens its filter holds
+	// (matched blocks × block size); ignored unless PrefixAware.
+	MatchedTokens int
+
+	Waiting int // requests queued at the engine
+	Running int // requests running at the engine
+	// PendingPrefillTokens are uncached prompt tokens that routers have
+	// dispatched to the replica and that have not produced a first token yet:
+	// the prefill work queued ahead of a new request.
+	PendingPrefillTokens int
+	// InflightRequests are requests dispatched by routers and not finished.
+	InflightRequests int
+}
+
+// Request is what routing needs to know about a request.
+type Request struct {
+	PromptTokens int
+	// Keys are the prompt's chained block keys (for speculative records).
+	Keys []uint64
+	// BlockSize is the token count behind each key.
+	BlockSize int
+	// AffinityKey places prefixes no replica holds yet so that every router
+	// agrees (consistent hashing); 0 when the prompt has no full block.
+	AffinityKey uint64
+	// Now is the decision time (speculative records expire by it).
+	Now time.Time
+}
+
+// Decision is a policy's answer.
+type Decision struct {
+	// Pick is the index of the chosen candidate, -1 when none can serve.
+	Pick int
+	// Order lists every usable candidate, best first (Pick first); the proxy
+	// retries down this list when a replica fails before its first byte.
+	Order []int
+	Mode  Mode
+	// PredictedCachedTokens is the prefix the picked replica should hold.
+	PredictedCachedTokens int
+	// Degraded is true when kvaware ran in least-load mode for imbalance.
+	Degraded bool
+	// Reason is a short human-readable account of the choice, for debug logs.
+	Reason string
+}
+
+// Policy chooses a replica. Implementations are safe for concurrent use.
+type Policy interface {
+	Name() string
+	// Route fills d for req among cands. d.Order is reused (appended from
+	// d.Order[:0]) to avoid allocating on every request.
+	Route(req *Request, cands []Candidate, d *Decision)
+}
+
+// Names lists the policies New accepts.
+var Names = []string{"kvaware", "random", "round-robin", "least-loaded", "chwbl", "prefix-pin"}
+
+// New returns the named policy.
+func New(name string, cfg Config) (Policy, error) {
+	cfg = cfg.withDefaults()
+	switch name {
+	case "kvaware", "":
+		return newKVAware(cfg), nil
+	case "random":
+		return newRandom(), nil
+	case "round-robin":
+		return &roundRobin{}, nil
+	case "least-loaded":
+		return leastLoaded{cfg: cfg}, nil
+	case "chwbl":
+		return chwbl{cfg: cfg}, nil
+	case "prefix-pin":
+		return prefixPin{cfg: cfg}, nil
+	}
+	return nil, fmt.Errorf("routing: unknown policy %q (want one of %v)", name, Names)
+}
