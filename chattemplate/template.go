@@ -1,0 +1,272 @@
+// Package chattemplate renders HuggingFace chat templates exactly as
+// transformers' apply_chat_template does (tokenize=False), so the router can
+// tokenize the very prompt vLLM builds.
+//
+// transformers renders with jinja2's ImmutableSandboxedEnvironment
+// (trim_blocks, lstrip_blocks, loop controls) plus raise_exception,
+// strftime_now and a tojson filter equal to Python's json.dumps with
+// ensure_ascii=False. This package runs github.com/ardanlabs/jinja and closes
+// the gaps that change prompts:
+//
+//   - template source newlines are folded ("\r\n" and "\r" to "\n", one
+//     trailing newline dropped) as jinja2's lexer does;
+//   - request JSON is decoded into ordered values, so tools and tool-call
+//     arguments keep the client's key order, ints stay ints and 1.0 stays a
+//     float;
+//   - tojson and trim are replaced by Python-exact versions (insertion key
+//     order, ", "/": " separators, indent=, sort_keys=, non-ASCII and U+2028
+//     kept, 1.0 printed as 1.0, Python's whitespace set);
+//   - raise_exception yields a *TemplateError carrying the template's message;
+//   - continue_final_message cuts the prompt after the final message's
+//     content, as transformers does.
+//
+// Known differences that cannot be fixed from outside jinja v1.8.0: a float
+// printed directly ({{ 1.0 }} or 'x' ~ 1.0) renders as Go's %g ("1"), and
+// the string methods .strip()/.lstrip()/.rstrip()/.split() use Go's
+// whitespace set rather than Python's. Messages are passed to the template
+// as sent; vLLM's own request normalisation (e.g. parsing tool-call
+// arguments from JSON strings) is the caller's job.
+package chattemplate
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"encoding/json"
+
+	"github.com/ardanlabs/jinja"
+)
+
+// Template is a compiled chat template. It is safe for concurrent Render.
+type Template struct {
+	tmpl *jinja.Template
+}
+
+// Input is what decides one rendered prompt. Messages, Tools and Kwargs are
+// raw request JSON so that key order survives into the template.
+type Input struct {
+	// Messages is the JSON array of chat messages (objects with a "role").
+	Messages json.RawMessage
+	// Tools is the JSON array of tool schemas; nil or "null" means no tools
+	// (the template sees tools = none, as transformers passes it).
+	Tools json.RawMessage
+	// Kwargs is the chat_template_kwargs JSON object; its keys become extra
+	// template variables (they may override bos_token/eos_token, as in
+	// transformers, but not messages, tools or add_generation_prompt).
+	Kwargs json.RawMessage
+	// AddGenerationPrompt asks the template to open the assistant turn.
+	AddGenerationPrompt bool
+	// ContinueFinalMessage ends the prompt right after the final message's
+	// content so the model continues it. It excludes AddGenerationPrompt.
+	ContinueFinalMessage bool
+	// BOSToken and EOSToken are the tokenizer's special token strings.
+	BOSToken, EOSToken string
+}
+
+// TemplateError is raised by the template itself via raise_exception, e.g.
+// "Conversation roles must alternate user/assistant/user/assistant/...".
+// It means the request does not fit the model's chat format.
+type TemplateError struct {
+	Message string
+}
+
+func (e *TemplateError) Error() string { return "TemplateError: " + e.Message }
+
+// InputError reports request JSON the renderer cannot accept.
+type InputError struct {
+	Field  string // "messages", "tools", "chat_template_kwargs", ...
+	Reason string
+}
+
+func (e *InputError) Error() string {
+	return "chattemplate: invalid " + e.Field + ": " + e.Reason
+}
+
+// ErrRender wraps any other failure raised while executing the template
+// (an unknown filter, a failing tojson, ...). Test with errors.Is.
+var ErrRender = errors.New("chattemplate: render failed")
+
+// Compile parses a chat template. The source may use CRLF line endings.
+func Compile(src string) (*Template, error) {
+	t, err := jinja.Compile(renameFilters(foldNewlines(src)))
+	if err != nil {
+		return nil, fmt.Errorf("chattemplate: compile: %w", err)
+	}
+	return &Template{tmpl: t}, nil
+}
+
+// Variables every template may use; Kwargs cannot replace them.
+var (
+	tojsonValue         = jinja.NewCallable("tojson", tojsonFilter)
+	trimValue           = jinja.NewCallable("trim", trimFilter)
+	raiseExceptionValue = jinja.NewCallable("raise_exception", raiseException)
+	strftimeNowValue    = jinja.NewCallable("strftime_now", strftimeNow)
+)
+
+func raiseException(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+	msg := ""
+	if len(args) > 0 {
+		msg = pyStr(args[0])
+	}
+	return jinja.Undefined(), &TemplateError{Message: msg}
+}
+
+func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+	if len(args) != 1 || !args[0].IsString() {
+		return jinja.Undefined(), fmt.Errorf("strftime_now(format) takes one string")
+	}
+	return jinja.NewString(strftime(args[0].AsString(), time.Now())), nil
+}
+
+// Render renders the template for one request.
+func (t *Template) Render(in Input) (out string, err error) {
+	if in.ContinueFinalMessage && in.AddGenerationPrompt {
+		return "", &InputError{Field: "request", Reason: "continue_final_message and add_generation_prompt are not compatible"}
+	}
+	vars, messages, err := buildVars(in)
+	if err != nil {
+		return "", err
+	}
+	out, err = t.execute(vars)
+	if err != nil {
+		return "", err
+	}
+	if in.ContinueFinalMessage {
+		return cutAfterFinalMessage(out, messages)
+	}
+	return out, nil
+}
+
+// execute runs the jinja template; a panic inside the engine (a value shape
+// it did not expect) becomes an error instead of taking the process down.
+func (t *Template) execute(vars map[string]jinja.Value) (out string, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			out, err = "", fmt.Errorf("%w: template engine panic: %v", ErrRender, r)
+		}
+	}()
+	out, err = t.tmpl.RenderValues(vars)
+	if err != nil {
+		var te *TemplateError
+		if errors.As(err, &te) {
+			return "", te
+		}
+		return "", fmt.Errorf("%w: %w", ErrRender, err)
+	}
+	return out, nil
+}
+
+func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
+	vars := make(map[string]jinja.Value, 12)
+	vars["bos_token"] = jinja.NewString(in.BOSToken)
+	vars["eos_token"] = jinja.NewString(in.EOSToken)
+	if !isNull(in.Kwargs) {
+		kw, err := decodeJSON(string(in.Kwargs))
+		if err != nil {
+			return nil, nil, &InputError{Field: "chat_template_kwargs", Reason: err.Error()}
+		}
+		if !kw.IsDict() {
+			return nil, nil, &InputError{Field: "chat_template_kwargs", Reason: "must be a JSON object"}
+		}
+		d := kw.AsDict()
+		for _, k := range d.Keys {
+			vars[k], _ = d.Get(k)
+		}
+	}
+
+	msgs, err := decodeMessages(in.Messages)
+	if err != nil {
+		return nil, nil, err
+	}
+	vars["messages"] = msgs
+
+	vars["tools"] = jinja.None()
+	if !isNull(in.Tools) {
+		tools, err := decodeJSON(string(in.Tools))
+		if err != nil {
+			return nil, nil, &InputError{Field: "tools", Reason: err.Error()}
+		}
+		if !tools.IsList() {
+			return nil, nil, &InputError{Field: "tools", Reason: "must be a JSON array"}
+		}
+		vars["tools"] = tools
+	}
+	vars["documents"] = jinja.None()
+	vars["add_generation_prompt"] = jinja.NewBool(in.AddGenerationPrompt)
+	vars["raise_exception"] = raiseExceptionValue
+	vars["strftime_now"] = strftimeNowValue
+	vars[overriddenFilters["tojson"]] = tojsonValue
+	vars[overriddenFilters["trim"]] = trimValue
+	return vars, msgs.AsList(), nil
+}
+
+func decodeMessages(raw json.RawMessage) (jinja.Value, error) {
+	if len(raw) == 0 {
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: "missing"}
+	}
+	v, err := decodeJSON(string(raw))
+	if err != nil {
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: err.Error()}
+	}
+	if !v.IsList() {
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: "must be a JSON array"}
+	}
+	for i, m := range v.AsList().Items {
+		if !m.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d is not a JSON object", i)}
+		}
+		role, ok := m.AsDict().Get("role")
+		if !ok || !role.IsString() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d has no string \"role\"", i)}
+		}
+	}
+	return v, nil
+}
+
+func isNull(raw json.RawMessage) bool {
+	s := strings.TrimSpace(string(raw))
+	return s == "" || s == "null"
+}
+
+// cutAfterFinalMessage is transformers' continue_final_message: find the
+// final message's (stripped) content in the rendered prompt, last
+// occurrence, and cut right after it — keeping its trailing whitespace only
+// if the template kept it too.
+func cutAfterFinalMessage(rendered string, messages *jinja.List) (string, error) {
+	if messages.Len() == 0 {
+		return "", &InputError{Field: "messages", Reason: "continue_final_message needs at least one message"}
+	}
+	final, ok := messages.Get(messages.Len() - 1).AsDict().Get("content")
+	var text string
+	switch {
+	case ok && final.IsString():
+		text = final.AsString()
+	case ok && final.IsList():
+		found := false
+		items := final.AsList().Items
+		for i := len(items) - 1; i >= 0 && !found; i-- {
+			if items[i].IsDict() {
+				if t, has := items[i].AsDict().Get("text"); has && t.IsString() {
+					text, found = t.AsString(), true
+				}
+			}
+		}
+		if !found {
+			return "", &InputError{Field: "messages", Reason: "continue_final_message is set but we could not find any text to continue in the final message"}
+		}
+	default:
+		return "", &InputError{Field: "messages", Reason: "continue_final_message is set but the final message has no text content"}
+	}
+	stripped := strings.TrimFunc(text, pyIsSpace)
+	loc := strings.LastIndex(rendered, stripped)
+	if loc < 0 {
+		return "", &InputError{Field: "messages", Reason: "continue_final_message is set but the final message does not appear in the chat after applying the chat template"}
+	}
+	lstripped := strings.TrimLeftFunc(text, pyIsSpace)
+	if end := loc + len(lstripped); end <= len(rendered) && rendered[loc:end] == text {
+		return rendered[:end], nil
+	}
+	return rendered[:loc+len(stripped)], nil
+}
