@@ -1,8 +1,10 @@
 package routing
 
 import (
+	"cmp"
 	"math/rand/v2"
-	"sort"
+	"slices"
+	"strings"
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
@@ -15,6 +17,7 @@ func fillOrder(d *Decision, n int) {
 		d.Order = append(d.Order, i)
 	}
 	d.Pick, d.Mode, d.PredictedCachedTokens, d.Degraded, d.Reason = -1, ModeBalance, 0, false, ""
+	d.PredictedTTFT, d.Queue = 0, 0
 }
 
 // finish sets Pick from the head of Order and the mode for static upstreams.
@@ -72,12 +75,12 @@ func (p leastLoaded) Route(req *Request, cands []Candidate, d *Decision) {
 
 // sortByLoad orders idx by outstanding requests, then queued engine time.
 func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
-	sort.SliceStable(idx, func(a, b int) bool {
-		ca, cb := &cands[idx[a]], &cands[idx[b]]
-		if oa, ob := outstanding(ca), outstanding(cb); oa != ob {
-			return oa < ob
+	slices.SortStableFunc(idx, func(a, b int) int {
+		ca, cb := &cands[a], &cands[b]
+		if c := cmp.Compare(outstanding(ca), outstanding(cb)); c != 0 {
+			return c
 		}
-		return cfg.queue(ca) < cfg.queue(cb)
+		return cmp.Compare(cfg.queue(ca), cfg.queue(cb))
 	})
 }
 
@@ -85,12 +88,11 @@ func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
 // router computes the same order for the same key and replica names.
 func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
 	weight := func(i int) uint64 { return mix(xxhash.Sum64String(cands[i].Name) ^ key) }
-	sort.Slice(idx, func(a, b int) bool {
-		wa, wb := weight(idx[a]), weight(idx[b])
-		if wa != wb {
-			return wa > wb
+	slices.SortFunc(idx, func(a, b int) int {
+		if c := cmp.Compare(weight(b), weight(a)); c != 0 {
+			return c
 		}
-		return cands[idx[a]].Name < cands[idx[b]].Name
+		return strings.Compare(cands[a].Name, cands[b].Name)
 	})
 }
 
@@ -157,7 +159,7 @@ func (p prefixPin) Route(req *Request, cands []Candidate, d *Decision) {
 		}
 		return 0
 	}
-	sort.SliceStable(d.Order, func(a, b int) bool { return matched(d.Order[a]) > matched(d.Order[b]) })
+	slices.SortStableFunc(d.Order, func(a, b int) int { return cmp.Compare(matched(b), matched(a)) })
 	mode := ModeCold
 	if len(d.Order) > 0 && matched(d.Order[0]) > 0 {
 		mode = ModePrefix

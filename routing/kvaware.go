@@ -2,7 +2,6 @@ package routing
 
 import (
 	"cmp"
-	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -109,8 +108,8 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	}
 	finish(d, cands, mode)
 	d.PredictedCachedTokens = matched[d.Pick]
-	d.Reason = fmt.Sprintf("predicted ttft %v (queue %v, %d/%d tokens cached)",
-		ttft[d.Pick], p.cfg.queue(&cands[d.Pick]), matched[d.Pick], req.PromptTokens)
+	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
+	d.Reason = "smallest predicted ttft"
 	if cands[d.Pick].PrefixAware {
 		p.record(req, cands[d.Pick].Name)
 	}
@@ -133,9 +132,10 @@ func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duratio
 	moveToFront(d.Order, slices.Index(d.Order, h))
 }
 
-// checkImbalance updates least-load mode from the spread of queues: enter
-// when the longest queue exceeds ImbalanceEnter × the mean, leave below
-// ImbalanceExit × the mean.
+// checkImbalance updates least-load mode: enter when the longest queue is
+// over ImbalanceEnter × the mean of the others' (and at least
+// ImbalanceMinQueue), leave when it is back under ImbalanceExit × that mean
+// or under half the minimum.
 func (p *kvaware) checkImbalance(cands []Candidate) bool {
 	if len(cands) < 2 {
 		return false
@@ -146,12 +146,12 @@ func (p *kvaware) checkImbalance(cands []Candidate) bool {
 		total += q
 		longest = max(longest, q)
 	}
-	mean := float64(total) / float64(len(cands))
+	others := float64(total-longest) / float64(len(cands)-1)
 	if p.degraded.Load() {
-		if float64(longest) <= p.cfg.ImbalanceExit*mean || longest < p.cfg.ImbalanceMinQueue {
+		if float64(longest) <= p.cfg.ImbalanceExit*others || longest < p.cfg.ImbalanceMinQueue/2 {
 			p.degraded.Store(false)
 		}
-	} else if float64(longest) > p.cfg.ImbalanceEnter*mean && longest >= p.cfg.ImbalanceMinQueue {
+	} else if float64(longest) > p.cfg.ImbalanceEnter*others && longest >= p.cfg.ImbalanceMinQueue {
 		if p.degraded.CompareAndSwap(false, true) {
 			p.degradations.Add(1)
 		}

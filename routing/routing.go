@@ -76,7 +76,11 @@ type Decision struct {
 	PredictedCachedTokens int
 	// Degraded is true when kvaware ran in least-load mode for imbalance.
 	Degraded bool
-	// Reason is a short human-readable account of the choice, for debug logs.
+	// PredictedTTFT and Queue are kvaware's estimates for the pick (engine
+	// time): the whole predicted time to first token and the part of it
+	// spent waiting behind work already there.
+	PredictedTTFT, Queue time.Duration
+	// Reason is a short constant account of the choice, for debug logs.
 	Reason string
 }
 

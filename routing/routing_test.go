@@ -1,0 +1,233 @@
+package routing
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+var t0 = time.Unix(1_700_000_000, 0)
+
+func fleetOf(n int) []Candidate {
+	c := make([]Candidate, n)
+	for i := range c {
+		c[i] = Candidate{Name: fmt.Sprintf("r%d", i), PrefixAware: true}
+	}
+	return c
+}
+
+func route(t *testing.T, p Policy, req *Request, cands []Candidate) Decision {
+	t.Helper()
+	var d Decision
+	p.Route(req, cands, &d)
+	if len(cands) > 0 && (d.Pick < 0 || d.Order[0] != d.Pick || len(d.Order) != len(cands)) {
+		t.Fatalf("bad decision %+v for %d candidates", d, len(cands))
+	}
+	return d
+}
+
+func mustPolicy(t *testing.T, name string) Policy {
+	t.Helper()
+	p, err := New(name, Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestKVAwarePrefersWarmReplicaWhileItsQueueIsCheaper(t *testing.T) {
+	cands := fleetOf(3)
+	cands[1].MatchedTokens = 6000
+	cands[1].PendingPrefillTokens = 2000 // 60 ms queued vs 180 ms saved
+	d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 7200, Now: t0}, cands)
+	if d.Pick != 1 || d.Mode != ModePrefix || d.PredictedCachedTokens != 6000 {
+		t.Fatalf("got pick %d mode %s cached %d; want warm r1 in prefix mode with 6000 cached", d.Pick, d.Mode, d.PredictedCachedTokens)
+	}
+}
+
+func TestKVAwareLeavesWarmReplicaWhenItsQueueCostsMoreThanTheSaving(t *testing.T) {
+	cands := fleetOf(3)
+	cands[1].MatchedTokens = 6000
+	cands[1].PendingPrefillTokens = 40000 // 1.2 s queued vs 180 ms saved
+	d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 7200, Now: t0}, cands)
+	if d.Pick == 1 {
+		t.Fatalf("picked the overloaded warm replica: %+v", d)
+	}
+	if d.Mode != ModeBalance || d.PredictedCachedTokens != 0 {
+		t.Fatalf("mode %s cached %d; want balance with nothing cached", d.Mode, d.PredictedCachedTokens)
+	}
+	if d.Order[len(d.Order)-1] != 1 {
+		t.Fatalf("overloaded replica should be the last retry, order %v", d.Order)
+	}
+}
+
+func TestKVAwareIgnoresFiltersItCannotTrust(t *testing.T) {
+	cands := fleetOf(2)
+	cands[0].MatchedTokens = 5000
+	cands[0].PrefixAware = false // stale or unselected: load only
+	cands[0].Running = 5
+	d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 6000, Now: t0}, cands)
+	if d.Pick != 1 || d.PredictedCachedTokens != 0 {
+		t.Fatalf("a stale filter steered the request: %+v", d)
+	}
+}
+
+func TestColdPrefixesLandWhereEveryRouterAgrees(t *testing.T) {
+	for key := uint64(1); key < 200; key++ {
+		req := &Request{PromptTokens: 3000, AffinityKey: key * 0x9e3779b97f4a7c15, Now: t0}
+		a := route(t, mustPolicy(t, "kvaware"), req, fleetOf(8))
+		b := route(t, mustPolicy(t, "kvaware"), req, fleetOf(8))
+		if a.Pick != b.Pick || a.Mode != ModeCold {
+			t.Fatalf("two routers disagree on a cold prefix (%d vs %d, mode %s)", a.Pick, b.Pick, a.Mode)
+		}
+	}
+}
+
+func TestColdPlacementSpreadsKeys(t *testing.T) {
+	counts := map[int]int{}
+	for key := uint64(1); key <= 800; key++ {
+		d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 100, AffinityKey: key * 0x9e3779b97f4a7c15, Now: t0}, fleetOf(8))
+		counts[d.Pick]++
+	}
+	for i := range 8 {
+		if counts[i] < 60 || counts[i] > 140 {
+			t.Fatalf("replica %d got %d of 800 cold prefixes; want about 100 each: %v", i, counts[i], counts)
+		}
+	}
+}
+
+func TestColdHomeYieldsWhenBusy(t *testing.T) {
+	req := &Request{PromptTokens: 3000, AffinityKey: 42, Now: t0}
+	home := route(t, mustPolicy(t, "kvaware"), req, fleetOf(4)).Pick
+	cands := fleetOf(4)
+	cands[home].PendingPrefillTokens = 50000
+	if d := route(t, mustPolicy(t, "kvaware"), req, cands); d.Pick == home {
+		t.Fatalf("cold prefix sent to its home despite 1.5 s of queued prefill")
+	}
+}
+
+func TestSpeculativeRecordsCoLocateSiblingsUntilTheyExpire(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	keys := []uint64{101, 102, 103, 104}
+	first := route(t, p, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 7, Now: t0}, fleetOf(4))
+
+	// A sibling shares three blocks; no filter shows them yet.
+	sibling := &Request{PromptTokens: 80, Keys: []uint64{101, 102, 103, 999}, BlockSize: 16, AffinityKey: 7, Now: t0.Add(100 * time.Millisecond)}
+	cands := fleetOf(4)
+	d := route(t, p, sibling, cands)
+	if d.Pick != first.Pick || d.Mode != ModePrefix || d.PredictedCachedTokens != 48 {
+		t.Fatalf("sibling: pick %d mode %s cached %d; want r%d, prefix, 48", d.Pick, d.Mode, d.PredictedCachedTokens, first.Pick)
+	}
+
+	later := *sibling
+	later.Now = t0.Add(time.Minute)
+	if d := route(t, p, &later, fleetOf(4)); d.PredictedCachedTokens != 0 {
+		t.Fatalf("expired speculative record still predicts %d cached tokens", d.PredictedCachedTokens)
+	}
+}
+
+func TestClearRecordsForgetsSpeculation(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
+	first := route(t, p, req, fleetOf(3))
+	p.(interface{ ClearRecords([]string) }).ClearRecords([]string{fmt.Sprintf("r%d", first.Pick)})
+	if d := route(t, p, req, fleetOf(3)); d.PredictedCachedTokens != 0 {
+		t.Fatal("cleared records still predicted a hit")
+	}
+}
+
+func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	deg := p.(interface {
+		Degradations() uint64
+		Degraded() bool
+	})
+	cands := fleetOf(4)
+	cands[0].MatchedTokens = 8000
+	cands[0].PendingPrefillTokens = 400000 // 12 s of queue on one replica
+	d := route(t, p, &Request{PromptTokens: 8100, Now: t0}, cands)
+	if !d.Degraded || d.Mode != ModeBalance || d.Pick == 0 || deg.Degradations() != 1 {
+		t.Fatalf("no least-load switch under severe imbalance: %+v, degradations %d", d, deg.Degradations())
+	}
+	route(t, p, &Request{PromptTokens: 8100, Now: t0}, cands)
+	if deg.Degradations() != 1 {
+		t.Fatal("staying degraded counted as a new degradation")
+	}
+	cands[0].PendingPrefillTokens = 0
+	d = route(t, p, &Request{PromptTokens: 8100, Now: t0}, cands)
+	if d.Degraded || deg.Degraded() || d.Pick != 0 {
+		t.Fatalf("did not recover once balanced: %+v", d)
+	}
+}
+
+func TestStaticUpstreamsAreLoadBalancedTargets(t *testing.T) {
+	cands := []Candidate{{Name: "s0", Static: true, Running: 3}, {Name: "s1", Static: true}}
+	for _, name := range Names {
+		d := route(t, mustPolicy(t, name), &Request{PromptTokens: 10, Now: t0}, cands)
+		if d.Mode != ModeStatic {
+			t.Fatalf("%s: mode %s for a static upstream", name, d.Mode)
+		}
+	}
+}
+
+func TestNoCandidates(t *testing.T) {
+	for _, name := range Names {
+		var d Decision
+		mustPolicy(t, name).Route(&Request{PromptTokens: 10, Now: t0}, nil, &d)
+		if d.Pick != -1 || len(d.Order) != 0 {
+			t.Fatalf("%s: %+v with no candidates", name, d)
+		}
+	}
+}
+
+func TestBaselines(t *testing.T) {
+	cands := fleetOf(3)
+	cands[0].Running, cands[1].Running, cands[2].Running = 5, 1, 3
+	cands[0].MatchedTokens = 900
+
+	if d := route(t, mustPolicy(t, "least-loaded"), &Request{PromptTokens: 1000, Now: t0}, cands); d.Pick != 1 {
+		t.Fatalf("least-loaded picked %d", d.Pick)
+	}
+	if d := route(t, mustPolicy(t, "prefix-pin"), &Request{PromptTokens: 1000, Now: t0}, cands); d.Pick != 0 || d.PredictedCachedTokens != 900 {
+		t.Fatalf("prefix-pin: %+v", d)
+	}
+	rr := mustPolicy(t, "round-robin")
+	seen := map[int]bool{}
+	for range 3 {
+		seen[route(t, rr, &Request{Now: t0}, cands).Pick] = true
+	}
+	if len(seen) != 3 {
+		t.Fatalf("round-robin visited %v", seen)
+	}
+	// chwbl: same key, same replica, until it is loaded past the bound.
+	ch := mustPolicy(t, "chwbl")
+	idle := fleetOf(4)
+	home := route(t, ch, &Request{AffinityKey: 99, Now: t0}, idle).Pick
+	idle[home].InflightRequests = 10
+	if d := route(t, ch, &Request{AffinityKey: 99, Now: t0}, idle); d.Pick == home {
+		t.Fatal("chwbl ignored its load bound")
+	}
+	if _, err := New("nope", Config{}); err == nil {
+		t.Fatal("unknown policy accepted")
+	}
+}
+
+func BenchmarkKVAwareRoute50(b *testing.B) {
+	p, _ := New("kvaware", Config{})
+	cands := fleetOf(50)
+	for i := range cands {
+		cands[i].MatchedTokens = (i % 5) * 512
+		cands[i].Running = i % 7
+		cands[i].PendingPrefillTokens = (i % 3) * 1000
+	}
+	keys := make([]uint64, 256)
+	for i := range keys {
+		keys[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	req := &Request{PromptTokens: 4096, Keys: keys, BlockSize: 16, AffinityKey: keys[0], Now: t0}
+	var d Decision
+	b.ReportAllocs()
+	for b.Loop() {
+		p.Route(req, cands, &d)
+	}
+}
