@@ -1,0 +1,294 @@
+// Package residentset keeps a sidecar's exact set of resident kvmesh block
+// keys from an engine's KV-cache events.
+//
+// Engines name blocks by their own hashes, which kvmesh does not reproduce;
+// a BlockStored event carries the tokens, so the set computes each block's
+// kvmesh key (package blockkey) by chaining from its parent's key, and keeps
+// engine hash → key so a BlockRemoved, which carries hashes only, can be
+// applied. A block whose parent is unknown cannot be keyed and is counted as
+// an orphan, never guessed. The set is a pure state machine: events in, key
+// transitions out through an Observer; no I/O, no clocks.
+package residentset
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/kvevents"
+)
+
+// Observer hears every change of the resident key set, in order.
+type Observer interface {
+	// Added is called once when key becomes resident.
+	Added(key uint64)
+	// Removed is called once when key stops being resident.
+	Removed(key uint64)
+	// Cleared is called when every key stops being resident at once.
+	Cleared()
+}
+
+// Options configure a Set.
+type Options struct {
+	// Media lists the storage tiers whose blocks count as resident,
+	// compared case-insensitively; an event without a medium is on "GPU".
+	// Empty means GPU only. Events on other media are counted and ignored.
+	Media []string
+}
+
+// Stats count what the set did with the events it was given.
+type Stats struct {
+	Events          uint64 // events applied
+	StoredBlocks    uint64 // blocks of BlockStored events on counted media
+	RemovedBlocks   uint64 // blocks of BlockRemoved events on counted media
+	Orphans         uint64 // stored blocks whose parent was unknown (never keyed)
+	Unkeyed         uint64 // stored blocks without a full block of tokens and not known on another medium
+	Duplicates      uint64 // stores of an engine hash already resident (reference counted)
+	Conflicts       uint64 // duplicates whose tokens gave another key than the first store (first kept)
+	UnknownRemovals uint64 // removals of an engine hash not resident (ignored)
+	OtherMedia      uint64 // blocks on media that do not count (ignored)
+	Clears          uint64 // AllBlocksCleared events
+	Resets          uint64 // Reset calls
+	Unknown         uint64 // events of a kind this package does not know (ignored)
+}
+
+// tierID names one engine block namespace: the engine reference-counts
+// hashes per medium and KV-cache group.
+type tierID struct {
+	medium string
+	group  int
+}
+
+// entry is one resident engine hash.
+type entry struct {
+	key  uint64
+	refs uint32 // stores not yet matched by removals
+}
+
+// Set is the exact resident set of one engine. It is not safe for concurrent
+// use; the sidecar's event loop owns it.
+type Set struct {
+	media []string
+
+	tiers     map[tierID]map[uint64]entry
+	keys      map[uint64]uint32 // kvmesh key → resident engine hashes naming it
+	blockSize int
+	stats     Stats
+}
+
+// New returns an empty set.
+func New(opts Options) *Set {
+	s := &Set{tiers: make(map[tierID]map[uint64]entry), keys: make(map[uint64]uint32)}
+	for _, m := range opts.Media {
+		s.media = append(s.media, normMedium(m))
+	}
+	if len(s.media) == 0 {
+		s.media = []string{"GPU"}
+	}
+	return s
+}
+
+func normMedium(m string) string {
+	if m == "" {
+		return "GPU"
+	}
+	return strings.ToUpper(m)
+}
+
+// counts reports whether blocks on medium (normalised) are resident.
+func (s *Set) counts(medium string) bool {
+	for _, m := range s.media {
+		if m == medium {
+			return true
+		}
+	}
+	return false
+}
+
+type nopObserver struct{}
+
+func (nopObserver) Added(uint64)   {}
+func (nopObserver) Removed(uint64) {}
+func (nopObserver) Cleared()       {}
+
+// Apply applies one event; obs (may be nil) hears the resulting key changes.
+func (s *Set) Apply(ev *kvevents.Event, obs Observer) {
+	if obs == nil {
+		obs = nopObserver{}
+	}
+	s.stats.Events++
+	switch ev.Kind {
+	case kvevents.KindBlockStored:
+		s.store(ev, obs)
+	case kvevents.KindBlockRemoved:
+		s.remove(ev, obs)
+	case kvevents.KindAllBlocksCleared:
+		s.stats.Clears++
+		s.clear(obs)
+	default:
+		s.stats.Unknown++
+	}
+}
+
+// Reset empties the set: the engine restarted or its stream can no longer be
+// trusted (a gap that replay could not fill).
+func (s *Set) Reset(obs Observer) {
+	if obs == nil {
+		obs = nopObserver{}
+	}
+	s.stats.Resets++
+	s.clear(obs)
+}
+
+func (s *Set) clear(obs Observer) {
+	clear(s.tiers)
+	clear(s.keys)
+	obs.Cleared()
+}
+
+// seed is key_0 of a stored prefix that starts at the beginning.
+func seed(ev *kvevents.Event) uint64 {
+	adapter := ev.LoRAName
+	if adapter == "" && ev.LoRAID != 0 {
+		adapter = strconv.FormatInt(ev.LoRAID, 10)
+	}
+	return blockkey.Seed(adapter, "")
+}
+
+func (s *Set) store(ev *kvevents.Event, obs Observer) {
+	n := uint64(len(ev.BlockHashes))
+	medium := normMedium(ev.Medium)
+	if !s.counts(medium) {
+		s.stats.OtherMedia += n
+		return
+	}
+	s.stats.StoredBlocks += n
+	if ev.BlockSize > 0 {
+		s.blockSize = ev.BlockSize
+	}
+	id := tierID{medium, ev.GroupIdx}
+	parent := seed(ev)
+	if ev.HasParent {
+		var ok bool
+		if parent, ok = s.lookup(id, ev.ParentHash); !ok {
+			s.stats.Orphans += n
+			return
+		}
+	}
+	t := s.tiers[id]
+	if t == nil {
+		t = make(map[uint64]entry)
+		s.tiers[id] = t
+	}
+	bs := ev.BlockSize
+	if bs <= 0 {
+		bs = s.blockSize
+	}
+	tokens := ev.TokenIDs
+	for i, h := range ev.BlockHashes {
+		var key uint64
+		if bs > 0 && len(tokens) >= (i+1)*bs {
+			key = blockkey.Next(parent, tokens[i*bs:(i+1)*bs])
+		} else if k, ok := s.lookup(id, h); ok {
+			// No tokens (e.g. an offload event): the same engine hash on
+			// another medium names the same block.
+			key = k
+		} else {
+			s.stats.Unkeyed += n - uint64(i)
+			return
+		}
+		s.add(t, h, key, obs)
+		parent = key
+	}
+}
+
+// lookup finds the key of engine hash h, preferring tier id.
+func (s *Set) lookup(id tierID, h uint64) (uint64, bool) {
+	if e, ok := s.tiers[id][h]; ok {
+		return e.key, true
+	}
+	for other, t := range s.tiers {
+		if other == id {
+			continue
+		}
+		if e, ok := t[h]; ok {
+			return e.key, true
+		}
+	}
+	return 0, false
+}
+
+func (s *Set) add(t map[uint64]entry, h, key uint64, obs Observer) {
+	if e, ok := t[h]; ok {
+		s.stats.Duplicates++
+		if e.key != key {
+			s.stats.Conflicts++
+		}
+		e.refs++
+		t[h] = e
+		return
+	}
+	t[h] = entry{key: key, refs: 1}
+	c := s.keys[key]
+	s.keys[key] = c + 1
+	if c == 0 {
+		obs.Added(key)
+	}
+}
+
+func (s *Set) remove(ev *kvevents.Event, obs Observer) {
+	n := uint64(len(ev.BlockHashes))
+	medium := normMedium(ev.Medium)
+	if !s.counts(medium) {
+		s.stats.OtherMedia += n
+		return
+	}
+	s.stats.RemovedBlocks += n
+	t := s.tiers[tierID{medium, ev.GroupIdx}]
+	for _, h := range ev.BlockHashes {
+		e, ok := t[h]
+		if !ok {
+			s.stats.UnknownRemovals++
+			continue
+		}
+		if e.refs > 1 {
+			e.refs--
+			t[h] = e
+			continue
+		}
+		delete(t, h)
+		if c := s.keys[e.key]; c > 1 {
+			s.keys[e.key] = c - 1
+		} else {
+			delete(s.keys, e.key)
+			obs.Removed(e.key)
+		}
+	}
+}
+
+// Len is the number of resident kvmesh keys.
+func (s *Set) Len() int { return len(s.keys) }
+
+// Orphans counts stored blocks whose parent was unknown, so they were never
+// keyed.
+func (s *Set) Orphans() uint64 { return s.stats.Orphans }
+
+// BlockSize is the engine's block size in tokens as the last BlockStored
+// gave it; 0 before any.
+func (s *Set) BlockSize() int { return s.blockSize }
+
+// Stats returns the event counters.
+func (s *Set) Stats() Stats { return s.stats }
+
+// Contains reports whether key is resident.
+func (s *Set) Contains(key uint64) bool { _, ok := s.keys[key]; return ok }
+
+// Keys yields every resident key once, in no particular order (for filter
+// rebuilds). The set must not change during the iteration.
+func (s *Set) Keys(yield func(uint64) bool) {
+	for k := range s.keys {
+		if !yield(k) {
+			return
+		}
+	}
+}
