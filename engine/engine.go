@@ -1,0 +1,502 @@
+// Package engine is the pure core of enginesim: a vLLM-like paged prefix
+// cache and step scheduler with no sockets and no clock of its own.
+//
+// The caller feeds requests in and calls Step; each step schedules work the
+// way vLLM's V1 scheduler does (running sequences first, then the waiting
+// queue, under a token budget with chunked prefill and a cap on running
+// sequences; a sequence that cannot get a block preempts the newest running
+// one), prices it with a CostProfile, advances every scheduled sequence, and
+// returns the step's simulated duration, the tokens produced and the KV-cache
+// events vLLM would publish for it. Time is whatever the caller makes of
+// those durations, which keeps every behaviour here deterministic and
+// testable without sleeping.
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/kvevents"
+)
+
+// Config sizes the engine.
+type Config struct {
+	BlockSize           int // tokens per KV block (vLLM --block-size)
+	KVBlocks            int // KV capacity in blocks (vLLM num_gpu_blocks)
+	MaxNumSeqs          int // cap on running sequences (vLLM --max-num-seqs)
+	MaxNumBatchedTokens int // token budget per step (vLLM --max-num-batched-tokens)
+	MaxModelLen         int // prompt plus output tokens (vLLM --max-model-len)
+	Cost                CostProfile
+	// HashSeed starts every block hash chain. The default deliberately
+	// differs from kvmesh's key seed: consumers must treat engine hashes as
+	// opaque, as they must with vLLM.
+	HashSeed uint64
+	// Vocab are the token ids output tokens are drawn from; nil means
+	// 256…511.
+	Vocab []uint32
+}
+
+// DefaultHashSeed is the HashSeed a zero Config gets.
+var DefaultHashSeed = blockkey.Seed("", "enginesim")
+
+// Request is one generation request.
+type Request struct {
+	ID        uint64
+	Prompt    []uint32
+	MaxTokens int
+	// OutputSeed picks the deterministic output tokens.
+	OutputSeed uint64
+}
+
+// FinishReason tells why a sequence stopped.
+type FinishReason uint8
+
+const (
+	NotFinished FinishReason = iota
+	FinishLength
+	FinishAborted
+)
+
+// Output is what one step did for one request: at most one new token.
+type Output struct {
+	ID       uint64
+	Token    uint32
+	HasToken bool
+	// First marks the request's first token (its time to first token).
+	First bool
+	// Finished is set on the request's last output.
+	Finished FinishReason
+	// CachedTokens is how many prompt tokens came from the prefix cache
+	// when the request was first scheduled.
+	CachedTokens int
+	// Output tokens so far, including Token.
+	Generated int
+}
+
+// StepResult is one engine step.
+type StepResult struct {
+	Duration time.Duration
+	Outputs  []Output
+	// Events are the KV-cache events of this step, nil when there were
+	// none. vLLM publishes them after the step's forward pass.
+	Events *kvevents.Batch
+	// Scheduled is how many sequences took part; 0 means the engine had
+	// nothing to do.
+	Scheduled int
+}
+
+// EventSink takes each step's event batch, e.g. a ZMQ publisher.
+type EventSink interface {
+	Publish(*kvevents.Batch) error
+}
+
+// Stats are the engine gauges and counters vLLM exports.
+type Stats struct {
+	Waiting, Running int
+	KVUsage          float64 // used blocks / capacity
+	UsedBlocks       int
+	CachedBlocks     int    // blocks holding a hash, used or not
+	PrefixQueries    uint64 // prompt tokens looked up in the prefix cache
+	PrefixHits       uint64 // of those, tokens found cached
+	Preemptions      uint64
+	PromptTokens     uint64 // prompt tokens of requests first scheduled
+	GenerationTokens uint64
+	Steps            uint64
+	FinishedRequests uint64
+}
+
+// Errors returned by Add.
+var (
+	ErrEmptyPrompt = errors.New("engine: empty prompt")
+	ErrTooLong     = errors.New("engine: prompt plus max_tokens exceeds max model length")
+	ErrBadMaxToken = errors.New("engine: max_tokens must be at least 1")
+	ErrDuplicateID = errors.New("engine: request id already in use")
+)
+
+type seqState uint8
+
+const (
+	stateWaiting seqState = iota
+	stateRunning
+)
+
+type seq struct {
+	id          uint64
+	tokens      []uint32 // prompt then generated
+	promptLen   int
+	maxTokens   int
+	outputSeed  uint64
+	state       seqState
+	computed    int     // tokens whose KV is in blocks
+	blocks      []int32 // block table
+	hashes      []uint64
+	cachedBlks  int // leading blocks already in the cache map
+	cachedToks  int // prefix hit at first schedule, -1 before
+	generated   int
+	scheduledAt int // tokens scheduled this step
+}
+
+// Engine is the simulated engine. It is not safe for concurrent use: one
+// goroutine drives it.
+type Engine struct {
+	cfg     Config
+	pool    *pool
+	seqs    map[uint64]*seq
+	waiting []*seq
+	running []*seq
+	events  []kvevents.Event
+	outputs []Output
+	stats   Stats
+}
+
+// New checks cfg and returns an idle engine.
+func New(cfg Config) (*Engine, error) {
+	if cfg.BlockSize <= 0 || cfg.KVBlocks <= 0 || cfg.MaxNumSeqs <= 0 || cfg.MaxNumBatchedTokens <= 0 || cfg.MaxModelLen <= 0 {
+		return nil, fmt.Errorf("engine: block size, KV blocks, max seqs, max batched tokens and max model length must all be positive (got %d, %d, %d, %d, %d)",
+			cfg.BlockSize, cfg.KVBlocks, cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens, cfg.MaxModelLen)
+	}
+	// vLLM refuses to start when one sequence of max length cannot fit;
+	// the same guarantee here means a lone sequence can always run.
+	if need := (cfg.MaxModelLen + cfg.BlockSize - 1) / cfg.BlockSize; need > cfg.KVBlocks {
+		return nil, fmt.Errorf("engine: max model length %d needs %d blocks of %d, more than the %d KV blocks", cfg.MaxModelLen, need, cfg.BlockSize, cfg.KVBlocks)
+	}
+	if cfg.HashSeed == 0 {
+		cfg.HashSeed = DefaultHashSeed
+	}
+	if len(cfg.Vocab) == 0 {
+		cfg.Vocab = make([]uint32, 256)
+		for i := range cfg.Vocab {
+			cfg.Vocab[i] = uint32(256 + i)
+		}
+	}
+	e := &Engine{cfg: cfg, seqs: make(map[uint64]*seq)}
+	e.pool = newPool(cfg.KVBlocks, &e.events)
+	return e, nil
+}
+
+// Config returns the engine's configuration after defaults.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Add queues a request. It fails, leaving the engine untouched, on an empty
+// prompt, max tokens below 1, a prompt plus output longer than the model
+// length, or an id already queued or running.
+func (e *Engine) Add(r Request) error {
+	switch {
+	case len(r.Prompt) == 0:
+		return ErrEmptyPrompt
+	case r.MaxTokens < 1:
+		return ErrBadMaxToken
+	case len(r.Prompt)+r.MaxTokens > e.cfg.MaxModelLen:
+		return ErrTooLong
+	}
+	if _, dup := e.seqs[r.ID]; dup {
+		return ErrDuplicateID
+	}
+	s := &seq{
+		id:         r.ID,
+		tokens:     append(make([]uint32, 0, len(r.Prompt)+r.MaxTokens), r.Prompt...),
+		promptLen:  len(r.Prompt),
+		maxTokens:  r.MaxTokens,
+		outputSeed: r.OutputSeed,
+		cachedToks: -1,
+	}
+	s.hashes = blockkey.Append(make([]uint64, 0, cap(s.tokens)/e.cfg.BlockSize), e.cfg.HashSeed, s.tokens, e.cfg.BlockSize)
+	e.seqs[r.ID] = s
+	e.waiting = append(e.waiting, s)
+	return nil
+}
+
+// Abort drops a request wherever it is and frees its blocks. The blocks it
+// filled stay cached until evicted, as in vLLM. It reports whether the
+// request was known.
+func (e *Engine) Abort(id uint64) bool {
+	s, ok := e.seqs[id]
+	if !ok {
+		return false
+	}
+	if s.state == stateRunning {
+		e.running = removeSeq(e.running, s)
+	} else {
+		e.waiting = removeSeq(e.waiting, s)
+	}
+	e.release(s)
+	delete(e.seqs, id)
+	return true
+}
+
+func removeSeq(list []*seq, s *seq) []*seq {
+	for i, x := range list {
+		if x == s {
+			copy(list[i:], list[i+1:])
+			list[len(list)-1] = nil
+			return list[:len(list)-1]
+		}
+	}
+	return list
+}
+
+func (e *Engine) release(s *seq) {
+	e.pool.free(s.blocks)
+	s.blocks = s.blocks[:0]
+	s.cachedBlks = 0
+	s.computed = 0
+}
+
+// HasWork reports whether any request is queued or running.
+func (e *Engine) HasWork() bool { return len(e.waiting)+len(e.running) > 0 }
+
+// ResetPrefixCache forgets every cached block and returns the
+// AllBlocksCleared batch to publish at ts. Like vLLM it refuses while any
+// block is in use by a request.
+func (e *Engine) ResetPrefixCache(ts float64) (*kvevents.Batch, bool) {
+	if !e.pool.reset() {
+		return nil, false
+	}
+	return e.takeEvents(ts), true
+}
+
+// Stats returns the current gauges and counters.
+func (e *Engine) Stats() Stats {
+	st := e.stats
+	st.Waiting, st.Running = len(e.waiting), len(e.running)
+	st.UsedBlocks = e.pool.used()
+	st.KVUsage = float64(st.UsedBlocks) / float64(e.cfg.KVBlocks)
+	for _, bs := range e.pool.cached {
+		st.CachedBlocks += len(bs)
+	}
+	return st
+}
+
+// Resident returns the multiset of block hashes the prefix cache holds
+// (hash → copies): what a consumer of the events must reconstruct.
+func (e *Engine) Resident() map[uint64]int {
+	m := make(map[uint64]int, len(e.pool.cached))
+	for h, bs := range e.pool.cached {
+		m[h] = len(bs)
+	}
+	return m
+}
+
+func (e *Engine) takeEvents(ts float64) *kvevents.Batch {
+	if len(e.events) == 0 {
+		return nil
+	}
+	b := &kvevents.Batch{TS: ts, Events: e.events, DPRank: 0}
+	e.events = nil
+	return b
+}
+
+// Step runs one scheduling step; ts stamps its event batch. The returned
+// Outputs slice is reused by the next Step.
+func (e *Engine) Step(ts float64) StepResult {
+	e.outputs = e.outputs[:0]
+	var work stepWork
+	scheduled := e.schedule(&work)
+	if len(scheduled) == 0 {
+		return StepResult{Events: e.takeEvents(ts)}
+	}
+	e.stats.Steps++
+	for _, s := range scheduled {
+		e.advance(s)
+	}
+	return StepResult{
+		Duration:  e.cfg.Cost.duration(work),
+		Outputs:   e.outputs,
+		Events:    e.takeEvents(ts),
+		Scheduled: len(scheduled),
+	}
+}
+
+// schedule picks this step's work (vLLM V1 order) and allocates its blocks.
+func (e *Engine) schedule(work *stepWork) []*seq {
+	budget := e.cfg.MaxNumBatchedTokens
+	var scheduled []*seq
+	preempted := false
+	for i := 0; i < len(e.running) && budget > 0; i++ {
+		s := e.running[i]
+		n := min(len(s.tokens)-s.computed, budget)
+		for !e.allocate(s, n) {
+			// Preempt the newest running sequence (vLLM's recompute
+			// preemption): it goes back to the front of the queue.
+			victim := e.running[len(e.running)-1]
+			e.running = e.running[:len(e.running)-1]
+			e.preempt(victim)
+			preempted = true
+			if victim == s {
+				n = 0
+				break
+			}
+		}
+		if n == 0 {
+			break
+		}
+		e.account(s, n, work)
+		budget -= n
+		scheduled = append(scheduled, s)
+	}
+	if preempted {
+		return scheduled
+	}
+	for len(e.waiting) > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
+		s := e.waiting[0]
+		hit := e.longestHit(s)
+		n := min(len(s.tokens)-hit*e.cfg.BlockSize, budget)
+		if !e.allocateWithHit(s, hit, n) {
+			break // FCFS: nobody overtakes the head of the queue
+		}
+		if s.cachedToks < 0 {
+			s.cachedToks = hit * e.cfg.BlockSize
+			e.stats.PrefixQueries += uint64(len(s.tokens))
+			e.stats.PrefixHits += uint64(s.cachedToks)
+			e.stats.PromptTokens += uint64(s.promptLen)
+		}
+		e.waiting[0] = nil
+		e.waiting = e.waiting[1:]
+		s.state = stateRunning
+		e.running = append(e.running, s)
+		e.account(s, n, work)
+		budget -= n
+		scheduled = append(scheduled, s)
+	}
+	return scheduled
+}
+
+// longestHit counts the leading blocks of s found in the cache. Like vLLM
+// it leaves at least the last token to compute, so a prompt that is a whole
+// number of blocks long hits one block less.
+func (e *Engine) longestHit(s *seq) int {
+	limit := min(len(s.hashes), (len(s.tokens)-1)/e.cfg.BlockSize)
+	for i := range limit {
+		if _, ok := e.pool.lookup(s.hashes[i]); !ok {
+			return i
+		}
+	}
+	return limit
+}
+
+func (e *Engine) blocksFor(tokens int) int {
+	return (tokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
+}
+
+// allocateWithHit gives a waiting sequence its hit blocks plus room for n
+// new tokens, or changes nothing and returns false.
+func (e *Engine) allocateWithHit(s *seq, hit, n int) bool {
+	// Hit blocks nobody references sit in the free queue; touching them
+	// takes them out, so they count against what is free.
+	evictableHits := 0
+	for i := range hit {
+		b, _ := e.pool.lookup(s.hashes[i])
+		if e.pool.ref[b] == 0 {
+			evictableHits++
+		}
+	}
+	need := e.blocksFor(hit*e.cfg.BlockSize+n) - hit
+	if need+evictableHits > e.pool.numFree {
+		return false
+	}
+	for i := range hit {
+		b, _ := e.pool.lookup(s.hashes[i])
+		e.pool.touch(b)
+		s.blocks = append(s.blocks, b)
+	}
+	s.computed = hit * e.cfg.BlockSize
+	s.cachedBlks = hit
+	return e.allocate(s, n)
+}
+
+// allocate makes room for n more tokens of s and caches the blocks those
+// tokens fill, or changes nothing and returns false.
+func (e *Engine) allocate(s *seq, n int) bool {
+	need := e.blocksFor(s.computed+n) - len(s.blocks)
+	if need > e.pool.numFree {
+		return false
+	}
+	if need > 0 {
+		s.blocks = e.pool.alloc(s.blocks, need)
+	}
+	// vLLM caches blocks when the tokens that fill them are scheduled.
+	full := min((s.computed+n)/e.cfg.BlockSize, len(s.hashes))
+	if full > s.cachedBlks {
+		start := s.cachedBlks
+		for i := start; i < full; i++ {
+			e.pool.cache(s.blocks[i], s.hashes[i])
+		}
+		ev := kvevents.Event{
+			Kind:        kvevents.KindBlockStored,
+			BlockHashes: s.hashes[start:full:full],
+			TokenIDs:    s.tokens[start*e.cfg.BlockSize : full*e.cfg.BlockSize : full*e.cfg.BlockSize],
+			BlockSize:   e.cfg.BlockSize,
+			Medium:      "GPU",
+		}
+		if start > 0 {
+			ev.ParentHash, ev.HasParent = s.hashes[start-1], true
+		}
+		e.events = append(e.events, ev)
+		s.cachedBlks = full
+	}
+	s.scheduledAt = n
+	return true
+}
+
+func (e *Engine) preempt(s *seq) {
+	e.release(s)
+	s.state = stateWaiting
+	e.stats.Preemptions++
+	e.waiting = append(e.waiting, nil)
+	copy(e.waiting[1:], e.waiting)
+	e.waiting[0] = s
+}
+
+// account adds s's scheduled tokens to the step's work.
+func (e *Engine) account(s *seq, n int, w *stepWork) {
+	if n == 1 && s.computed >= s.promptLen {
+		w.decodeSeqs++
+		w.decodeContext += int64(s.computed)
+		return
+	}
+	w.prefillTokens += int64(n)
+	w.attentionPairs += float64(n)*float64(s.computed) + float64(n)*float64(n)/2
+}
+
+// advance applies a step's computation to s: its scheduled tokens now have
+// KV, and when none are left to compute it samples the next token.
+func (e *Engine) advance(s *seq) {
+	s.computed += s.scheduledAt
+	s.scheduledAt = 0
+	if s.computed < len(s.tokens) {
+		return // a prefill chunk; more to come
+	}
+	tok := e.cfg.Vocab[mix(s.outputSeed, uint64(s.generated))%uint64(len(e.cfg.Vocab))]
+	s.tokens = append(s.tokens, tok)
+	if len(s.tokens)%e.cfg.BlockSize == 0 {
+		s.hashes = append(s.hashes, blockkey.Next(e.parentHash(s), s.tokens[len(s.tokens)-e.cfg.BlockSize:]))
+	}
+	s.generated++
+	e.stats.GenerationTokens++
+	out := Output{ID: s.id, Token: tok, HasToken: true, First: s.generated == 1, CachedTokens: s.cachedToks, Generated: s.generated}
+	if s.generated >= s.maxTokens {
+		out.Finished = FinishLength
+		e.running = removeSeq(e.running, s)
+		e.release(s)
+		delete(e.seqs, s.id)
+		e.stats.FinishedRequests++
+	}
+	e.outputs = append(e.outputs, out)
+}
+
+func (e *Engine) parentHash(s *seq) uint64 {
+	if len(s.hashes) == 0 {
+		return e.cfg.HashSeed
+	}
+	return s.hashes[len(s.hashes)-1]
+}
+
+// mix is splitmix64 of seed+i: cheap, deterministic output tokens.
+func mix(seed, i uint64) uint64 {
+	z := seed + (i+1)*0x9e3779b97f4a7c15
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
