@@ -1,0 +1,190 @@
+// Package report turns per-request load-test records into the per-policy
+// summary (percentiles, throughput, hit rates), the JSON CONTRACT.md names,
+// a text table and a TTFT CDF plot.
+//
+// Times in a summary are simulated-equivalent: wall time divided by the
+// engines' --time-scale, so a run at time-scale 0.1 reads like the real
+// engine would. Records keep wall time; Summarize converts.
+package report
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"text/tabwriter"
+	"time"
+)
+
+// Record is what one request produced.
+type Record struct {
+	Policy  string
+	Router  string // router URL the request went to
+	Replica string // X-Kvmesh-Replica
+	Mode    string // X-Kvmesh-Mode
+	Key     string // workload prompt key
+	// Start is the wall offset from the run's start at which it was sent;
+	// TTFT (to the first content chunk) and E2E are wall durations.
+	Start, TTFT, E2E time.Duration
+	// PredictedCached is X-Kvmesh-Cached-Tokens (-1 when absent);
+	// ActualCached is usage.prompt_tokens_details.cached_tokens.
+	PredictedCached, ActualCached int
+	PromptTokens, OutputTokens    int
+	Status                        int
+	Err                           string // empty on success
+}
+
+// OK reports whether the request succeeded.
+func (r Record) OK() bool { return r.Err == "" && r.Status == 200 }
+
+// Percentiles are TTFT figures in simulated-equivalent milliseconds.
+type Percentiles struct {
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+	Mean float64 `json:"mean"`
+}
+
+// Summary is one policy's result: the CONTRACT.md fields first, then extras.
+type Summary struct {
+	TTFT             Percentiles `json:"ttft_ms"`
+	ThroughputRPS    float64     `json:"throughput_rps"`
+	OutputTokensPerS float64     `json:"output_tokens_per_s"`
+	Errors           int         `json:"errors"`
+	HitRatePredicted float64     `json:"hit_rate_predicted"`
+	HitRateActual    float64     `json:"hit_rate_actual"`
+	Degradations     int         `json:"degradations"`
+
+	Requests  int            `json:"requests"`
+	E2E       Percentiles    `json:"e2e_ms"`
+	Replicas  map[string]int `json:"replicas"` // requests served per replica
+	Modes     map[string]int `json:"modes"`    // requests per X-Kvmesh-Mode
+	ErrorKind map[string]int `json:"error_kinds,omitempty"`
+}
+
+// Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
+// sorted values; 0 for none.
+func Percentile(sorted []float64, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	rank := int(math.Ceil(p / 100 * float64(len(sorted))))
+	return sorted[max(0, min(len(sorted)-1, rank-1))]
+}
+
+func percentiles(values []float64) Percentiles {
+	if len(values) == 0 {
+		return Percentiles{}
+	}
+	s := slices.Clone(values)
+	slices.Sort(s)
+	sum := 0.0
+	for _, v := range s {
+		sum += v
+	}
+	return Percentiles{P50: Percentile(s, 50), P90: Percentile(s, 90), P99: Percentile(s, 99), Mean: sum / float64(len(s))}
+}
+
+// SimMillis converts a wall duration at timeScale to simulated milliseconds.
+func SimMillis(d time.Duration, timeScale float64) float64 {
+	if timeScale <= 0 {
+		timeScale = 1
+	}
+	return float64(d) / float64(time.Millisecond) / timeScale
+}
+
+// Summarize computes a policy's summary. Throughput counts successful
+// requests and their output tokens over the simulated span from the first
+// send to the last completion. Hit rates are cached over prompt tokens of
+// successful requests; requests without a predicted figure count as 0.
+func Summarize(recs []Record, timeScale float64, degradations int) Summary {
+	s := Summary{Requests: len(recs), Degradations: degradations,
+		Replicas: map[string]int{}, Modes: map[string]int{}}
+	var ttft, e2e []float64
+	var first, last time.Duration = -1, 0
+	prompt, predicted, actual, output := 0, 0, 0, 0
+	for _, r := range recs {
+		if first < 0 || r.Start < first {
+			first = r.Start
+		}
+		if !r.OK() {
+			s.Errors++
+			if s.ErrorKind == nil {
+				s.ErrorKind = map[string]int{}
+			}
+			s.ErrorKind[errorKind(r)]++
+			continue
+		}
+		last = max(last, r.Start+r.E2E)
+		ttft = append(ttft, SimMillis(r.TTFT, timeScale))
+		e2e = append(e2e, SimMillis(r.E2E, timeScale))
+		prompt += r.PromptTokens
+		predicted += max(r.PredictedCached, 0)
+		actual += r.ActualCached
+		output += r.OutputTokens
+		s.Replicas[r.Replica]++
+		s.Modes[r.Mode]++
+	}
+	s.TTFT, s.E2E = percentiles(ttft), percentiles(e2e)
+	if span := SimMillis(last-first, timeScale) / 1000; len(ttft) > 0 && span > 0 {
+		s.ThroughputRPS = float64(len(ttft)) / span
+		s.OutputTokensPerS = float64(output) / span
+	}
+	if prompt > 0 {
+		s.HitRatePredicted = float64(predicted) / float64(prompt)
+		s.HitRateActual = float64(actual) / float64(prompt)
+	}
+	return s
+}
+
+func errorKind(r Record) string {
+	if r.Status != 0 && r.Status != 200 {
+		return fmt.Sprintf("http %d", r.Status)
+	}
+	return r.Err
+}
+
+// Report is one scenario run: the setup and a summary per policy.
+type Report struct {
+	Scenario  string  `json:"scenario"`
+	Replicas  int     `json:"replicas"`
+	Routers   int     `json:"routers"`
+	TimeScale float64 `json:"time_scale"`
+	Seed      uint64  `json:"seed"`
+	// Requests is the workload size each policy was given.
+	Requests     int    `json:"requests"`
+	KVBlocks     int    `json:"kv_blocks_per_replica"`
+	DemandBlocks int    `json:"demand_blocks"`
+	Units        string `json:"units"`
+	// Order lists the policies as run; Policies holds their summaries.
+	Order    []string           `json:"policy_order"`
+	Policies map[string]Summary `json:"policies"`
+}
+
+// Units is the note every report carries about its time figures.
+const Units = "ttft_ms and e2e_ms are simulated-equivalent milliseconds (wall ms / time_scale); throughput_rps and output_tokens_per_s are per simulated second; hit rates are cached / prompt tokens"
+
+// WriteJSON writes r as indented JSON.
+func (r Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// WriteTable prints one line per policy.
+func (r Report) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "scenario %s: %d replicas, %d router(s), time-scale %g, seed %d, %d requests per policy, KV %d blocks/replica (demand %d blocks = %.0f%% of fleet, %.1f× one replica)\n",
+		r.Scenario, r.Replicas, r.Routers, r.TimeScale, r.Seed, r.Requests, r.KVBlocks, r.DemandBlocks,
+		100*float64(r.DemandBlocks)/float64(max(1, r.KVBlocks*r.Replicas)), float64(r.DemandBlocks)/float64(max(1, r.KVBlocks)))
+	fmt.Fprintln(w, "TTFT in simulated-equivalent ms (wall / time-scale); rates per simulated second")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\tp50\tp90\tp99\tmean\treq/s\tout tok/s\terrors\thit pred\thit actual\tdegrad\t")
+	for _, name := range r.Order {
+		s := r.Policies[name]
+		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f\t%.0f\t%.2f\t%.0f\t%d\t%.1f%%\t%.1f%%\t%d\t\n",
+			name, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.TTFT.Mean, s.ThroughputRPS, s.OutputTokensPerS,
+			s.Errors, 100*s.HitRatePredicted, 100*s.HitRateActual, s.Degradations)
+	}
+	return tw.Flush()
+}

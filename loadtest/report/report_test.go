@@ -1,0 +1,148 @@
+package report
+
+import (
+	"bytes"
+	"encoding/json"
+	"image/png"
+	"os"
+	"path/filepath"
+	"reflect"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestPercentileNearestRank(t *testing.T) {
+	v := make([]float64, 100)
+	for i := range v {
+		v[i] = float64(i + 1)
+	}
+	for p, want := range map[float64]float64{50: 50, 90: 90, 99: 99, 100: 100, 0.5: 1} {
+		if got := Percentile(v, p); got != want {
+			t.Fatalf("p%v = %v, want %v", p, got, want)
+		}
+	}
+	if got := Percentile([]float64{7}, 99); got != 7 {
+		t.Fatalf("single value p99 = %v", got)
+	}
+	if got := Percentile(nil, 50); got != 0 {
+		t.Fatalf("empty p50 = %v", got)
+	}
+	if got := Percentile([]float64{1, 2, 3}, 90); got != 3 {
+		t.Fatalf("p90 of 3 values = %v, want 3", got)
+	}
+}
+
+func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
+	ms := time.Millisecond
+	recs := []Record{
+		{Replica: "r0", Mode: "prefix", Start: 0, TTFT: 10 * ms, E2E: 100 * ms, PredictedCached: 80, ActualCached: 96, PromptTokens: 100, OutputTokens: 10, Status: 200},
+		{Replica: "r1", Mode: "cold", Start: 500 * ms, TTFT: 30 * ms, E2E: 500 * ms, PredictedCached: 0, ActualCached: 0, PromptTokens: 100, OutputTokens: 30, Status: 200},
+		{Replica: "r0", Mode: "prefix", Start: 100 * ms, Status: 503, Err: ""},
+		{Start: 200 * ms, Err: "timeout before first token"},
+	}
+	s := Summarize(recs, 0.1, 2)
+	// Two successes over wall [0, 1000 ms] = 10 simulated seconds.
+	want := Summary{
+		TTFT:             Percentiles{P50: 100, P90: 300, P99: 300, Mean: 200},
+		E2E:              Percentiles{P50: 1000, P90: 5000, P99: 5000, Mean: 3000},
+		ThroughputRPS:    0.2,
+		OutputTokensPerS: 4,
+		Errors:           2,
+		HitRatePredicted: 0.4,
+		HitRateActual:    0.48,
+		Degradations:     2,
+		Requests:         4,
+		Replicas:         map[string]int{"r0": 1, "r1": 1},
+		Modes:            map[string]int{"prefix": 1, "cold": 1},
+		ErrorKind:        map[string]int{"http 503": 1, "timeout before first token": 1},
+	}
+	approx := func(a, b float64) bool { return a-b < 1e-9 && b-a < 1e-9 }
+	if !approx(s.ThroughputRPS, want.ThroughputRPS) || !approx(s.OutputTokensPerS, want.OutputTokensPerS) || !approx(s.TTFT.P50, 100) || !approx(s.TTFT.Mean, 200) || !approx(s.E2E.P90, 5000) {
+		t.Fatalf("got %+v\nwant %+v", s, want)
+	}
+	s.ThroughputRPS, s.OutputTokensPerS, s.TTFT, s.E2E = want.ThroughputRPS, want.OutputTokensPerS, want.TTFT, want.E2E
+	if !reflect.DeepEqual(s, want) {
+		t.Fatalf("got %+v\nwant %+v", s, want)
+	}
+}
+
+func TestJSONShapeIsTheContract(t *testing.T) {
+	r := Report{Scenario: "tenants", Replicas: 8, Routers: 1, TimeScale: 0.5, Order: []string{"kvaware", "random"},
+		Policies: map[string]Summary{"kvaware": Summarize(nil, 1, 0), "random": Summarize(nil, 1, 0)}}
+	var buf bytes.Buffer
+	if err := r.WriteJSON(&buf); err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Scenario string                                `json:"scenario"`
+		Policies map[string]map[string]json.RawMessage `json:"policies"`
+	}
+	if err := json.Unmarshal(buf.Bytes(), &doc); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"kvaware", "random"} {
+		pol := doc.Policies[name]
+		for _, k := range []string{"ttft_ms", "throughput_rps", "output_tokens_per_s", "errors", "hit_rate_predicted", "hit_rate_actual", "degradations"} {
+			if _, ok := pol[k]; !ok {
+				t.Fatalf("policy %s lacks %q: %s", name, k, buf.String())
+			}
+		}
+		var ttft map[string]float64
+		if err := json.Unmarshal(pol["ttft_ms"], &ttft); err != nil {
+			t.Fatal(err)
+		}
+		keys := make([]string, 0, len(ttft))
+		for k := range ttft {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		if !reflect.DeepEqual(keys, []string{"mean", "p50", "p90", "p99"}) {
+			t.Fatalf("ttft_ms keys %v", keys)
+		}
+	}
+}
+
+func TestTableHasOneRowPerPolicy(t *testing.T) {
+	r := Report{Scenario: "hot", Replicas: 4, Routers: 1, TimeScale: 1, KVBlocks: 100, DemandBlocks: 280,
+		Order:    []string{"least-loaded", "kvaware"},
+		Policies: map[string]Summary{"least-loaded": {TTFT: Percentiles{P90: 1234}}, "kvaware": {TTFT: Percentiles{P90: 56}, Errors: 3}}}
+	var buf bytes.Buffer
+	if err := r.WriteTable(&buf); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 5 || !strings.Contains(lines[3], "least-loaded") || !strings.Contains(lines[3], "1234") || !strings.Contains(lines[4], "kvaware") {
+		t.Fatalf("table:\n%s", out)
+	}
+	if !strings.Contains(lines[0], "70% of fleet") || !strings.Contains(lines[0], "2.8× one replica") {
+		t.Fatalf("header: %s", lines[0])
+	}
+}
+
+func TestPlotWritesAPNG(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cdf.png")
+	err := PlotCDF(path, "tenants", []string{"a", "b", "empty"}, map[string][]float64{
+		"a": {0, 1, 5, 20, 400}, "b": {100, 2000, 30000},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := img.Bounds(); b.Dx() < 500 || b.Dy() < 300 {
+		t.Fatalf("image %v", b)
+	}
+	if err := PlotCDF(path, "x", []string{"a"}, nil); err == nil {
+		t.Fatal("plotting nothing succeeded")
+	}
+}
