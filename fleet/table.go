@@ -1,0 +1,360 @@
+package fleet
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvmesh/kvmesh/bloom"
+)
+
+// Selection bounds: a configured selection names 2..MaxSelected replicas.
+const (
+	MinSelected = 2
+	MaxSelected = 50
+)
+
+// TableConfig tunes a Table's notion of age.
+type TableConfig struct {
+	// StaleAfter is the TTL of a replica's state: older state is Stale and
+	// routed by load only. Default 350 ms (three missed 10 Hz load records).
+	StaleAfter time.Duration
+	// DropAfter takes a silent sidecar offline and drops its filter, whatever
+	// memberlist thinks of it. Default 750 ms; with Expire run every 100 ms a
+	// vanished sidecar is out of routing within 1 s.
+	DropAfter time.Duration
+}
+
+func (c TableConfig) withDefaults() TableConfig {
+	if c.StaleAfter <= 0 {
+		c.StaleAfter = 350 * time.Millisecond
+	}
+	if c.DropAfter <= 0 {
+		c.DropAfter = 750 * time.Millisecond
+	}
+	return c
+}
+
+// Info is what membership says about a sidecar's replica (its metadata).
+type Info struct {
+	Name      string
+	Models    []string
+	URL       string
+	Protocol  string
+	KVEvents  bool
+	BlockSize int
+}
+
+// Table holds the replicas a router knows, by name. Writers (gossip, config)
+// serialise on a mutex; readers take Snapshot, which is an atomic load unless
+// something changed since the last one.
+type Table struct {
+	cfg TableConfig
+
+	mu        sync.Mutex
+	entries   map[string]*entry
+	selection map[string]bool // nil: every replica is selected
+	dirty     atomic.Bool
+	snap      atomic.Pointer[Snapshot]
+}
+
+type entry struct {
+	r      Replica
+	static bool
+	// engineHealthy is the sidecar's last word on its engine; silent is set
+	// when the sidecar fell silent. Online = engineHealthy && !silent.
+	engineHealthy bool
+	silent        bool
+}
+
+// NewTable returns an empty table.
+func NewTable(cfg TableConfig) *Table {
+	t := &Table{cfg: cfg.withDefaults(), entries: map[string]*entry{}}
+	t.snap.Store(&Snapshot{})
+	return t
+}
+
+// Config returns the table's effective configuration.
+func (t *Table) Config() TableConfig { return t.cfg }
+
+// Snapshot returns a consistent, immutable view. It is cheap: a rebuild
+// happens only when the table changed since the previous call.
+func (t *Table) Snapshot() *Snapshot {
+	if t.dirty.Load() {
+		t.mu.Lock()
+		if t.dirty.Load() {
+			t.rebuildLocked()
+		}
+		t.mu.Unlock()
+	}
+	return t.snap.Load()
+}
+
+func (t *Table) changedLocked() { t.dirty.Store(true) }
+
+func (t *Table) rebuildLocked() {
+	s := &Snapshot{
+		Replicas: make([]Replica, 0, len(t.entries)),
+	}
+	names := make([]string, 0, len(t.entries))
+	for n := range t.entries {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		e := t.entries[n]
+		r := e.r
+		r.Models = slices.Clone(r.Models)
+		r.Selected = t.selection == nil || t.selection[n]
+		s.Replicas = append(s.Replicas, r)
+	}
+	s.filters = make([]*bloom.Filter, len(s.Replicas))
+	for i := range s.Replicas {
+		r := &s.Replicas[i]
+		if r.Online && r.Selected && r.KVEvents && !r.Stale {
+			s.filters[i] = r.Filter
+		}
+	}
+	t.snap.Store(s)
+	t.dirty.Store(false)
+}
+
+// Upsert adds a sidecar's replica or updates its metadata (membership join or
+// update). A new replica starts online with no filter and no state age.
+func (t *Table) Upsert(info Info, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[info.Name]
+	if e == nil {
+		e = &entry{engineHealthy: true}
+		e.r.Name = info.Name
+		e.r.UpdatedAt = now
+		t.entries[info.Name] = e
+	}
+	e.static = false
+	e.r.Models = slices.Clone(info.Models)
+	e.r.URL = info.URL
+	e.r.Protocol = info.Protocol
+	e.r.KVEvents = info.KVEvents
+	if info.BlockSize != e.r.BlockSize {
+		// Keys of another block size mean nothing here: wait for a snapshot.
+		e.r.BlockSize = info.BlockSize
+		e.dropFilter()
+	}
+	e.refreshOnline()
+	t.changedLocked()
+}
+
+// AddStatic adds (or replaces) an upstream without a sidecar: always online,
+// never stale, routed by load only.
+func (t *Table) AddStatic(name, url string, models []string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.entries[name] = &entry{
+		static:        true,
+		engineHealthy: true,
+		r: Replica{
+			Name:     name,
+			Models:   slices.Clone(models),
+			URL:      url,
+			Protocol: ProtocolStatic,
+			Online:   true,
+		},
+	}
+	t.changedLocked()
+}
+
+// Remove forgets a replica (its sidecar left or was declared dead).
+func (t *Table) Remove(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, ok := t.entries[name]; !ok {
+		return false
+	}
+	delete(t.entries, name)
+	t.changedLocked()
+	return true
+}
+
+// RemoveStatic forgets every static upstream not in keep (config reload).
+func (t *Table) RemoveStatic(keep map[string]bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for n, e := range t.entries {
+		if e.static && !keep[n] {
+			delete(t.entries, n)
+			t.changedLocked()
+		}
+	}
+}
+
+// SetLoad records a sidecar's load record. An unhealthy engine takes the
+// replica offline at once and drops its filter. It reports false for an
+// unknown replica (its membership has not arrived yet).
+func (t *Table) SetLoad(name string, load Load, engineHealthy bool, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[name]
+	if e == nil || e.static {
+		return false
+	}
+	e.r.Load = load
+	e.engineHealthy = engineHealthy
+	e.heard(now)
+	if !engineHealthy {
+		e.dropFilter()
+	}
+	t.changedLocked()
+	return true
+}
+
+// SetFilter publishes a replica's filter (nil drops it) with its generation
+// and exact key count. f must be safe for concurrent reads from then on; the
+// table only hands it to readers.
+func (t *Table) SetFilter(name string, f *bloom.Filter, gen uint64, keys int, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[name]
+	if e == nil || e.static {
+		return false
+	}
+	e.r.Filter, e.r.FilterGeneration, e.r.FilterKeys = f, gen, keys
+	e.heard(now)
+	t.changedLocked()
+	return true
+}
+
+// Heard notes that a replica's sidecar spoke (any message), keeping it fresh.
+func (t *Table) Heard(name string, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e := t.entries[name]; e != nil && !e.static {
+		wasStale, wasSilent := e.r.Stale, e.silent
+		e.heard(now)
+		if wasStale || wasSilent {
+			t.changedLocked()
+		}
+	}
+}
+
+// ClearRoutes drops the filters of the named replicas (all when names is
+// empty) until their next snapshot, and returns the names cleared.
+func (t *Table) ClearRoutes(names []string) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var cleared []string
+	clear := func(n string, e *entry) {
+		if e.static {
+			return
+		}
+		e.dropFilter()
+		cleared = append(cleared, n)
+	}
+	if len(names) == 0 {
+		for n, e := range t.entries {
+			clear(n, e)
+		}
+	} else {
+		for _, n := range names {
+			if e := t.entries[n]; e != nil {
+				clear(n, e)
+			}
+		}
+	}
+	sort.Strings(cleared)
+	t.changedLocked()
+	return cleared
+}
+
+// Select sets the replicas that take part in prefix matching: nil or empty
+// selects all (the default), otherwise MinSelected..MaxSelected names, which
+// need not be known yet.
+func (t *Table) Select(names []string) error {
+	var sel map[string]bool
+	if len(names) > 0 {
+		sel = map[string]bool{}
+		for _, n := range names {
+			sel[n] = true
+		}
+		if len(sel) < MinSelected || len(sel) > MaxSelected {
+			return fmt.Errorf("fleet: a selection names %d..%d distinct replicas, got %d", MinSelected, MaxSelected, len(sel))
+		}
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.selection = sel
+	t.changedLocked()
+	return nil
+}
+
+// Expire ages every sidecar's state at now: state older than StaleAfter is
+// Stale; a sidecar silent for DropAfter goes offline and loses its filter.
+// It returns the replicas taken offline by this call. Run it every ~100 ms.
+func (t *Table) Expire(now time.Time) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var dropped []string
+	for n, e := range t.entries {
+		if e.static {
+			continue
+		}
+		age := now.Sub(e.r.UpdatedAt)
+		if stale := age > t.cfg.StaleAfter; stale != e.r.Stale {
+			e.r.Stale = stale
+			t.changedLocked()
+		}
+		if age > t.cfg.DropAfter && !e.silent {
+			e.silent = true
+			e.dropFilter()
+			e.refreshOnline()
+			dropped = append(dropped, n)
+			t.changedLocked()
+		}
+	}
+	sort.Strings(dropped)
+	return dropped
+}
+
+func (e *entry) heard(now time.Time) {
+	if now.After(e.r.UpdatedAt) {
+		e.r.UpdatedAt = now
+	}
+	e.r.Stale = false
+	e.silent = false
+	e.refreshOnline()
+}
+
+func (e *entry) refreshOnline() { e.r.Online = e.engineHealthy && !e.silent }
+
+func (e *entry) dropFilter() {
+	e.r.Filter, e.r.FilterGeneration, e.r.FilterKeys = nil, 0, 0
+}
+
+// Snapshot is an immutable view of the table for one routing decision.
+type Snapshot struct {
+	// Replicas are sorted by name. Offline replicas are listed (for admin
+	// views) but must not be routed to.
+	Replicas []Replica
+	// filters[i] is Replicas[i].Filter when it may be used for matching
+	// (online, selected, fresh, with KV events), else nil.
+	filters []*bloom.Filter
+}
+
+// MatchPrefix sets matched[i] to the number of leading keys Replicas[i] may
+// hold, 0 for replicas that do not take part in matching. len(matched) must
+// equal len(Replicas). It does not allocate.
+func (s *Snapshot) MatchPrefix(keys []uint64, matched []int) {
+	bloom.MatchPrefix(keys, s.filters, matched)
+}
+
+// Find returns the index of the named replica, or -1.
+func (s *Snapshot) Find(name string) int {
+	i := sort.Search(len(s.Replicas), func(i int) bool { return s.Replicas[i].Name >= name })
+	if i < len(s.Replicas) && s.Replicas[i].Name == name {
+		return i
+	}
+	return -1
+}

@@ -1,0 +1,220 @@
+package fleet
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/bloom"
+)
+
+var t0 = time.Unix(1_800_000_000, 0)
+
+func filterWith(keys ...uint64) *bloom.Filter {
+	f := bloom.NewFilter(1024, 0.001)
+	for _, k := range keys {
+		f.Add(k)
+	}
+	return f
+}
+
+func sidecar(name string) Info {
+	return Info{Name: name, Models: []string{"m"}, URL: "http://" + name, Protocol: ProtocolVLLM, KVEvents: true, BlockSize: 16}
+}
+
+func TestMatchPrefixUsesOnlyFreshSelectedOnlineFilters(t *testing.T) {
+	tb := NewTable(TableConfig{StaleAfter: 300 * time.Millisecond, DropAfter: 750 * time.Millisecond})
+	for _, n := range []string{"a", "b", "c"} {
+		tb.Upsert(sidecar(n), t0)
+	}
+	tb.AddStatic("s", "http://static", []string{"m"})
+	tb.SetFilter("a", filterWith(1, 2, 3), 1, 3, t0)
+	tb.SetFilter("b", filterWith(1, 2), 1, 2, t0)
+	tb.SetFilter("c", filterWith(1), 1, 1, t0)
+
+	s := tb.Snapshot()
+	if got := len(s.Replicas); got != 4 {
+		t.Fatalf("%d replicas", got)
+	}
+	matched := make([]int, len(s.Replicas))
+	s.MatchPrefix([]uint64{1, 2, 3, 4}, matched)
+	if want := []int{3, 2, 1, 0}; fmt.Sprint(matched) != fmt.Sprint(want) {
+		t.Fatalf("matched %v, want %v", matched, want)
+	}
+	if r := s.Replicas[s.Find("s")]; r.Protocol != ProtocolStatic || !r.Online || r.KVEvents {
+		t.Fatalf("static replica %+v", r)
+	}
+
+	// Selection: only a and c match.
+	if err := tb.Select([]string{"a", "c"}); err != nil {
+		t.Fatal(err)
+	}
+	s = tb.Snapshot()
+	s.MatchPrefix([]uint64{1, 2, 3, 4}, matched)
+	if want := []int{3, 0, 1, 0}; fmt.Sprint(matched) != fmt.Sprint(want) {
+		t.Fatalf("selected: matched %v, want %v", matched, want)
+	}
+	if s.Replicas[1].Selected || !s.Replicas[0].Selected {
+		t.Fatal("Selected flags wrong")
+	}
+	if err := tb.Select([]string{"a"}); err == nil {
+		t.Fatal("a selection of one replica accepted")
+	}
+	if err := tb.Select(nil); err != nil {
+		t.Fatal(err)
+	}
+
+	// a keeps talking, b and c fall silent: stale at 300 ms, matched by load only.
+	tb.SetLoad("a", Load{Waiting: 1}, true, t0.Add(250*time.Millisecond))
+	if off := tb.Expire(t0.Add(400 * time.Millisecond)); len(off) != 0 {
+		t.Fatalf("offline too early: %v", off)
+	}
+	s = tb.Snapshot()
+	s.MatchPrefix([]uint64{1, 2, 3, 4}, matched)
+	if want := []int{3, 0, 0, 0}; fmt.Sprint(matched) != fmt.Sprint(want) {
+		t.Fatalf("stale: matched %v, want %v", matched, want)
+	}
+	if !s.Replicas[1].Stale || s.Replicas[0].Stale || !s.Replicas[1].Online {
+		t.Fatalf("stale flags: %+v", s.Replicas[:2])
+	}
+	// Silent past DropAfter: offline, filter gone.
+	off := tb.Expire(t0.Add(800 * time.Millisecond))
+	if fmt.Sprint(off) != "[b c]" {
+		t.Fatalf("offline %v, want [b c]", off)
+	}
+	s = tb.Snapshot()
+	if r := s.Replicas[1]; r.Online || r.Filter != nil || r.FilterGeneration != 0 {
+		t.Fatalf("silent replica still usable: %+v", r)
+	}
+	// Heard again: online, but no filter until a snapshot arrives.
+	tb.SetLoad("b", Load{}, true, t0.Add(900*time.Millisecond))
+	s = tb.Snapshot()
+	if r := s.Replicas[1]; !r.Online || r.Stale || r.Filter != nil {
+		t.Fatalf("back: %+v", r)
+	}
+}
+
+func TestUnhealthyEngineGoesOfflineAtOnce(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.Upsert(sidecar("a"), t0)
+	tb.SetFilter("a", filterWith(7), 3, 1, t0)
+	tb.SetLoad("a", Load{Running: 2}, false, t0.Add(time.Millisecond))
+	r := tb.Snapshot().Replicas[0]
+	if r.Online || r.Filter != nil || r.Load.Running != 2 {
+		t.Fatalf("%+v", r)
+	}
+	tb.SetLoad("a", Load{}, true, t0.Add(2*time.Millisecond))
+	if r := tb.Snapshot().Replicas[0]; !r.Online {
+		t.Fatal("healthy again but offline")
+	}
+}
+
+func TestClearRoutesDropsFiltersUntilNextSnapshot(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	for _, n := range []string{"a", "b"} {
+		tb.Upsert(sidecar(n), t0)
+		tb.SetFilter(n, filterWith(1), 2, 1, t0)
+	}
+	tb.AddStatic("s", "http://s", nil)
+	if got := tb.ClearRoutes([]string{"b", "nope"}); fmt.Sprint(got) != "[b]" {
+		t.Fatalf("cleared %v", got)
+	}
+	s := tb.Snapshot()
+	if s.Replicas[0].Filter == nil || s.Replicas[1].Filter != nil {
+		t.Fatal("clear of b touched the wrong filters")
+	}
+	if got := tb.ClearRoutes(nil); fmt.Sprint(got) != "[a b]" {
+		t.Fatalf("cleared %v", got)
+	}
+	tb.SetFilter("a", filterWith(1), 3, 1, t0)
+	if r := tb.Snapshot().Replicas[0]; r.FilterGeneration != 3 || r.Filter == nil {
+		t.Fatalf("%+v", r)
+	}
+}
+
+func TestBlockSizeChangeDropsFilter(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.Upsert(sidecar("a"), t0)
+	tb.SetFilter("a", filterWith(1), 1, 1, t0)
+	info := sidecar("a")
+	info.BlockSize = 32
+	tb.Upsert(info, t0)
+	if r := tb.Snapshot().Replicas[0]; r.Filter != nil || r.BlockSize != 32 {
+		t.Fatalf("%+v", r)
+	}
+	if !tb.Remove("a") || tb.Remove("a") || len(tb.Snapshot().Replicas) != 0 {
+		t.Fatal("remove")
+	}
+}
+
+func TestSnapshotIsStableWhileTableChanges(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.Upsert(sidecar("a"), t0)
+	s1 := tb.Snapshot()
+	if s2 := tb.Snapshot(); s1 != s2 {
+		t.Fatal("unchanged table rebuilt its snapshot")
+	}
+	tb.SetLoad("a", Load{Waiting: 5}, true, t0)
+	if s1.Replicas[0].Load.Waiting != 0 || tb.Snapshot().Replicas[0].Load.Waiting != 5 {
+		t.Fatal("snapshot not immutable or not refreshed")
+	}
+}
+
+func TestConcurrentReadersAndWriters(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	for i := range 50 {
+		tb.Upsert(sidecar(fmt.Sprint("r", i)), t0)
+	}
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			keys := []uint64{1, 2, 3}
+			matched := make([]int, 0, 64)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				s := tb.Snapshot()
+				matched = matched[:len(s.Replicas)]
+				s.MatchPrefix(keys, matched)
+			}
+		}()
+	}
+	for i := range 500 {
+		n := fmt.Sprint("r", i%50)
+		tb.SetLoad(n, Load{Running: i}, true, t0.Add(time.Duration(i)*time.Millisecond))
+		if i%10 == 0 {
+			tb.SetFilter(n, filterWith(1, 2), uint64(i), 2, t0.Add(time.Duration(i)*time.Millisecond))
+		}
+	}
+	close(stop)
+	wg.Wait()
+}
+
+func BenchmarkSnapshotMatchPrefix50x256(b *testing.B) {
+	tb := NewTable(TableConfig{})
+	keys := make([]uint64, 256)
+	for i := range keys {
+		keys[i] = uint64(i+1) * 0x9e3779b97f4a7c15
+	}
+	for i := range 50 {
+		n := fmt.Sprint("r", i)
+		tb.Upsert(sidecar(n), t0)
+		f := bloom.NewFilter(300_000, 0.01)
+		for _, k := range keys[:i*5] {
+			f.Add(k)
+		}
+		tb.SetFilter(n, f, 1, i*5, t0)
+	}
+	matched := make([]int, 50)
+	b.ReportAllocs()
+	for b.Loop() {
+		tb.Snapshot().MatchPrefix(keys, matched)
+	}
+}
