@@ -61,6 +61,24 @@ type Event struct {
 	// GroupIdx is the KV-cache group for hybrid models (BlockStored,
 	// BlockRemoved); 0 when absent.
 	GroupIdx int
+	// HasGroupIdx tells whether the engine sent group_idx (vLLM >= #37688),
+	// so an encoder can reproduce the producer's bytes.
+	HasGroupIdx bool
+
+	// CacheSalt is SGLang's per-request cache salt (BlockStored, map events
+	// or the trailing metadata map); "" when unsalted. Salted blocks live in
+	// their own hash chain.
+	CacheSalt string
+
+	// SpecKind and SlidingWindow are vLLM's kv_cache_spec_kind and
+	// kv_cache_spec_sliding_window (BlockStored, >= #40984); zero when absent.
+	SpecKind      string
+	SlidingWindow int
+
+	// ExtraKeys is the raw msgpack of vLLM's per-block extra_keys list
+	// (BlockStored, >= #33304), kept verbatim because its tuples are
+	// free-form; empty when absent.
+	ExtraKeys []byte
 }
 
 // Batch is one KVEventBatch: [ts, events, data_parallel_rank].
