@@ -1,0 +1,507 @@
+package enginesim
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"strconv"
+	"time"
+	"unicode/utf8"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// apiRequest is the union of the completion, chat completion and tokenize
+// request fields enginesim reads; the rest are accepted and ignored, as a
+// sampling-free engine may.
+type apiRequest struct {
+	Model                *string         `json:"model"`
+	Prompt               json.RawMessage `json:"prompt"`
+	Messages             json.RawMessage `json:"messages"`
+	MaxTokens            *int            `json:"max_tokens"`
+	MaxCompletionTokens  *int            `json:"max_completion_tokens"`
+	Stream               *bool           `json:"stream"`
+	StreamOptions        *streamOptions  `json:"stream_options"`
+	N                    *int            `json:"n"`
+	AddSpecialTokens     *bool           `json:"add_special_tokens"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage *bool           `json:"continue_final_message"`
+	Tools                json.RawMessage `json:"tools"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+}
+
+type streamOptions struct {
+	IncludeUsage *bool `json:"include_usage"`
+}
+
+// requestError is a client error with its HTTP status and vLLM type.
+type requestError struct {
+	code int
+	typ  string
+	msg  string
+}
+
+func (e *requestError) Error() string { return e.msg }
+
+func invalid(format string, args ...any) *requestError {
+	return &requestError{code: fasthttp.StatusBadRequest, typ: "BadRequestError", msg: fmt.Sprintf(format, args...)}
+}
+
+func writeRequestError(ctx *fasthttp.RequestCtx, e *requestError) {
+	writeError(ctx, e.code, e.typ, e.msg)
+}
+
+func present(raw json.RawMessage) bool {
+	return len(raw) > 0 && !bytes.Equal(raw, []byte("null"))
+}
+
+func boolOr(p *bool, def bool) bool {
+	if p == nil {
+		return def
+	}
+	return *p
+}
+
+// parseRequest decodes a request body and checks what every endpoint
+// shares: valid UTF-8, a JSON object, the served model name.
+func (s *Server) parseRequest(body []byte) (*apiRequest, *requestError) {
+	if !utf8.Valid(body) {
+		return nil, invalid("request body is not valid UTF-8")
+	}
+	body = bytes.TrimSpace(body)
+	if len(body) == 0 || body[0] != '{' {
+		return nil, invalid("request body must be a JSON object")
+	}
+	var r apiRequest
+	if err := json.Unmarshal(body, &r); err != nil {
+		return nil, invalid("invalid request: %v", err)
+	}
+	if r.Model != nil && *r.Model != s.cfg.Model {
+		return nil, &requestError{code: fasthttp.StatusNotFound, typ: "NotFoundError", msg: fmt.Sprintf("The model `%s` does not exist.", *r.Model)}
+	}
+	return &r, nil
+}
+
+// promptTokens tokenizes the request as vLLM would: chat messages through
+// the chat template (no special tokens unless asked), a completion prompt
+// with special tokens unless asked not to.
+func (s *Server) promptTokens(r *apiRequest, chat bool) ([]uint32, *requestError) {
+	if chat {
+		if !present(r.Messages) {
+			return nil, invalid("field required: messages")
+		}
+		if r.Messages[0] != '[' {
+			return nil, invalid("messages must be a list")
+		}
+		addGen := boolOr(r.AddGenerationPrompt, true)
+		cont := boolOr(r.ContinueFinalMessage, false)
+		if addGen && cont {
+			return nil, invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+		}
+		c := tokenize.Chat{Messages: r.Messages, AddGenerationPrompt: addGen, ContinueFinalMessage: cont}
+		if present(r.Tools) {
+			c.Tools = r.Tools
+		}
+		if present(r.ChatTemplateKwargs) {
+			c.TemplateKwargs = r.ChatTemplateKwargs
+		}
+		prompt, ids, err := s.cfg.Tokenizer.EncodeChat(c)
+		if err != nil {
+			return nil, invalid("%v", err)
+		}
+		if boolOr(r.AddSpecialTokens, false) {
+			if ids, err = s.cfg.Tokenizer.Encode(prompt, true); err != nil {
+				return nil, invalid("%v", err)
+			}
+		}
+		return ids, nil
+	}
+	if !present(r.Prompt) {
+		return nil, invalid("field required: prompt")
+	}
+	addSpecial := boolOr(r.AddSpecialTokens, true)
+	raw := r.Prompt
+	if raw[0] == '[' {
+		var items []json.RawMessage
+		if err := json.Unmarshal(raw, &items); err != nil {
+			return nil, invalid("prompt: %v", err)
+		}
+		if len(items) == 0 {
+			return nil, invalid("prompt: empty list")
+		}
+		if item := bytes.TrimSpace(items[0]); len(item) > 0 && (item[0] == '"' || item[0] == '[') {
+			if len(items) > 1 {
+				return nil, invalid("prompt: enginesim serves one prompt per request, got %d", len(items))
+			}
+			raw = item
+		}
+	}
+	switch raw[0] {
+	case '"':
+		var text string
+		if err := json.Unmarshal(raw, &text); err != nil {
+			return nil, invalid("prompt: %v", err)
+		}
+		ids, err := s.cfg.Tokenizer.Encode(text, addSpecial)
+		if err != nil {
+			return nil, invalid("%v", err)
+		}
+		return ids, nil
+	case '[':
+		var ids []uint32
+		if err := json.Unmarshal(raw, &ids); err != nil {
+			return nil, invalid("prompt: token ids must be integers in [0, 2^32): %v", err)
+		}
+		return ids, nil
+	}
+	return nil, invalid("prompt must be a string, a list of token ids, or a list of one of those")
+}
+
+// maxTokens resolves max_tokens (max_completion_tokens for chat) against
+// the model length the way vLLM's validation words it.
+func (s *Server) maxTokens(r *apiRequest, chat bool, promptLen int) (int, *requestError) {
+	limit := s.cfg.Engine.MaxModelLen
+	if promptLen == 0 {
+		return 0, invalid("The prompt cannot be empty.")
+	}
+	if promptLen >= limit {
+		return 0, invalid("This model's maximum context length is %d tokens. However, your request has %d input tokens. Please reduce the length of the input messages.", limit, promptLen)
+	}
+	p := r.MaxTokens
+	if chat && r.MaxCompletionTokens != nil {
+		p = r.MaxCompletionTokens
+	}
+	if p == nil {
+		return min(DefaultMaxTokens, limit-promptLen), nil
+	}
+	if *p < 1 {
+		return 0, invalid("max_tokens must be at least 1, got %d.", *p)
+	}
+	if promptLen+*p > limit {
+		return 0, invalid("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.", limit, promptLen+*p, promptLen, *p)
+	}
+	return *p, nil
+}
+
+func (s *Server) tokenizeEndpoint(ctx *fasthttp.RequestCtx) {
+	r, rerr := s.parseRequest(ctx.PostBody())
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
+	chat := present(r.Messages)
+	if !chat && present(r.Prompt) && r.Prompt[0] != '"' {
+		badRequest(ctx, "prompt must be a string")
+		return
+	}
+	ids, rerr := s.promptTokens(r, chat)
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
+	b := make([]byte, 0, 64+len(ids)*7)
+	b = append(b, `{"count":`...)
+	b = strconv.AppendInt(b, int64(len(ids)), 10)
+	b = append(b, `,"max_model_len":`...)
+	b = strconv.AppendInt(b, int64(s.cfg.Engine.MaxModelLen), 10)
+	b = append(b, `,"tokens":[`...)
+	for i, id := range ids {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendUint(b, uint64(id), 10)
+	}
+	b = append(b, `],"token_strs":null}`...)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+// generate serves /v1/completions and /v1/chat/completions.
+func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
+	r, rerr := s.parseRequest(ctx.PostBody())
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
+	if r.N != nil && *r.N != 1 {
+		badRequest(ctx, "enginesim generates one choice per request (n must be 1)")
+		return
+	}
+	stream := boolOr(r.Stream, false)
+	if r.StreamOptions != nil && !stream {
+		badRequest(ctx, "Stream options can only be defined when `stream=True`.")
+		return
+	}
+	ids, rerr := s.promptTokens(r, chat)
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
+	maxTokens, rerr := s.maxTokens(r, chat, len(ids))
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
+	id := s.nextID.Add(1)
+	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids)})
+	c.stream = stream
+	select {
+	case s.loop.submit <- c:
+	case <-s.stopped:
+		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+		return
+	}
+	rs := response{s: s, chat: chat, id: id, created: time.Now().Unix(), promptLen: len(ids)}
+	if !stream {
+		s.respond(ctx, c, &rs)
+		return
+	}
+	rs.includeUsage = r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, false)
+	ctx.SetContentType("text/event-stream; charset=utf-8")
+	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, c, &rs) })
+}
+
+// wait blocks until the call has news or the engine stopped.
+func (s *Server) wait(c *call) {
+	select {
+	case <-c.notify:
+	case <-s.stopped:
+	}
+}
+
+func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
+	var toks []uint32
+	for {
+		s.wait(c)
+		var done bool
+		var err error
+		toks, rs.cached, done, err = c.take(toks[:0], 0)
+		if err != nil {
+			writeError(ctx, fasthttp.StatusInternalServerError, "InternalServerError", err.Error())
+			return
+		}
+		if done {
+			break
+		}
+		select {
+		case <-s.stopped:
+			writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+			return
+		default:
+		}
+	}
+	ctx.SetContentType("application/json")
+	ctx.SetBody(rs.full(make([]byte, 0, 512+len(toks)*8), toks))
+}
+
+func (s *Server) stream(w *bufio.Writer, c *call, rs *response) {
+	var (
+		toks []uint32
+		buf  []byte
+		sent int
+	)
+	abort := func() {
+		select {
+		case s.loop.abort <- c.req.ID:
+		case <-s.stopped:
+		}
+	}
+	for {
+		s.wait(c)
+		var done bool
+		var err error
+		toks, rs.cached, done, err = c.take(toks[:0], sent)
+		if err != nil {
+			buf = append(buf[:0], `data: {"error":{"object":"error","message":`...)
+			buf = appendJSONString(buf, err.Error())
+			buf = append(buf, `,"type":"InternalServerError","param":null,"code":500}}`+"\n\ndata: [DONE]\n\n"...)
+			_, _ = w.Write(buf)
+			_ = w.Flush()
+			return
+		}
+		buf = buf[:0]
+		if sent == 0 && len(toks) > 0 && rs.chat {
+			buf = rs.chunk(buf, "", true, false)
+		}
+		for i, t := range toks {
+			buf = rs.chunk(buf, s.vocabText[t], false, done && i == len(toks)-1)
+		}
+		if done && len(toks) == 0 {
+			buf = rs.chunk(buf, "", false, true)
+		}
+		sent += len(toks)
+		if done {
+			rs.completion = sent
+			if rs.includeUsage {
+				buf = rs.usageChunk(buf)
+			}
+			buf = append(buf, "data: [DONE]\n\n"...)
+		}
+		if len(buf) > 0 {
+			if _, err := w.Write(buf); err != nil {
+				abort()
+				return
+			}
+			// A failed flush is the only sign of a client gone.
+			if err := w.Flush(); err != nil {
+				abort()
+				return
+			}
+		}
+		if done {
+			return
+		}
+	}
+}
+
+// response renders one request's OpenAI JSON.
+type response struct {
+	s            *Server
+	chat         bool
+	id           uint64
+	created      int64
+	promptLen    int
+	cached       int
+	completion   int
+	includeUsage bool
+}
+
+func (r *response) head(b []byte, object string) []byte {
+	b = append(b, `{"id":"`...)
+	if r.chat {
+		b = append(b, "chatcmpl-"...)
+	} else {
+		b = append(b, "cmpl-"...)
+	}
+	b = append(b, r.s.idPrefix...)
+	b = strconv.AppendUint(b, r.id, 16)
+	b = append(b, `","object":"`...)
+	b = append(b, object...)
+	b = append(b, `","created":`...)
+	b = strconv.AppendInt(b, r.created, 10)
+	b = append(b, `,"model":`...)
+	return appendJSONString(b, r.s.cfg.Model)
+}
+
+func (r *response) usage(b []byte) []byte {
+	b = append(b, `"usage":{"prompt_tokens":`...)
+	b = strconv.AppendInt(b, int64(r.promptLen), 10)
+	b = append(b, `,"total_tokens":`...)
+	b = strconv.AppendInt(b, int64(r.promptLen+r.completion), 10)
+	b = append(b, `,"completion_tokens":`...)
+	b = strconv.AppendInt(b, int64(r.completion), 10)
+	b = append(b, `,"prompt_tokens_details":{"cached_tokens":`...)
+	b = strconv.AppendInt(b, int64(r.cached), 10)
+	return append(b, `}}`...)
+}
+
+func (r *response) full(b []byte, toks []uint32) []byte {
+	r.completion = len(toks)
+	var text []byte
+	for _, t := range toks {
+		text = append(text, r.s.vocabText[t]...)
+	}
+	if r.chat {
+		b = r.head(b, "chat.completion")
+		b = append(b, `,"choices":[{"index":0,"message":{"role":"assistant","content":`...)
+		b = appendJSONString(b, string(text))
+		b = append(b, `,"refusal":null,"annotations":null,"audio":null,"function_call":null,"tool_calls":[],"reasoning_content":null},"logprobs":null,"finish_reason":"length","stop_reason":null}],`...)
+	} else {
+		b = r.head(b, "text_completion")
+		b = append(b, `,"choices":[{"index":0,"text":`...)
+		b = appendJSONString(b, string(text))
+		b = append(b, `,"logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":null}],`...)
+	}
+	b = r.usage(b)
+	return append(b, '}')
+}
+
+// chunk appends one SSE event: the assistant role (chat only), or a piece
+// of text, the last one carrying the finish reason.
+func (r *response) chunk(b []byte, text string, role, last bool) []byte {
+	b = append(b, "data: "...)
+	finish := "null"
+	if last {
+		finish = `"length"`
+	}
+	if r.chat {
+		b = r.head(b, "chat.completion.chunk")
+		b = append(b, `,"choices":[{"index":0,"delta":{`...)
+		if role {
+			b = append(b, `"role":"assistant","content":""`...)
+		} else {
+			b = append(b, `"content":`...)
+			b = appendJSONString(b, text)
+		}
+		b = append(b, `},"logprobs":null,"finish_reason":`...)
+		b = append(b, finish...)
+		b = append(b, `}]}`...)
+	} else {
+		b = r.head(b, "text_completion")
+		b = append(b, `,"choices":[{"index":0,"text":`...)
+		b = appendJSONString(b, text)
+		b = append(b, `,"logprobs":null,"finish_reason":`...)
+		b = append(b, finish...)
+		b = append(b, `,"stop_reason":null}]}`...)
+	}
+	return append(b, "\n\n"...)
+}
+
+func (r *response) usageChunk(b []byte) []byte {
+	b = append(b, "data: "...)
+	if r.chat {
+		b = r.head(b, "chat.completion.chunk")
+	} else {
+		b = r.head(b, "text_completion")
+	}
+	b = append(b, `,"choices":[],`...)
+	b = r.usage(b)
+	return append(b, "}\n\n"...)
+}
+
+// outputSeed makes the output a function of the prompt: the same request
+// gets the same answer.
+func outputSeed(ids []uint32) uint64 {
+	h := fnv.New64a()
+	var buf [4]byte
+	for _, id := range ids {
+		buf[0], buf[1], buf[2], buf[3] = byte(id), byte(id>>8), byte(id>>16), byte(id>>24)
+		_, _ = h.Write(buf[:])
+	}
+	return h.Sum64()
+}
+
+// outputWords are what the engine "generates".
+var outputWords = []string{
+	"the", "cache", "block", "token", "router", "prefix", "engine", "replica",
+	"stream", "batch", "model", "queue", "filter", "gossip", "sidecar", "event",
+	"latency", "prompt", "decode", "prefill", "memory", "vector", "layer", "shard",
+	"signal", "packet", "kernel", "thread", "record", "buffer", "window", "cluster",
+	"and", "of", "to", "in", "is", "it", "on", "with",
+	"fast", "warm", "cold", "hot", "near", "far", "new", "old",
+}
+
+// outputVocab picks, among outputWords, those the tokenizer encodes (with a
+// leading space) as one token: output tokens then read back as text and
+// re-tokenize to the same ids.
+func outputVocab(tok tokenize.Model) ([]uint32, map[uint32]string) {
+	var ids []uint32
+	text := map[uint32]string{}
+	for _, w := range outputWords {
+		enc, err := tok.Encode(" "+w, false)
+		if err != nil || len(enc) != 1 {
+			continue
+		}
+		if _, dup := text[enc[0]]; dup {
+			continue
+		}
+		ids = append(ids, enc[0])
+		text[enc[0]] = " " + w
+	}
+	return ids, text
+}

@@ -1,0 +1,233 @@
+package enginesim
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/kvevents"
+)
+
+// errShutdown fails requests still in flight when the engine loop stops.
+var errShutdown = errors.New("engine is shutting down")
+
+// call is one request's link between its HTTP handler and the engine loop.
+// The loop appends tokens under mu and pokes notify; the handler drains.
+type call struct {
+	req engine.Request
+
+	mu       sync.Mutex
+	tokens   []uint32
+	cached   int
+	finished engine.FinishReason
+	err      error
+	notify   chan struct{} // capacity 1: "something changed"
+	// stream callers want every token; others only the end.
+	stream bool
+
+	arrival time.Duration // simulated clock when the loop took it
+}
+
+func newCall(req engine.Request) *call {
+	return &call{req: req, notify: make(chan struct{}, 1)}
+}
+
+func (c *call) poke() {
+	select {
+	case c.notify <- struct{}{}:
+	default:
+	}
+}
+
+// take appends the tokens produced since the last take to dst and reports
+// whether the call is over.
+func (c *call) take(dst []uint32, from int) (toks []uint32, cached int, done bool, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append(dst, c.tokens[from:]...), c.cached, c.finished != engine.NotFinished || c.err != nil, c.err
+}
+
+// loop owns the engine: one goroutine steps it and sleeps each step's
+// simulated duration times the time scale, so the engine itself never sees
+// a clock. Handlers talk to it only through channels.
+type loop struct {
+	eng   *engine.Engine
+	scale float64
+	sink  engine.EventSink
+	onErr func(error)
+
+	submit  chan *call
+	abort   chan uint64
+	control chan func()
+
+	calls map[uint64]*call
+
+	// Simulated clock, and the real instant it was last anchored to.
+	sim        time.Duration
+	anchorReal time.Time
+	anchorSim  time.Duration
+
+	metrics *metrics
+}
+
+func newLoop(eng *engine.Engine, scale float64, sink engine.EventSink, m *metrics, onErr func(error)) *loop {
+	return &loop{
+		eng: eng, scale: scale, sink: sink, onErr: onErr, metrics: m,
+		submit:  make(chan *call, 4096),
+		abort:   make(chan uint64, 4096),
+		control: make(chan func(), 16),
+		calls:   make(map[uint64]*call),
+	}
+}
+
+func (l *loop) run(ctx context.Context) {
+	defer l.failAll()
+	for {
+		if !l.eng.HasWork() {
+			l.publishStats()
+			idleSince := time.Now()
+			select {
+			case c := <-l.submit:
+				l.advanceIdle(idleSince)
+				l.add(c)
+			case id := <-l.abort:
+				l.eng.Abort(id)
+				delete(l.calls, id)
+			case f := <-l.control:
+				l.advanceIdle(idleSince)
+				f()
+			case <-ctx.Done():
+				return
+			}
+			l.anchorReal, l.anchorSim = time.Now(), l.sim
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		l.drain()
+		if !l.eng.HasWork() {
+			continue
+		}
+		res := l.eng.Step(0)
+		l.sim += res.Duration
+		l.sleep()
+		l.deliver(res.Outputs)
+		if res.Events != nil {
+			l.publish(res.Events)
+		}
+		l.publishStats()
+	}
+}
+
+// advanceIdle moves the simulated clock over an idle spell, so simulated
+// latencies of later requests do not start in the past.
+func (l *loop) advanceIdle(since time.Time) {
+	if l.scale > 0 {
+		l.sim += time.Duration(float64(time.Since(since)) / l.scale)
+	}
+}
+
+// sleep waits until the real time the simulated clock stands for. Sleeping
+// to an absolute target keeps timer overshoot from accumulating.
+func (l *loop) sleep() {
+	if l.scale <= 0 {
+		return
+	}
+	target := l.anchorReal.Add(time.Duration(float64(l.sim-l.anchorSim) * l.scale))
+	if d := time.Until(target); d > 0 {
+		time.Sleep(d)
+	}
+}
+
+// drain takes every pending submission, abort and control call without
+// blocking, so arrivals during a step join the next one.
+func (l *loop) drain() {
+	for {
+		select {
+		case c := <-l.submit:
+			l.add(c)
+		case id := <-l.abort:
+			l.eng.Abort(id)
+			delete(l.calls, id)
+		case f := <-l.control:
+			f()
+		default:
+			return
+		}
+	}
+}
+
+func (l *loop) add(c *call) {
+	if err := l.eng.Add(c.req); err != nil {
+		c.mu.Lock()
+		c.err = err
+		c.mu.Unlock()
+		c.poke()
+		return
+	}
+	c.arrival = l.sim
+	l.calls[c.req.ID] = c
+}
+
+func (l *loop) deliver(outs []engine.Output) {
+	for _, o := range outs {
+		c := l.calls[o.ID]
+		if c == nil {
+			continue
+		}
+		if o.First {
+			l.metrics.observeTTFT((l.sim - c.arrival).Seconds())
+		}
+		c.mu.Lock()
+		if o.HasToken {
+			c.tokens = append(c.tokens, o.Token)
+		}
+		c.cached = o.CachedTokens
+		c.finished = o.Finished
+		c.mu.Unlock()
+		if c.stream || o.Finished != engine.NotFinished {
+			c.poke()
+		}
+		if o.Finished != engine.NotFinished {
+			l.metrics.observeE2E((l.sim - c.arrival).Seconds())
+			delete(l.calls, o.ID)
+		}
+	}
+}
+
+func (l *loop) publish(b *kvevents.Batch) {
+	if l.sink == nil {
+		return
+	}
+	// vLLM stamps batches with time.time() when it publishes them.
+	b.TS = float64(time.Now().UnixNano()) / 1e9
+	if err := l.sink.Publish(b); err != nil && l.onErr != nil {
+		l.onErr(err)
+	}
+}
+
+func (l *loop) publishStats() { l.metrics.setEngine(l.eng.Stats()) }
+
+func (l *loop) failAll() {
+	for id, c := range l.calls {
+		c.mu.Lock()
+		c.err = errShutdown
+		c.mu.Unlock()
+		c.poke()
+		delete(l.calls, id)
+	}
+	// Requests submitted after the loop stopped fail too.
+	for {
+		select {
+		case c := <-l.submit:
+			c.mu.Lock()
+			c.err = errShutdown
+			c.mu.Unlock()
+			c.poke()
+		default:
+			return
+		}
+	}
+}

@@ -1,0 +1,240 @@
+// Package enginesim serves the simulated engine of package engine over
+// vLLM's HTTP dialect: OpenAI completions and chat completions (streamed or
+// not, with usage.prompt_tokens_details.cached_tokens), /v1/models,
+// /tokenize, /health, /metrics with vLLM's metric names and
+// /reset_prefix_cache, with vLLM-shaped errors. One goroutine drives the
+// engine and sleeps each step's simulated duration times the time scale;
+// handlers reach it through channels.
+package enginesim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// DefaultMaxTokens is the output length of a request that names none.
+// (vLLM's default is "up to the model length"; a simulator wants short.)
+const DefaultMaxTokens = 16
+
+// Config configures a Server.
+type Config struct {
+	Model     string // served model name
+	Tokenizer tokenize.Model
+	Engine    engine.Config
+	// TimeScale multiplies simulated step times into real sleeps: 1 is
+	// real time, 0.1 ten times faster, 0 no sleeping at all.
+	TimeScale float64
+	// Events receives each step's KV-event batch; nil disables events.
+	Events engine.EventSink
+	Logger zerolog.Logger
+}
+
+// Server is the HTTP face of one simulated engine.
+type Server struct {
+	cfg       Config
+	eng       *engine.Engine
+	loop      *loop
+	metrics   *metrics
+	vocabText map[uint32]string
+	created   int64
+	idPrefix  string
+	nextID    atomic.Uint64
+	running   atomic.Bool
+	stopped   chan struct{}
+}
+
+// New builds a Server; call Run to start its engine.
+func New(cfg Config) (*Server, error) {
+	if cfg.Model == "" {
+		return nil, errors.New("enginesim: model name is empty")
+	}
+	if cfg.Tokenizer == nil {
+		return nil, errors.New("enginesim: no tokenizer")
+	}
+	if cfg.TimeScale < 0 || cfg.TimeScale != cfg.TimeScale {
+		return nil, fmt.Errorf("enginesim: time scale %v: want ≥ 0", cfg.TimeScale)
+	}
+	vocab, text := outputVocab(cfg.Tokenizer)
+	cfg.Engine.Vocab = vocab
+	eng, err := engine.New(cfg.Engine)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Engine = eng.Config()
+	s := &Server{
+		cfg:       cfg,
+		eng:       eng,
+		metrics:   newMetrics(cfg.Model, cfg.Engine),
+		vocabText: text,
+		created:   time.Now().Unix(),
+		idPrefix:  strconv.FormatUint(rand.Uint64()>>16, 16),
+		stopped:   make(chan struct{}),
+	}
+	s.loop = newLoop(eng, cfg.TimeScale, cfg.Events, s.metrics, func(err error) {
+		cfg.Logger.Warn().Err(err).Msg("publishing KV events")
+	})
+	return s, nil
+}
+
+// Run drives the engine until ctx ends; requests still in flight then fail.
+// Call it once.
+func (s *Server) Run(ctx context.Context) {
+	if s.running.Swap(true) {
+		return
+	}
+	defer close(s.stopped)
+	s.loop.run(ctx)
+}
+
+// Handler serves every endpoint.
+func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
+	path := string(ctx.Path())
+	method := string(ctx.Method())
+	want := "POST"
+	switch path {
+	case "/v1/models", "/health", "/metrics", "/version", "/ping":
+		want = "GET"
+	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache":
+	default:
+		ctx.SetStatusCode(fasthttp.StatusNotFound)
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"detail":"Not Found"}`)
+		return
+	}
+	if method != want && !(want == "GET" && method == "HEAD") {
+		ctx.SetStatusCode(fasthttp.StatusMethodNotAllowed)
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"detail":"Method Not Allowed"}`)
+		return
+	}
+	switch path {
+	case "/v1/completions":
+		s.generate(ctx, false)
+	case "/v1/chat/completions":
+		s.generate(ctx, true)
+	case "/tokenize":
+		s.tokenizeEndpoint(ctx)
+	case "/v1/models":
+		s.models(ctx)
+	case "/health", "/ping":
+		select {
+		case <-s.stopped:
+			ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+		default:
+		}
+	case "/version":
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"version":"enginesim"}`)
+	case "/metrics":
+		ctx.SetContentType("text/plain; version=0.0.4; charset=utf-8")
+		ctx.SetBody(s.metrics.appendText(make([]byte, 0, 8<<10)))
+	case "/reset_prefix_cache":
+		s.resetPrefixCache(ctx)
+	}
+}
+
+func (s *Server) resetPrefixCache(ctx *fasthttp.RequestCtx) {
+	result := make(chan bool, 1)
+	f := func() {
+		b, ok := s.eng.ResetPrefixCache(0)
+		if ok {
+			s.loop.publish(b)
+			s.loop.publishStats()
+		}
+		result <- ok
+	}
+	select {
+	case s.loop.control <- f:
+	case <-s.stopped:
+		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+		return
+	}
+	select {
+	case ok := <-result:
+		if !ok {
+			writeError(ctx, fasthttp.StatusConflict, "ConflictError", "cannot reset the prefix cache while requests hold KV blocks")
+		}
+	case <-s.stopped:
+		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+	}
+}
+
+func (s *Server) models(ctx *fasthttp.RequestCtx) {
+	b := make([]byte, 0, 512)
+	b = append(b, `{"object":"list","data":[{"id":`...)
+	b = appendJSONString(b, s.cfg.Model)
+	b = append(b, `,"object":"model","created":`...)
+	b = strconv.AppendInt(b, s.created, 10)
+	b = append(b, `,"owned_by":"vllm","root":`...)
+	b = appendJSONString(b, s.cfg.Model)
+	b = append(b, `,"parent":null,"max_model_len":`...)
+	b = strconv.AppendInt(b, int64(s.cfg.Engine.MaxModelLen), 10)
+	b = append(b, `,"permission":[{"id":"modelperm-`...)
+	b = append(b, s.idPrefix...)
+	b = append(b, `","object":"model_permission","created":`...)
+	b = strconv.AppendInt(b, s.created, 10)
+	b = append(b, `,"allow_create_engine":false,"allow_sampling":true,"allow_logprobs":true,"allow_search_indices":false,"allow_view":true,"allow_fine_tuning":false,"organization":"*","group":null,"is_blocking":false}]}]}`...)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+// writeError writes vLLM's error body.
+func writeError(ctx *fasthttp.RequestCtx, code int, typ, msg string) {
+	b := make([]byte, 0, 128+len(msg))
+	b = append(b, `{"object":"error","message":`...)
+	b = appendJSONString(b, msg)
+	b = append(b, `,"type":`...)
+	b = appendJSONString(b, typ)
+	b = append(b, `,"param":null,"code":`...)
+	b = strconv.AppendInt(b, int64(code), 10)
+	b = append(b, '}')
+	ctx.SetStatusCode(code)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+func badRequest(ctx *fasthttp.RequestCtx, msg string) {
+	writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", msg)
+}
+
+const hexDigits = "0123456789abcdef"
+
+// appendJSONString appends s as a JSON string. Invalid UTF-8 never gets
+// here: request bodies are checked first and output text is ours.
+func appendJSONString(b []byte, s string) []byte {
+	b = append(b, '"')
+	start := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' {
+			continue
+		}
+		b = append(b, s[start:i]...)
+		switch c {
+		case '"', '\\':
+			b = append(b, '\\', c)
+		case '\n':
+			b = append(b, '\\', 'n')
+		case '\r':
+			b = append(b, '\\', 'r')
+		case '\t':
+			b = append(b, '\\', 't')
+		default:
+			b = append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
+		}
+		start = i + 1
+	}
+	b = append(b, s[start:]...)
+	return append(b, '"')
+}
