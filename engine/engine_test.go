@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -30,9 +31,12 @@ func seqTokens(base, n int) []uint32 {
 	return ts
 }
 
-// recorder collects published batches and replays them into a multiset
-// of resident hashes, the way a sidecar must.
+// recorder collects published batches, sends each through the wire codec
+// (msgpack bytes, vLLM's map format) and replays the decoded events into a
+// multiset of resident hashes, the way a sidecar must.
 type recorder struct {
+	wire     []byte
+	decoded  kvevents.Batch
 	batches  []*kvevents.Batch
 	resident map[uint64]int
 	stored   []uint64
@@ -43,7 +47,14 @@ func newRecorder() *recorder { return &recorder{resident: map[uint64]int{}} }
 
 func (r *recorder) Publish(b *kvevents.Batch) error {
 	r.batches = append(r.batches, b)
-	for _, ev := range b.Events {
+	r.wire = kvevents.AppendBatch(r.wire[:0], b, kvevents.FormatVLLMMap)
+	if err := kvevents.DecodeBatch(r.wire, &r.decoded); err != nil {
+		return err
+	}
+	if len(r.decoded.Events) != len(b.Events) {
+		return fmt.Errorf("%d events encoded, %d decoded", len(b.Events), len(r.decoded.Events))
+	}
+	for _, ev := range r.decoded.Events {
 		switch ev.Kind {
 		case kvevents.KindBlockStored:
 			for _, h := range ev.BlockHashes {
@@ -212,7 +223,9 @@ func TestReferencedBlocksAreNeverEvicted(t *testing.T) {
 		}
 		res := e.Step(0)
 		if res.Events != nil {
-			rec.Publish(res.Events)
+			if err := rec.Publish(res.Events); err != nil {
+				t.Fatal(err)
+			}
 		}
 		for _, o := range res.Outputs {
 			longDone = longDone || (o.ID == 1 && o.Finished != NotFinished)
@@ -261,7 +274,9 @@ func TestEventsReproduceResidentSet(t *testing.T) {
 			}
 			res := e.Step(0)
 			if res.Events != nil {
-				rec.Publish(res.Events)
+				if err := rec.Publish(res.Events); err != nil {
+					t.Fatal(err)
+				}
 			}
 			check(when)
 		}
@@ -294,7 +309,9 @@ func TestEventsReproduceResidentSet(t *testing.T) {
 	if b, ok := e.ResetPrefixCache(1); !ok {
 		t.Fatal("reset refused on an idle engine")
 	} else {
-		rec.Publish(b)
+		if err := rec.Publish(b); err != nil {
+			t.Fatal(err)
+		}
 	}
 	check("after reset")
 	add(prompt(100, 10), 2)
@@ -330,7 +347,9 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 		}
 		res := e.Step(float64(i))
 		if res.Events != nil {
-			rec.Publish(res.Events)
+			if err := rec.Publish(res.Events); err != nil {
+				t.Fatal(err)
+			}
 		}
 		for _, o := range res.Outputs {
 			if o.Finished != NotFinished {
