@@ -1,0 +1,320 @@
+package tokenize
+
+import (
+	"strings"
+	"sync"
+	"unicode/utf8"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// bpeModel is HF's BPE model: a piece is split into characters (or bytes,
+// for byte-level vocabularies), then merged pair by pair, lowest merge rank
+// first and leftmost among equals, exactly as tokenizers' Word::merge_all.
+type bpeModel struct {
+	// vocab maps a token to its id. For byte-level vocabularies the keys
+	// are the raw bytes the token stands for (the GPT-2 byte-to-char map
+	// undone), so pieces never need remapping.
+	vocab map[string]uint32
+	// merges maps a pair of ids (a<<32|b) to rank<<32|merged id.
+	merges    map[uint64]uint64
+	byteLevel bool
+	// byteIDs holds the id of each single byte (byte-level only), -1 if
+	// the vocabulary lacks it.
+	byteIDs      [256]int32
+	byteFallback bool
+	fallbackIDs  [256]int32 // ids of <0xNN>, -1 if absent
+	ignoreMerges bool
+	unk          int32 // -1: no unk token
+	fuseUnk      bool
+	prefix       string // continuing_subword_prefix
+	suffix       string // end_of_word_suffix
+	cache        *pieceCache
+}
+
+type symbol struct {
+	id         uint32
+	prev, next int32
+	removed    bool
+}
+
+type mergeEntry struct {
+	key   uint64 // rank<<32 | position: pops lowest rank, then leftmost
+	newID uint32
+}
+
+// bpeScratch is per-call working memory, pooled to keep encoding free of
+// allocations on the hot path.
+type bpeScratch struct {
+	syms []symbol
+	heap []mergeEntry
+}
+
+func pairKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
+
+// maxCachedPiece bounds the pieces the per-piece cache keeps (HF: 256).
+const maxCachedPiece = 256
+
+// appendPiece appends the ids of one pre-tokenized piece.
+func (m *bpeModel) appendPiece(dst []uint32, piece string, sc *bpeScratch) []uint32 {
+	if piece == "" {
+		return dst
+	}
+	if m.ignoreMerges {
+		if id, ok := m.vocab[piece]; ok {
+			return append(dst, id)
+		}
+	}
+	if m.byteLevel && len(piece) == 1 && m.byteIDs[piece[0]] >= 0 {
+		return append(dst, uint32(m.byteIDs[piece[0]]))
+	}
+	useCache := m.cache != nil && len(piece) < maxCachedPiece
+	if useCache {
+		if ids, ok := m.cache.get(piece); ok {
+			return append(dst, ids...)
+		}
+	}
+	start := len(dst)
+	m.initial(piece, sc)
+	m.mergeAll(sc)
+	for _, s := range sc.syms {
+		if !s.removed {
+			dst = append(dst, s.id)
+		}
+	}
+	if useCache {
+		m.cache.put(piece, dst[start:])
+	}
+	return dst
+}
+
+// initial fills sc.syms with the piece's characters as tokenizers'
+// BPE::merge_word does: vocabulary ids, else <0xNN> byte tokens
+// (byte_fallback), else the unk token (fused if fuse_unk), else nothing.
+func (m *bpeModel) initial(piece string, sc *bpeScratch) {
+	syms := sc.syms[:0]
+	add := func(id uint32) {
+		syms = append(syms, symbol{id: id})
+	}
+	pendingUnk := false
+	miss := func(s string) {
+		if m.byteFallback {
+			ok := true
+			for k := 0; k < len(s); k++ {
+				if m.fallbackIDs[s[k]] < 0 {
+					ok = false
+					break
+				}
+			}
+			if ok {
+				for k := 0; k < len(s); k++ {
+					add(uint32(m.fallbackIDs[s[k]]))
+				}
+				return
+			}
+		}
+		if m.unk >= 0 {
+			if pendingUnk && !m.fuseUnk {
+				add(uint32(m.unk))
+			}
+			pendingUnk = true
+		}
+	}
+	hit := func(id uint32) {
+		if pendingUnk {
+			add(uint32(m.unk))
+			pendingUnk = false
+		}
+		add(id)
+	}
+	if m.byteLevel {
+		for k := 0; k < len(piece); k++ {
+			if id := m.byteIDs[piece[k]]; id >= 0 {
+				hit(uint32(id))
+			} else {
+				miss(string(byteLevelRune[piece[k]]))
+			}
+		}
+	} else {
+		for k, r := range piece {
+			end := k + utf8.RuneLen(r)
+			s := piece[k:end]
+			if m.prefix != "" && k > 0 {
+				s = m.prefix + s
+			}
+			if m.suffix != "" && end == len(piece) {
+				s += m.suffix
+			}
+			if id, ok := m.vocab[s]; ok {
+				hit(id)
+			} else {
+				miss(s)
+			}
+		}
+	}
+	if pendingUnk {
+		add(uint32(m.unk))
+	}
+	sc.syms = syms
+}
+
+func (m *bpeModel) mergeAll(sc *bpeScratch) {
+	syms := sc.syms
+	n := int32(len(syms))
+	for i := range syms {
+		syms[i].prev = int32(i) - 1
+		syms[i].next = int32(i) + 1
+	}
+	if n > 0 {
+		syms[n-1].next = -1
+	}
+	h := sc.heap[:0]
+	for i := int32(0); i+1 < n; i++ {
+		if v, ok := m.merges[pairKey(syms[i].id, syms[i+1].id)]; ok {
+			h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(i), uint32(v)})
+		}
+	}
+	for len(h) > 0 {
+		var top mergeEntry
+		top, h = heapPop(h)
+		pos := int32(uint32(top.key))
+		cur := &syms[pos]
+		if cur.removed || cur.next < 0 {
+			continue
+		}
+		next := cur.next
+		v, ok := m.merges[pairKey(cur.id, syms[next].id)]
+		if !ok || uint32(v) != top.newID {
+			continue // stale: one side was merged since this was queued
+		}
+		cur.id = top.newID
+		syms[next].removed = true
+		cur.next = syms[next].next
+		if cur.next >= 0 {
+			syms[cur.next].prev = pos
+		}
+		if p := cur.prev; p >= 0 {
+			if v, ok := m.merges[pairKey(syms[p].id, cur.id)]; ok {
+				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(p), uint32(v)})
+			}
+		}
+		if nx := cur.next; nx >= 0 {
+			if v, ok := m.merges[pairKey(cur.id, syms[nx].id)]; ok {
+				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(pos), uint32(v)})
+			}
+		}
+	}
+	sc.heap = h
+}
+
+func heapPush(h []mergeEntry, e mergeEntry) []mergeEntry {
+	h = append(h, e)
+	i := len(h) - 1
+	for i > 0 {
+		p := (i - 1) / 2
+		if h[p].key <= h[i].key {
+			break
+		}
+		h[p], h[i] = h[i], h[p]
+		i = p
+	}
+	return h
+}
+
+func heapPop(h []mergeEntry) (mergeEntry, []mergeEntry) {
+	top := h[0]
+	last := len(h) - 1
+	h[0] = h[last]
+	h = h[:last]
+	i := 0
+	for {
+		l := 2*i + 1
+		if l >= len(h) {
+			break
+		}
+		small := l
+		if r := l + 1; r < len(h) && h[r].key < h[l].key {
+			small = r
+		}
+		if h[i].key <= h[small].key {
+			break
+		}
+		h[i], h[small] = h[small], h[i]
+		i = small
+	}
+	return top, h
+}
+
+// byteLevelRune is GPT-2's bytes_to_unicode: printable bytes stand for
+// themselves, the others for the code points from U+0100 on.
+var byteLevelRune = func() (t [256]rune) {
+	n := rune(0)
+	for b := 0; b < 256; b++ {
+		if ('!' <= b && b <= '~') || (0xA1 <= b && b <= 0xAC) || (0xAE <= b && b <= 0xFF) {
+			t[b] = rune(b)
+		} else {
+			t[b] = 256 + n
+			n++
+		}
+	}
+	return t
+}()
+
+// byteLevelDecode undoes the byte-to-char map, or reports false for text
+// with characters outside it.
+func byteLevelDecode(s string, inv map[rune]byte) (string, bool) {
+	var b strings.Builder
+	b.Grow(len(s))
+	for _, r := range s {
+		c, ok := inv[r]
+		if !ok {
+			return "", false
+		}
+		b.WriteByte(c)
+	}
+	return b.String(), true
+}
+
+// pieceCache remembers the ids of recent pieces (bounded, sharded; a full
+// shard starts over). HF keeps a similar 10,000-word cache.
+type pieceCache struct {
+	shards [16]pieceShard
+	limit  int // entries per shard
+}
+
+type pieceShard struct {
+	mu sync.RWMutex
+	m  map[string][]uint32
+}
+
+func newPieceCache(entries int) *pieceCache {
+	c := &pieceCache{limit: max(entries/16, 1)}
+	for i := range c.shards {
+		c.shards[i].m = make(map[string][]uint32)
+	}
+	return c
+}
+
+func (c *pieceCache) shard(s string) *pieceShard {
+	return &c.shards[xxhash.Sum64String(s)&15]
+}
+
+func (c *pieceCache) get(s string) ([]uint32, bool) {
+	sh := c.shard(s)
+	sh.mu.RLock()
+	ids, ok := sh.m[s]
+	sh.mu.RUnlock()
+	return ids, ok
+}
+
+func (c *pieceCache) put(s string, ids []uint32) {
+	sh := c.shard(s)
+	own := append([]uint32(nil), ids...)
+	key := strings.Clone(s) // never pin the caller's text
+	sh.mu.Lock()
+	if len(sh.m) >= c.limit {
+		clear(sh.m)
+	}
+	sh.m[key] = own
+	sh.mu.Unlock()
+}

@@ -1,0 +1,69 @@
+package tokenize
+
+import (
+	"errors"
+
+	"github.com/kvmesh/kvmesh/chattemplate"
+)
+
+// errNoChatTemplate is what EncodeChat returns for a tokenizer loaded
+// without a chat template (Load, or a directory that has none).
+var errNoChatTemplate = errors.New("tokenize: no chat template loaded (use LoadDir on a model directory with one)")
+
+// chatRenderer is the seam to package chattemplate.
+type chatRenderer interface {
+	Render(chattemplate.Input) (string, error)
+}
+
+func compileChatTemplate(src string) (chatRenderer, error) {
+	t, err := chattemplate.Compile(src)
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// WithChatTemplate renders chats with template source src instead of the
+// directory's own template.
+func WithChatTemplate(src string) Option {
+	return func(o *options) { o.chatTemplate = &src }
+}
+
+// RenderChat renders a chat with the model's template, as transformers'
+// apply_chat_template(tokenize=False) does.
+func (t *HF) RenderChat(chat Chat) (string, error) {
+	return t.renderWith(t.chat, chat)
+}
+
+func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
+	if r == nil {
+		return "", t.chatErr
+	}
+	return r.Render(chattemplate.Input{
+		Messages:             chat.Messages,
+		Tools:                chat.Tools,
+		Kwargs:               chat.TemplateKwargs,
+		AddGenerationPrompt:  chat.AddGenerationPrompt,
+		ContinueFinalMessage: chat.ContinueFinalMessage,
+		BOSToken:             t.bosToken,
+		EOSToken:             t.eosToken,
+	})
+}
+
+// EncodeChat implements Model: render the template, then tokenize without
+// adding special tokens (vLLM's chat path; BOS comes from the template).
+func (t *HF) EncodeChat(chat Chat) (string, []uint32, error) {
+	return t.encodeChat(t.chat, chat, 0)
+}
+
+func (t *HF) encodeChat(r chatRenderer, chat Chat, maxTokens int) (string, []uint32, error) {
+	prompt, err := t.renderWith(r, chat)
+	if err != nil {
+		return "", nil, err
+	}
+	ids, err := t.appendEncode(make([]uint32, 0, len(prompt)/3+4), prompt, false, maxTokens)
+	if err != nil {
+		return prompt, nil, err
+	}
+	return prompt, ids, nil
+}

@@ -1,0 +1,549 @@
+package tokenize
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"sync"
+	"unicode/utf8"
+)
+
+// ErrInvalidUTF8 is returned for prompts that are not valid UTF-8 (HF's
+// tokenizers only ever see Python str, which always is).
+var ErrInvalidUTF8 = errors.New("tokenize: prompt is not valid UTF-8")
+
+// HF is a HuggingFace fast tokenizer (tokenizer.json) run in pure Go,
+// producing the ids the Rust tokenizers library produces. It is safe for
+// concurrent use.
+type HF struct {
+	added     *addedMatcher // added tokens matched on raw text (normalized: false)
+	addedNorm *addedMatcher // added tokens matched after normalization
+	normalize normalizer
+	pre       []preTokenizer
+	model     *bpeModel
+	// The post-processor for a single sequence: ids before and after it.
+	postBefore, postAfter []uint32
+	segments              *segmentCache
+	encoders              sync.Pool
+
+	// From tokenizer_config.json (LoadDir).
+	bosToken, eosToken string
+	chat               chatRenderer
+	chatErr            error
+}
+
+// Option configures a tokenizer at load time.
+type Option func(*options)
+
+type options struct {
+	segmentCacheBytes int64
+	pieceCacheEntries int
+	regexOnly         bool // tests: no hand-written scanners
+	extraAdded        []addedToken
+	chatTemplate      *string
+}
+
+// DefaultSegmentCacheBytes bounds the segment cache unless
+// WithSegmentCacheBytes says otherwise.
+const DefaultSegmentCacheBytes = 64 << 20
+
+// WithSegmentCacheBytes bounds the memory of the cache that keeps the ids of
+// text between special tokens (LRU). 0 disables it.
+func WithSegmentCacheBytes(n int64) Option {
+	return func(o *options) { o.segmentCacheBytes = n }
+}
+
+// Load builds a tokenizer from the contents of a tokenizer.json file.
+func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
+	o := options{segmentCacheBytes: DefaultSegmentCacheBytes, pieceCacheEntries: 1 << 14}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	var f struct {
+		AddedTokens   []addedToken    `json:"added_tokens"`
+		Normalizer    json.RawMessage `json:"normalizer"`
+		PreTokenizer  json.RawMessage `json:"pre_tokenizer"`
+		PostProcessor json.RawMessage `json:"post_processor"`
+		Model         json.RawMessage `json:"model"`
+	}
+	if err := json.Unmarshal(tokenizerJSON, &f); err != nil {
+		return nil, fmt.Errorf("tokenize: tokenizer.json: %w", err)
+	}
+	t := &HF{}
+	var err error
+	if t.normalize, err = parseNormalizer(f.Normalizer); err != nil {
+		return nil, err
+	}
+	if t.pre, err = parsePreTokenizer(f.PreTokenizer, o.regexOnly); err != nil {
+		return nil, err
+	}
+	byteLevel := false
+	for k, p := range t.pre {
+		if _, ok := p.(*byteLevelPre); ok {
+			if k != len(t.pre)-1 {
+				return nil, &UnsupportedError{"pre_tokenizer", "ByteLevel followed by another pre-tokenizer"}
+			}
+			byteLevel = true
+		}
+	}
+	if t.model, err = parseBPE(f.Model, byteLevel); err != nil {
+		return nil, err
+	}
+	if o.pieceCacheEntries > 0 {
+		t.model.cache = newPieceCache(o.pieceCacheEntries)
+	}
+	if err := t.setAddedTokens(mergeAdded(f.AddedTokens, o.extraAdded)); err != nil {
+		return nil, err
+	}
+	if t.postBefore, t.postAfter, err = parsePostProcessor(f.PostProcessor); err != nil {
+		return nil, err
+	}
+	if o.segmentCacheBytes > 0 {
+		t.segments = newSegmentCache(o.segmentCacheBytes)
+	}
+	t.encoders.New = func() any { return &encoder{t: t} }
+	t.chatErr = errNoChatTemplate
+	if o.chatTemplate != nil {
+		t.chat, t.chatErr = compileChatTemplate(*o.chatTemplate)
+	}
+	return t, nil
+}
+
+// mergeAdded adds the tokens of tokenizer_config.json's added_tokens_decoder
+// that tokenizer.json lacks, as transformers does on load.
+func mergeAdded(tokens, extra []addedToken) []addedToken {
+	if len(extra) == 0 {
+		return tokens
+	}
+	have := make(map[string]bool, len(tokens))
+	for _, a := range tokens {
+		have[a.Content] = true
+	}
+	for _, a := range extra {
+		if !have[a.Content] {
+			tokens = append(tokens, a)
+			have[a.Content] = true
+		}
+	}
+	return tokens
+}
+
+func (t *HF) setAddedTokens(tokens []addedToken) error {
+	var raw, normed []addedToken
+	for _, a := range tokens {
+		if a.Normalized && t.normalize != nil {
+			normed = append(normed, a)
+		} else {
+			raw = append(raw, a)
+		}
+	}
+	t.added = newAddedMatcher(raw)
+	t.addedNorm = newAddedMatcher(normed)
+	return nil
+}
+
+func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
+	var j struct {
+		Type                    string            `json:"type"`
+		Dropout                 *float64          `json:"dropout"`
+		UnkToken                *string           `json:"unk_token"`
+		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
+		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
+		FuseUnk                 bool              `json:"fuse_unk"`
+		ByteFallback            bool              `json:"byte_fallback"`
+		IgnoreMerges            bool              `json:"ignore_merges"`
+		Vocab                   map[string]uint32 `json:"vocab"`
+		Merges                  json.RawMessage   `json:"merges"`
+	}
+	if err := json.Unmarshal(raw, &j); err != nil {
+		return nil, fmt.Errorf("tokenize: model: %w", err)
+	}
+	if j.Type == "" && j.Merges != nil {
+		j.Type = "BPE"
+	}
+	if j.Type != "BPE" {
+		return nil, &UnsupportedError{"model", j.Type}
+	}
+	if j.Dropout != nil && *j.Dropout > 0 {
+		return nil, &UnsupportedError{"model", "BPE with dropout (not deterministic)"}
+	}
+	m := &bpeModel{
+		byteLevel:    byteLevel,
+		byteFallback: j.ByteFallback,
+		ignoreMerges: j.IgnoreMerges,
+		fuseUnk:      j.FuseUnk,
+		unk:          -1,
+	}
+	if j.ContinuingSubwordPrefix != nil {
+		m.prefix = *j.ContinuingSubwordPrefix
+	}
+	if j.EndOfWordSuffix != nil {
+		m.suffix = *j.EndOfWordSuffix
+	}
+	if byteLevel && (m.prefix != "" || m.suffix != "") {
+		return nil, &UnsupportedError{"model", "byte-level BPE with continuing_subword_prefix or end_of_word_suffix"}
+	}
+	if j.UnkToken != nil {
+		id, ok := j.Vocab[*j.UnkToken]
+		if !ok {
+			return nil, fmt.Errorf("tokenize: model: unk_token %q is not in the vocabulary", *j.UnkToken)
+		}
+		m.unk = int32(id)
+	}
+	for b := range m.fallbackIDs {
+		m.fallbackIDs[b] = -1
+		if id, ok := j.Vocab[fmt.Sprintf("<0x%02X>", b)]; ok {
+			m.fallbackIDs[b] = int32(id)
+		}
+	}
+	pairs, err := parseMerges(j.Merges)
+	if err != nil {
+		return nil, err
+	}
+	m.merges = make(map[uint64]uint64, len(pairs))
+	for rank, p := range pairs {
+		a, okA := j.Vocab[p[0]]
+		b, okB := j.Vocab[p[1]]
+		if !okA || !okB {
+			return nil, fmt.Errorf("tokenize: model: merge %d (%q %q) uses a token missing from the vocabulary", rank, p[0], p[1])
+		}
+		right := p[1]
+		if m.prefix != "" {
+			right = strings.TrimPrefix(right, m.prefix)
+		}
+		merged, ok := j.Vocab[p[0]+right]
+		if !ok {
+			return nil, fmt.Errorf("tokenize: model: merge %d (%q %q) makes a token missing from the vocabulary", rank, p[0], p[1])
+		}
+		m.merges[pairKey(a, b)] = uint64(rank)<<32 | uint64(merged)
+	}
+	m.vocab = j.Vocab
+	if byteLevel {
+		inv := make(map[rune]byte, 256)
+		for b, r := range byteLevelRune {
+			inv[r] = byte(b)
+			m.byteIDs[b] = -1
+			if id, ok := j.Vocab[string(r)]; ok {
+				m.byteIDs[b] = int32(id)
+			}
+		}
+		rawVocab := make(map[string]uint32, len(j.Vocab))
+		for tok, id := range j.Vocab {
+			if s, ok := byteLevelDecode(tok, inv); ok {
+				rawVocab[s] = id
+			}
+		}
+		m.vocab = rawVocab
+	}
+	return m, nil
+}
+
+// parseMerges reads merges as ["a b", ...] or [["a", "b"], ...].
+func parseMerges(raw json.RawMessage) ([][2]string, error) {
+	if isNull(raw) {
+		return nil, nil
+	}
+	trimmed := bytes.TrimLeft(raw, " \t\r\n")
+	trimmed = bytes.TrimLeft(bytes.TrimPrefix(trimmed, []byte("[")), " \t\r\n")
+	if len(trimmed) > 0 && trimmed[0] == '"' {
+		var list []string
+		if err := json.Unmarshal(raw, &list); err != nil {
+			return nil, fmt.Errorf("tokenize: merges: %w", err)
+		}
+		out := make([][2]string, len(list))
+		for k, s := range list {
+			a, b, ok := strings.Cut(s, " ")
+			if !ok {
+				return nil, fmt.Errorf("tokenize: merges: entry %d %q is not two tokens", k, s)
+			}
+			out[k] = [2]string{a, b}
+		}
+		return out, nil
+	}
+	var out [][2]string
+	if err := json.Unmarshal(raw, &out); err != nil {
+		return nil, fmt.Errorf("tokenize: merges: %w", err)
+	}
+	return out, nil
+}
+
+// parsePostProcessor returns the ids a single sequence gets before and
+// after it when special tokens are requested.
+func parsePostProcessor(raw json.RawMessage) (before, after []uint32, err error) {
+	if isNull(raw) {
+		return nil, nil, nil
+	}
+	var p struct {
+		Type          string            `json:"type"`
+		Processors    []json.RawMessage `json:"processors"`
+		Single        json.RawMessage   `json:"single"`
+		SpecialTokens map[string]struct {
+			IDs []uint32 `json:"ids"`
+		} `json:"special_tokens"`
+		Cls []json.RawMessage `json:"cls"`
+		Sep []json.RawMessage `json:"sep"`
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return nil, nil, fmt.Errorf("tokenize: post_processor: %w", err)
+	}
+	switch p.Type {
+	case "ByteLevel":
+		return nil, nil, nil // offsets only
+	case "Sequence":
+		for _, r := range p.Processors {
+			b, a, err := parsePostProcessor(r)
+			if err != nil {
+				return nil, nil, err
+			}
+			before = append(append([]uint32(nil), b...), before...)
+			after = append(after, a...)
+		}
+		return before, after, nil
+	case "RobertaProcessing", "BertProcessing":
+		var cls, sep uint32
+		if len(p.Cls) != 2 || len(p.Sep) != 2 ||
+			json.Unmarshal(p.Cls[1], &cls) != nil || json.Unmarshal(p.Sep[1], &sep) != nil {
+			return nil, nil, fmt.Errorf("tokenize: post_processor %s: bad cls/sep", p.Type)
+		}
+		return []uint32{cls}, []uint32{sep}, nil
+	case "TemplateProcessing":
+		items, err := templateItems(p.Single)
+		if err != nil {
+			return nil, nil, err
+		}
+		seen := false
+		for _, it := range items {
+			if it.sequence {
+				if it.id != "A" || seen {
+					return nil, nil, &UnsupportedError{"post_processor", "TemplateProcessing single with sequence " + it.id}
+				}
+				seen = true
+				continue
+			}
+			st, ok := p.SpecialTokens[it.id]
+			if !ok {
+				return nil, nil, fmt.Errorf("tokenize: post_processor: special token %q has no ids", it.id)
+			}
+			if seen {
+				after = append(after, st.IDs...)
+			} else {
+				before = append(before, st.IDs...)
+			}
+		}
+		if !seen {
+			return nil, nil, &UnsupportedError{"post_processor", "TemplateProcessing single without $A"}
+		}
+		return before, after, nil
+	}
+	return nil, nil, &UnsupportedError{"post_processor", p.Type}
+}
+
+type templateItem struct {
+	sequence bool
+	id       string
+}
+
+// templateItems reads TemplateProcessing's single template, as a list of
+// {"SpecialToken"|"Sequence": {"id": ...}} or as a string like "<s> $A".
+func templateItems(raw json.RawMessage) ([]templateItem, error) {
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		var items []templateItem
+		for _, f := range strings.Fields(s) {
+			if name, ok := strings.CutPrefix(f, "$"); ok {
+				name, _, _ = strings.Cut(name, ":")
+				if name == "" || name == "0" {
+					name = "A"
+				}
+				items = append(items, templateItem{true, name})
+				continue
+			}
+			name, _, _ := strings.Cut(f, ":")
+			items = append(items, templateItem{false, name})
+		}
+		return items, nil
+	}
+	var list []struct {
+		SpecialToken *struct {
+			ID string `json:"id"`
+		} `json:"SpecialToken"`
+		Sequence *struct {
+			ID string `json:"id"`
+		} `json:"Sequence"`
+	}
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return nil, fmt.Errorf("tokenize: post_processor single: %w", err)
+	}
+	items := make([]templateItem, 0, len(list))
+	for _, it := range list {
+		switch {
+		case it.Sequence != nil:
+			items = append(items, templateItem{true, it.Sequence.ID})
+		case it.SpecialToken != nil:
+			items = append(items, templateItem{false, it.SpecialToken.ID})
+		}
+	}
+	return items, nil
+}
+
+// ---- encoding ----
+
+// encoder is the per-call state of one encode, pooled.
+type encoder struct {
+	t      *HF
+	out    []uint32
+	limit  int // stop once len(out) reaches it
+	err    error
+	sc     bpeScratch
+	spans  []addedSpan
+	spans2 []addedSpan
+}
+
+// emit hands piece s to pre-tokenizer stage next, or to the model after the
+// last stage. It reports whether to go on (the token budget is not spent).
+func (e *encoder) emit(next int, s string, first bool) bool {
+	if next < len(e.t.pre) {
+		return e.t.pre[next].pretokenize(e, s, first, next+1)
+	}
+	e.out = e.t.model.appendPiece(e.out, s, &e.sc)
+	return len(e.out) < e.limit
+}
+
+// emitSpans splits s with a pattern and behaviour and emits the pieces.
+func (e *encoder) emitSpans(next int, s string, first bool, p pattern, b behavior, invert bool) bool {
+	if s == "" {
+		return true
+	}
+	spans, err := p.spans(s, nil)
+	if err != nil {
+		e.err = err
+		return false
+	}
+	for _, sp := range applyBehavior(spans, b, invert) {
+		if !sp.match || sp.start == sp.end {
+			continue
+		}
+		if !e.emit(next, s[sp.start:sp.end], first && sp.start == 0) {
+			return false
+		}
+	}
+	return true
+}
+
+// Encode implements Model.
+func (t *HF) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
+	return t.AppendEncode(make([]uint32, 0, len(text)/3+4), text, addSpecialTokens)
+}
+
+// AppendEncode appends the ids of text to dst. With a segment cache and
+// enough room in dst, re-encoding known text does not allocate.
+func (t *HF) AppendEncode(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
+	return t.appendEncode(dst, text, addSpecialTokens, 0)
+}
+
+// appendEncode stops after maxTokens ids (0: no limit).
+func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxTokens int) ([]uint32, error) {
+	if !utf8.ValidString(text) {
+		return dst, ErrInvalidUTF8
+	}
+	e := t.encoders.Get().(*encoder)
+	base := len(dst)
+	e.out, e.err = dst, nil
+	e.limit = math.MaxInt
+	if maxTokens > 0 {
+		e.limit = base + maxTokens
+	}
+	if addSpecialTokens {
+		e.out = append(e.out, t.postBefore...)
+	}
+	complete := true
+	if t.added == nil {
+		complete = t.segment(e, text, true)
+	} else {
+		e.spans = t.added.split(text, e.spans[:0])
+		for _, sp := range e.spans {
+			if len(e.out) >= e.limit {
+				complete = false
+				break
+			}
+			if sp.tok >= 0 {
+				e.out = append(e.out, t.added.tokens[sp.tok].ID)
+				continue
+			}
+			if !t.segment(e, text[sp.start:sp.end], sp.start == 0) {
+				complete = false
+				break
+			}
+		}
+	}
+	if addSpecialTokens && complete {
+		e.out = append(e.out, t.postAfter...)
+	}
+	out, err := e.out, e.err
+	if len(out) > e.limit {
+		out = out[:e.limit]
+	}
+	e.out = nil
+	t.encoders.Put(e)
+	if err != nil {
+		return dst, err
+	}
+	return out, nil
+}
+
+// minCachedSegment: shorter segments tokenize faster than a cache lookup
+// pays for.
+const minCachedSegment = 16
+
+// segment encodes text between added tokens, through the segment cache. It
+// reports false when the token budget ran out (or an error occurred).
+func (t *HF) segment(e *encoder, seg string, first bool) bool {
+	if seg == "" {
+		return true
+	}
+	cache := t.segments
+	if cache == nil || len(seg) < minCachedSegment {
+		return t.segmentUncached(e, seg, first)
+	}
+	if out, ok := cache.appendTo(e.out, seg, first); ok {
+		e.out = out
+		return len(e.out) < e.limit
+	}
+	mark := len(e.out)
+	if !t.segmentUncached(e, seg, first) {
+		return false
+	}
+	cache.put(seg, first, e.out[mark:])
+	return true
+}
+
+func (t *HF) segmentUncached(e *encoder, seg string, first bool) bool {
+	s := seg
+	if t.normalize != nil {
+		var err error
+		if s, err = t.normalize.normalize(seg); err != nil {
+			e.err = err
+			return false
+		}
+	}
+	if t.addedNorm == nil {
+		return e.emit(0, s, first)
+	}
+	e.spans2 = t.addedNorm.split(s, e.spans2[:0])
+	for _, sp := range e.spans2 {
+		if sp.tok >= 0 {
+			e.out = append(e.out, t.addedNorm.tokens[sp.tok].ID)
+			if len(e.out) >= e.limit {
+				return false
+			}
+			continue
+		}
+		if !e.emit(0, s[sp.start:sp.end], first && sp.start == 0) {
+			return false
+		}
+	}
+	return true
+}
