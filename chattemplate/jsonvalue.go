@@ -236,60 +236,77 @@ func isRangeError(err error) bool {
 }
 
 // str parses a JSON string starting at the opening quote. Invalid UTF-8 is
-// replaced by U+FFFD, as encoding/json does.
+// replaced by U+FFFD, as encoding/json does. A string without escapes is a
+// substring of src; otherwise plain runs are copied in bulk.
 func (p *jsonParser) str() (string, error) {
-	p.pos++ // opening quote
-	start := p.pos
-	// Fast path: no escapes, valid UTF-8 → a substring of src.
-	for p.pos < len(p.src) {
-		c := p.src[p.pos]
-		if c == '"' {
-			s := p.src[start:p.pos]
-			p.pos++
-			return s, nil
-		}
-		if c == '\\' || c < 0x20 {
-			break
-		}
-		if c < utf8.RuneSelf {
-			p.pos++
+	src := p.src
+	i := p.pos + 1 // after the opening quote; kept local so it stays in a register
+	start := i
+	run := start // start of the plain run not yet copied to b
+	var b strings.Builder
+	copied := false // b holds the decoded prefix
+	for i < len(src) {
+		c := src[i]
+		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+			i++
 			continue
 		}
-		r, size := utf8.DecodeRuneInString(p.src[p.pos:])
-		if r == utf8.RuneError && size == 1 {
-			break
-		}
-		p.pos += size
-	}
-	var b strings.Builder
-	b.Grow(p.pos - start + 16)
-	b.WriteString(p.src[start:p.pos])
-	for p.pos < len(p.src) {
-		c := p.src[p.pos]
 		switch {
 		case c == '"':
-			p.pos++
+			p.pos = i + 1
+			if !copied {
+				return src[start:i], nil
+			}
+			b.WriteString(src[run:i])
 			return b.String(), nil
-		case c < 0x20:
-			return "", p.errorf("control character %#02x in string", c)
 		case c == '\\':
+			if !copied {
+				// One allocation: the decoded text is never longer than
+				// the raw text up to the closing quote.
+				b.Grow(rawStringEnd(src, i) - start)
+				copied = true
+			}
+			b.WriteString(src[run:i])
+			p.pos = i
 			if err := p.escape(&b); err != nil {
 				return "", err
 			}
-		case c < utf8.RuneSelf:
-			b.WriteByte(c)
-			p.pos++
+			i = p.pos
+			run = i
+		case c < 0x20:
+			p.pos = i
+			return "", p.errorf("control character %#02x in string", c)
 		default:
-			r, size := utf8.DecodeRuneInString(p.src[p.pos:])
+			r, size := utf8.DecodeRuneInString(src[i:])
 			if r == utf8.RuneError && size == 1 {
+				copied = true
+				b.WriteString(src[run:i])
 				b.WriteRune(utf8.RuneError)
-			} else {
-				b.WriteString(p.src[p.pos : p.pos+size])
+				i++
+				run = i
+				continue
 			}
-			p.pos += size
+			i += size
 		}
 	}
+	p.pos = i
 	return "", p.errorf("unterminated string")
+}
+
+// rawStringEnd returns the offset of the closing quote of the string that
+// contains offset i (or len(src) if there is none).
+func rawStringEnd(src string, i int) int {
+	for i < len(src) {
+		switch src[i] {
+		case '\\':
+			i += 2
+		case '"':
+			return i
+		default:
+			i++
+		}
+	}
+	return len(src)
 }
 
 func (p *jsonParser) escape(b *strings.Builder) error {

@@ -1,0 +1,83 @@
+package chattemplate
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+)
+
+// longChat builds a multi-turn chat of about `chars` characters of content
+// (~4 characters per Llama-3 token, so 128 KiB ≈ 32k tokens) as request JSON.
+func longChat(chars, perMessage int) json.RawMessage {
+	words := strings.Fields(`the router keeps a bloom filter of every resident block and scores
+		replicas by predicted time to first token; a growing conversation re-sends its history
+		so the prefix is cached, and only the newest turn needs new work — "quoted" text, tabs	and
+		unicode like Zürich, 東京 and 😀 appear too`)
+	type msg struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	msgs := []msg{{Role: "system", Content: "You are a helpful assistant."}}
+	total, w := 0, 0
+	for i := 0; total < chars; i++ {
+		var b strings.Builder
+		for b.Len() < perMessage {
+			b.WriteString(words[w%len(words)])
+			b.WriteByte(' ')
+			w++
+		}
+		role := "user"
+		if i%2 == 1 {
+			role = "assistant"
+		}
+		msgs = append(msgs, msg{Role: role, Content: fmt.Sprintf("turn %d: %s", i, b.String())})
+		total += b.Len()
+	}
+	if msgs[len(msgs)-1].Role != "user" {
+		msgs = append(msgs, msg{Role: "user", Content: "and now?"})
+	}
+	data, err := json.Marshal(msgs)
+	if err != nil {
+		panic(err)
+	}
+	return data
+}
+
+// BenchmarkRenderLlama3_32k renders a ~32k-token, 200-turn chat with the
+// Llama-3 template: the whole cost the router pays per chat request before
+// tokenizing (JSON decode into ordered values + template execution).
+func BenchmarkRenderLlama3_32k(b *testing.B) {
+	tmpl, err := Compile(llama3Template)
+	if err != nil {
+		b.Fatal(err)
+	}
+	in := Input{Messages: longChat(128<<10, 640), AddGenerationPrompt: true, BOSToken: "<|begin_of_text|>", EOSToken: "<|eot_id|>"}
+	out, err := tmpl.Render(in)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(out)))
+	b.ReportAllocs()
+	cpu0 := processCPU()
+	for b.Loop() {
+		if _, err := tmpl.Render(in); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
+}
+
+// BenchmarkDecodeMessages_32k is the JSON → ordered values part alone.
+func BenchmarkDecodeMessages_32k(b *testing.B) {
+	raw := longChat(128<<10, 640)
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	cpu0 := processCPU()
+	for b.Loop() {
+		if _, err := decodeMessages(raw); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
+}
