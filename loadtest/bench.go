@@ -1,0 +1,238 @@
+package loadtest
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvmesh/kvmesh/loadtest/cluster"
+	"github.com/kvmesh/kvmesh/loadtest/report"
+	"github.com/kvmesh/kvmesh/loadtest/workload"
+)
+
+// Config is one scenario run over several policies.
+type Config struct {
+	Scenario    Scenario
+	Policies    []string
+	Replicas    int
+	Routers     int
+	TimeScale   float64
+	Duration    time.Duration // wall length of the arrival phase
+	Seed        uint64
+	MaxRequests int
+	BinDir      string
+	OutDir      string
+	Model       string
+	// Drain bounds the wait for in-flight requests after the last arrival
+	// (wall); default 30 s.
+	Drain time.Duration
+	// Extra flags per binary, passed through to the cluster.
+	EngineArgs, SidecarArgs, RouterArgs []string
+	Log                                 zerolog.Logger
+}
+
+// Result is a finished scenario.
+type Result struct {
+	Report report.Report
+	// TTFT holds each policy's successful TTFTs in simulated ms (for plots).
+	TTFT map[string][]float64
+}
+
+// Bench generates the scenario's workload once and replays it through a
+// fresh cluster per policy, so every policy starts with cold caches and
+// sees identical traffic.
+func Bench(ctx context.Context, cfg Config) (Result, error) {
+	sc := cfg.Scenario
+	if cfg.Replicas <= 0 {
+		cfg.Replicas = sc.Replicas
+	}
+	if cfg.Routers <= 0 {
+		cfg.Routers = 1
+	}
+	if cfg.TimeScale <= 0 {
+		cfg.TimeScale = sc.TimeScale
+	}
+	if cfg.Duration <= 0 {
+		cfg.Duration = sc.Duration
+	}
+	if len(cfg.Policies) == 0 {
+		cfg.Policies = sc.Policies
+	}
+	if cfg.Model == "" {
+		cfg.Model = "sim"
+	}
+	if cfg.Drain <= 0 {
+		cfg.Drain = 30 * time.Second
+	}
+	sim := time.Duration(float64(cfg.Duration) / cfg.TimeScale)
+	w, err := sc.Generate(cfg.Seed, sim)
+	if err != nil {
+		return Result{}, fmt.Errorf("scenario %s: %w", sc.Name, err)
+	}
+	w.Truncate(cfg.MaxRequests)
+	if len(w.Requests) == 0 {
+		return Result{}, fmt.Errorf("scenario %s: the workload is empty", sc.Name)
+	}
+	kv := sc.KVBlocks(w, cfg.Replicas)
+	rep := report.Report{
+		Scenario: sc.Name, Replicas: cfg.Replicas, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
+		Requests: len(w.Requests), KVBlocks: kv, DemandBlocks: w.DemandBlocks, Units: report.Units,
+		Policies: map[string]report.Summary{},
+	}
+	res := Result{Report: rep, TTFT: map[string][]float64{}}
+	cfg.Log.Info().Str("scenario", sc.Name).Int("requests", len(w.Requests)).Dur("simulated", w.Span()).
+		Int("kv_blocks", kv).Int("demand_blocks", w.DemandBlocks).Int("replicas", cfg.Replicas).
+		Int("routers", cfg.Routers).Float64("time_scale", cfg.TimeScale).Msg("workload ready")
+
+	for _, policy := range cfg.Policies {
+		if err := ctx.Err(); err != nil {
+			return res, err
+		}
+		sum, ttft, err := runPolicy(ctx, cfg, policy, w, kv)
+		if err != nil {
+			return res, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, policy, err)
+		}
+		res.Report.Order = append(res.Report.Order, policy)
+		res.Report.Policies[policy] = sum
+		res.TTFT[policy] = ttft
+	}
+	return res, nil
+}
+
+func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Workload, kv int) (report.Summary, []float64, error) {
+	dir := filepath.Join(cfg.OutDir, cfg.Scenario.Name, policy)
+	log := cfg.Log.With().Str("scenario", cfg.Scenario.Name).Str("policy", policy).Logger()
+	started := time.Now()
+	cl, err := cluster.Start(ctx, cluster.Config{
+		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: policy,
+		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
+		EngineArgs: cfg.EngineArgs, SidecarArgs: cfg.SidecarArgs, RouterArgs: cfg.RouterArgs,
+	})
+	if err != nil {
+		return report.Summary{}, nil, err
+	}
+	defer func() {
+		if killed := cl.Stop(); len(killed) > 0 {
+			log.Warn().Strs("killed", killed).Msg("processes needed SIGKILL")
+		}
+	}()
+	log.Info().Dur("startup", time.Since(started)).Strs("routers", cl.Routers).Str("logs", dir).Msg("cluster ready")
+
+	client := NewClient(cfg.Model)
+	defer client.HTTP.CloseIdleConnections()
+	out := Replay(ctx, client, w, ReplayOptions{Targets: cl.Routers, TimeScale: cfg.TimeScale, Drain: cfg.Drain})
+	for i := range out.Records {
+		out.Records[i].Policy = policy
+	}
+	if err := ctx.Err(); err != nil {
+		return report.Summary{}, nil, err
+	}
+	if err := cl.Exited(); err != nil {
+		return report.Summary{}, nil, fmt.Errorf("a process died during the run: %w", err)
+	}
+	degradations := 0
+	for _, r := range cl.Routers {
+		n, err := scrapeCounter(ctx, r+"/metrics", "kvmesh_router_degradations_total")
+		if err != nil {
+			log.Warn().Err(err).Str("router", r).Msg("degradations not scraped")
+		}
+		degradations += n
+	}
+	if err := writeRecords(filepath.Join(dir, "records.jsonl"), out.Records); err != nil {
+		log.Warn().Err(err).Msg("records not written")
+	}
+	sum := report.Summarize(out.Records, cfg.TimeScale, degradations)
+	ev := log.Info()
+	if out.MaxLag > 100*time.Millisecond {
+		ev = log.Warn().Str("note", "load generator fell behind schedule: CPU-starved")
+	}
+	ev.Dur("wall", out.Wall).Dur("max_send_lag", out.MaxLag).Float64("ttft_p90_ms", sum.TTFT.P90).Int("errors", sum.Errors).Msg("policy done")
+	var ttft []float64
+	for _, r := range out.Records {
+		if r.OK() {
+			ttft = append(ttft, report.SimMillis(r.TTFT, cfg.TimeScale))
+		}
+	}
+	return sum, ttft, nil
+}
+
+// scrapeCounter sums every sample of a Prometheus counter family.
+func scrapeCounter(ctx context.Context, url, name string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("%s: status %d", url, resp.StatusCode)
+	}
+	return sumCounter(io.LimitReader(resp.Body, 32<<20), name)
+}
+
+// sumCounter adds the values of name's samples in Prometheus text format.
+func sumCounter(r io.Reader, name string) (int, error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	total, found := 0.0, false
+	for sc.Scan() {
+		line := sc.Text()
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (rest != "" && rest[0] != ' ' && rest[0] != '{') {
+			continue
+		}
+		fields := strings.Fields(rest[strings.LastIndexByte(rest, '}')+1:])
+		if len(fields) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(fields[0], 64)
+		if err != nil {
+			return 0, fmt.Errorf("metric %s: %q: %w", name, line, err)
+		}
+		total += v
+		found = true
+	}
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	if !found {
+		return 0, errors.New("metric " + name + " not exported")
+	}
+	return int(total), nil
+}
+
+func writeRecords(path string, recs []report.Record) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriter(f)
+	enc := json.NewEncoder(bw)
+	for _, r := range recs {
+		if err := enc.Encode(r); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	if err := bw.Flush(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}

@@ -1,0 +1,187 @@
+// Package loadtest replays seeded workloads through a kvmesh fleet it
+// starts itself, one fresh cluster per routing policy, and reports the
+// policies side by side (see cmd/loadtest and CONTRACT.md).
+package loadtest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/kvmesh/kvmesh/loadtest/report"
+	"github.com/kvmesh/kvmesh/loadtest/workload"
+)
+
+// Client sends workload requests as streamed chat completions and times
+// them: TTFT at the first chunk carrying content, E2E at the stream's end.
+type Client struct {
+	HTTP  *http.Client
+	Model string
+}
+
+// NewClient returns a client whose transport keeps enough idle
+// connections for an open-loop burst to each target.
+func NewClient(model string) *Client {
+	tr := &http.Transport{
+		Proxy:               nil,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        4096,
+		MaxIdleConnsPerHost: 4096,
+		IdleConnTimeout:     90 * time.Second,
+		DisableCompression:  true,
+	}
+	return &Client{HTTP: &http.Client{Transport: tr}, Model: model}
+}
+
+type chatBody struct {
+	Model         string             `json:"model"`
+	Messages      []workload.Message `json:"messages"`
+	MaxTokens     int                `json:"max_tokens"`
+	Stream        bool               `json:"stream"`
+	StreamOptions struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	Temperature float64 `json:"temperature"`
+}
+
+// chunk is the part of a streamed chat chunk the client reads.
+type chunk struct {
+	Choices []struct {
+		Delta struct {
+			Content string `json:"content"`
+		} `json:"delta"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		PromptTokensDetails *struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+// Do sends r to base (a router or engine URL) and returns its record;
+// Start is left for the caller. It never panics on a bad response: every
+// failure is an error string in the record.
+func (c *Client) Do(ctx context.Context, base string, r workload.Request) report.Record {
+	rec := report.Record{Router: base, Key: r.Key, PredictedCached: -1, PromptTokens: r.PromptTokens}
+	body := chatBody{Model: c.Model, Messages: r.Messages, MaxTokens: r.MaxTokens, Stream: true}
+	body.StreamOptions.IncludeUsage = true
+	raw, err := json.Marshal(body)
+	if err != nil {
+		rec.Err = err.Error()
+		return rec
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(raw))
+	if err != nil {
+		rec.Err = err.Error()
+		return rec
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "text/event-stream")
+	start := time.Now()
+	resp, err := c.HTTP.Do(req)
+	if err != nil {
+		rec.Err = classify(ctx, err, "connect")
+		return rec
+	}
+	defer resp.Body.Close()
+	rec.Status = resp.StatusCode
+	rec.Replica = resp.Header.Get("X-Kvmesh-Replica")
+	rec.Mode = resp.Header.Get("X-Kvmesh-Mode")
+	if v := resp.Header.Get("X-Kvmesh-Cached-Tokens"); v != "" {
+		if n, err := strconv.Atoi(v); err == nil {
+			rec.PredictedCached = n
+		}
+	}
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		rec.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
+		return rec
+	}
+	contentChunks := 0
+	sawUsage, done := false, false
+	br := bufio.NewReaderSize(resp.Body, 64<<10)
+	for !done {
+		line, err := br.ReadSlice('\n')
+		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
+			if errors.Is(err, bufio.ErrBufferFull) {
+				rec.Err = "stream: SSE line over 64 KiB"
+			} else if errors.Is(err, io.EOF) {
+				rec.Err = "stream ended without [DONE]"
+			} else {
+				rec.Err = classify(ctx, err, "stream")
+			}
+			break
+		}
+		done = errors.Is(err, io.EOF)
+		data, ok := bytes.CutPrefix(bytes.TrimSpace(line), []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		if bytes.Equal(data, []byte("[DONE]")) {
+			done = true
+			break
+		}
+		// After the first token, only chunks with usage or an error need
+		// decoding; counting the rest keeps the client cheap.
+		if rec.TTFT > 0 && !bytes.Contains(data, []byte(`"prompt_tokens"`)) && !bytes.Contains(data, []byte(`"error"`)) {
+			contentChunks++
+			continue
+		}
+		var ch chunk
+		if err := json.Unmarshal(data, &ch); err != nil {
+			rec.Err = "stream: bad chunk: " + err.Error()
+			break
+		}
+		if ch.Error != nil {
+			rec.Err = "stream error: " + ch.Error.Message
+			break
+		}
+		for _, c := range ch.Choices {
+			if c.Delta.Content != "" {
+				if rec.TTFT == 0 {
+					rec.TTFT = max(time.Since(start), time.Nanosecond)
+				}
+				contentChunks++
+				break
+			}
+		}
+		if ch.Usage != nil && ch.Usage.PromptTokens > 0 {
+			sawUsage = true
+			rec.PromptTokens = ch.Usage.PromptTokens
+			rec.OutputTokens = ch.Usage.CompletionTokens
+			if d := ch.Usage.PromptTokensDetails; d != nil {
+				rec.ActualCached = d.CachedTokens
+			}
+		}
+	}
+	rec.E2E = time.Since(start)
+	if rec.Err == "" && rec.TTFT == 0 {
+		rec.Err = "stream had no content"
+	}
+	if rec.Err == "" && !sawUsage {
+		rec.OutputTokens = contentChunks
+	}
+	return rec
+}
+
+// classify names a transport failure, telling our own deadline apart.
+func classify(ctx context.Context, err error, phase string) string {
+	if ctx.Err() != nil {
+		return phase + ": " + context.Cause(ctx).Error()
+	}
+	return phase + ": " + err.Error()
+}

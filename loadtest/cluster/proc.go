@@ -1,0 +1,113 @@
+package cluster
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Proc is one child process in its own process group, so stopping it also
+// stops anything it started and a terminal's Ctrl-C reaches only the load
+// test, which then tears the cluster down in order.
+type Proc struct {
+	Name    string
+	LogPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	waitErr error
+	stop    sync.Once
+}
+
+// StartProc starts bin with args, stdout and stderr appended to logPath.
+func StartProc(name, bin string, args []string, logPath string) (*Proc, error) {
+	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
+		return nil, err
+	}
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(logf, "# %s %s\n", bin, strings.Join(args, " "))
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	// Pdeathsig: if the load test itself is killed, the kernel kills the
+	// children; Setpgid: signals go to the child's whole group.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &Proc{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		p.waitErr = cmd.Wait()
+		logf.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// Pid returns the child's pid, which is also its process group id.
+func (p *Proc) Pid() int { return p.cmd.Process.Pid }
+
+// Exited reports whether the process has ended, and how.
+func (p *Proc) Exited() (bool, error) {
+	select {
+	case <-p.done:
+		return true, p.waitErr
+	default:
+		return false, nil
+	}
+}
+
+// signalGroup signals the process group; ESRCH (already gone) is fine.
+func (p *Proc) signalGroup(sig syscall.Signal) {
+	if err := syscall.Kill(-p.Pid(), sig); err != nil && !errors.Is(err, syscall.ESRCH) {
+		_ = p.cmd.Process.Signal(sig)
+	}
+}
+
+// Stop sends SIGTERM to the group, then SIGKILL after grace, and waits for
+// the process to be reaped. It reports whether SIGKILL was needed. Safe to
+// call more than once and concurrently.
+func (p *Proc) Stop(grace time.Duration) (killed bool) {
+	p.stop.Do(func() {
+		select {
+		case <-p.done:
+			// The leader is gone; sweep any group members it left behind.
+			p.signalGroup(syscall.SIGKILL)
+			return
+		default:
+		}
+		p.signalGroup(syscall.SIGTERM)
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		select {
+		case <-p.done:
+		case <-t.C:
+			killed = true
+			p.signalGroup(syscall.SIGKILL)
+			<-p.done
+		}
+		// Children that ignored SIGTERM while the leader exited.
+		p.signalGroup(syscall.SIGKILL)
+	})
+	return killed
+}
+
+// TailLog returns up to the last n bytes of the process's log.
+func (p *Proc) TailLog(n int) string {
+	data, err := os.ReadFile(p.LogPath)
+	if err != nil {
+		return ""
+	}
+	if len(data) > n {
+		data = data[len(data)-n:]
+	}
+	return string(data)
+}

@@ -1,0 +1,115 @@
+package cluster
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// liveInGroup lists the non-zombie processes whose process group is pgid.
+func liveInGroup(t *testing.T, pgid int) []int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Skipf("no /proc: %v", err)
+	}
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid pgrp ...; comm may contain spaces.
+		rest := string(data[strings.LastIndexByte(string(data), ')')+2:])
+		f := strings.Fields(rest)
+		if len(f) < 3 || f[0] == "Z" {
+			continue
+		}
+		if g, _ := strconv.Atoi(f[2]); g == pgid {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+func waitGroupSize(t *testing.T, pgid, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for len(liveInGroup(t, pgid)) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("group %d never reached %d processes", pgid, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestStopTerminatesTheWholeGroup(t *testing.T) {
+	log := filepath.Join(t.TempDir(), "p.log")
+	p, err := StartProc("pair", "/bin/sh", []string{"-c", "sleep 60 & sleep 60"}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitGroupSize(t, p.Pid(), 3)
+	start := time.Now()
+	if killed := p.Stop(5 * time.Second); killed {
+		t.Fatal("SIGTERM was not enough for sleep")
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("stop took %v", d)
+	}
+	if left := liveInGroup(t, p.Pid()); len(left) > 0 {
+		t.Fatalf("processes left in group: %v", left)
+	}
+	if done, _ := p.Exited(); !done {
+		t.Fatal("not reaped")
+	}
+	p.Stop(time.Second) // idempotent
+	data, _ := os.ReadFile(log)
+	if !strings.HasPrefix(string(data), "# /bin/sh -c sleep 60 & sleep 60") {
+		t.Fatalf("log header: %q", data)
+	}
+}
+
+func TestStopKillsWhatIgnoresSIGTERM(t *testing.T) {
+	p, err := StartProc("stubborn", "/bin/sh", []string{"-c", `trap "" TERM; sleep 60 & sleep 60; wait`}, filepath.Join(t.TempDir(), "p.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitGroupSize(t, p.Pid(), 3)
+	start := time.Now()
+	if killed := p.Stop(300 * time.Millisecond); !killed {
+		t.Fatal("a process ignoring SIGTERM stopped without SIGKILL")
+	}
+	if d := time.Since(start); d < 300*time.Millisecond || d > 3*time.Second {
+		t.Fatalf("stop took %v, want just over the grace period", d)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for len(liveInGroup(t, p.Pid())) > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("left: %v", liveInGroup(t, p.Pid()))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestPortPickerHandsOutDistinctPorts(t *testing.T) {
+	var pp portPicker
+	seen := map[int]bool{}
+	for range 50 {
+		port, err := pp.gossip()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if seen[port] {
+			t.Fatalf("port %d handed out twice", port)
+		}
+		seen[port] = true
+	}
+}

@@ -1,0 +1,45 @@
+package loadtest
+
+import (
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestScenarioSizing checks every scenario fits the machine: requests per
+// policy run bounded, and tenants sized as the issue asks (KV demand ≈ 70 %
+// of the fleet and ≈ 6× one replica).
+func TestScenarioSizing(t *testing.T) {
+	trace := filepath.Join("..", DefaultTrace)
+	tp := TraceDefaults
+	tp.Limit = 100 // synthesizing 13k-token prompts is slow under -race
+	for name, sc := range Scenarios(trace, tp) {
+		sim := time.Duration(float64(sc.Duration) / sc.TimeScale)
+		w, err := sc.Generate(1, sim)
+		if err != nil {
+			if name == "trace" {
+				t.Logf("trace: %v", err)
+				continue
+			}
+			t.Fatal(err)
+		}
+		kv := sc.KVBlocks(w, sc.Replicas)
+		tokens := 0
+		for _, r := range w.Requests {
+			tokens += r.PromptTokens
+		}
+		wallRate := float64(len(w.Requests)) / (float64(w.Span()) * sc.TimeScale / float64(time.Second))
+		t.Logf("%-9s %5d requests over %5.1f s simulated (%.0f req/s wall), mean prompt %5d tokens, demand %6d blocks, kv %6d blocks/replica",
+			name, len(w.Requests), w.Span().Seconds(), wallRate, tokens/max(1, len(w.Requests)), w.DemandBlocks, kv)
+		if len(w.Requests) > 2000 {
+			t.Errorf("%s: %d requests per policy is more than this machine should replay", name, len(w.Requests))
+		}
+		if name == "tenants" {
+			fill := float64(w.DemandBlocks) / float64(kv*sc.Replicas)
+			perReplica := float64(w.DemandBlocks) / float64(kv)
+			if fill < 0.65 || fill > 0.75 || perReplica < 5 || perReplica > 7 {
+				t.Errorf("tenants demand is %.0f%% of the fleet and %.1f× one replica; want ≈70%% and ≈6×", 100*fill, perReplica)
+			}
+		}
+	}
+}
