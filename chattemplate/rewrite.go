@@ -1,6 +1,243 @@
 package chattemplate
 
-import "strings"
+import (
+	"fmt"
+	"strings"
+	"unicode/utf8"
+)
+
+// preprocess turns a chat template into source that jinja v1.8.0 renders
+// the way jinja2 does, by doing jinja2's lexer work itself:
+//
+//   - newlines are folded ("\r\n" and "\r" to "\n", one trailing newline
+//     dropped: keep_trailing_newline=False);
+//   - whitespace control is applied as jinja2 does it ("-" and "+" markers,
+//     trim_blocks, lstrip_blocks). jinja v1.8.0 gets this wrong: a block
+//     tag's trim_blocks eats the first newline of the next *text* even
+//     when an expression comes between ("{% for %}{{ x }}\n" loses the
+//     "\n"). So every piece of text is emitted as a string literal
+//     expression ({{ '...' }}), markers are removed, and jinja's own
+//     trimming finds no text to touch;
+//   - comments are dropped and {% raw %} bodies become literals;
+//   - filters jinja gets wrong are renamed (see overriddenFilters).
+func preprocess(src string) (string, error) {
+	src = foldNewlines(src)
+	var out strings.Builder
+	out.Grow(len(src) + len(src)/4)
+	pos := 0
+	lineStarting := true // did the previous token end with "\n"?
+	for {
+		open := nextOpener(src, pos)
+		if open < 0 {
+			emitText(&out, src[pos:])
+			return out.String(), nil
+		}
+		kind := src[open+1] // '{', '%' or '#'
+		body := open + 2
+		sign := byte(0)
+		if body < len(src) && (src[body] == '-' || src[body] == '+') {
+			sign = src[body]
+			body++
+		}
+		text := leftStrip(src[pos:open], sign, kind != '{', lineStarting)
+		emitText(&out, text)
+
+		if kind == '#' {
+			end := strings.Index(src[body:], "#}")
+			if end < 0 {
+				return "", syntaxError(src, open, "unclosed comment")
+			}
+			end += body
+			closeSign := byte(0)
+			if end > body && (src[end-1] == '-' || src[end-1] == '+') {
+				closeSign = src[end-1]
+			}
+			pos, lineStarting = rightStrip(src, end+2, closeSign, true)
+			continue
+		}
+
+		closer := "}}"
+		if kind == '%' {
+			closer = "%}"
+		}
+		end, ok := findCloser(src, body, closer)
+		if !ok {
+			return "", syntaxError(src, open, "unclosed tag")
+		}
+		content := src[body:end]
+		closeSign := byte(0)
+		if strings.HasSuffix(content, "-") || (kind == '%' && strings.HasSuffix(content, "+")) {
+			closeSign = content[len(content)-1]
+			content = content[:len(content)-1]
+		}
+		after := end + 2
+
+		if kind == '%' && strings.TrimSpace(content) == "raw" {
+			// {% raw %}: no trim_blocks after the opening tag, only "-".
+			if closeSign == '-' {
+				after = skipSpace(src, after)
+			}
+			rawStart := after
+			endOpen, endSign, endClose, closeEnd, found := findEndraw(src, rawStart)
+			if !found {
+				return "", syntaxError(src, open, "missing endraw")
+			}
+			rawLineStarting := after > 0 && src[after-1] == '\n'
+			emitText(&out, leftStrip(src[rawStart:endOpen], endSign, true, rawLineStarting))
+			pos, lineStarting = rightStrip(src, closeEnd, endClose, true)
+			continue
+		}
+
+		out.WriteString("{")
+		out.WriteByte(kind)
+		out.WriteString(renameFilters(content))
+		out.WriteString(closer)
+		pos, lineStarting = rightStrip(src, after, closeSign, kind == '%')
+	}
+}
+
+// nextOpener finds the next "{{", "{%" or "{#" at or after pos.
+func nextOpener(src string, pos int) int {
+	for {
+		i := strings.IndexByte(src[pos:], '{')
+		if i < 0 {
+			return -1
+		}
+		i += pos
+		if i+1 < len(src) && (src[i+1] == '{' || src[i+1] == '%' || src[i+1] == '#') {
+			return i
+		}
+		pos = i + 1
+	}
+}
+
+// findCloser finds closer in a tag body, skipping quoted strings the way
+// jinja's scanner does.
+func findCloser(src string, i int, closer string) (int, bool) {
+	for i+1 < len(src) {
+		c := src[i]
+		if c == '\'' || c == '"' {
+			i++
+			for i < len(src) && src[i] != c {
+				if src[i] == '\\' {
+					i++
+				}
+				i++
+			}
+			i++
+			continue
+		}
+		if c == closer[0] && src[i+1] == closer[1] {
+			return i, true
+		}
+		i++
+	}
+	return 0, false
+}
+
+// findEndraw locates "{%[-+] endraw [-+]%}" after a raw block's body: where
+// it opens, its two whitespace-control signs and where it ends.
+func findEndraw(src string, from int) (open int, openSign, closeSign byte, closeEnd int, ok bool) {
+	for pos := from; ; {
+		i := strings.Index(src[pos:], "{%")
+		if i < 0 {
+			return 0, 0, 0, 0, false
+		}
+		open = pos + i
+		b := open + 2
+		var sign byte
+		if b < len(src) && (src[b] == '-' || src[b] == '+') {
+			sign = src[b]
+			b++
+		}
+		end, found := findCloser(src, b, "%}")
+		if found {
+			content := src[b:end]
+			var cs byte
+			if strings.HasSuffix(content, "-") || strings.HasSuffix(content, "+") {
+				cs = content[len(content)-1]
+				content = content[:len(content)-1]
+			}
+			if strings.TrimSpace(content) == "endraw" {
+				return open, sign, cs, end + 2, true
+			}
+		}
+		pos = open + 2
+	}
+}
+
+// leftStrip applies whitespace control to the text before a tag: "-"
+// strips all trailing whitespace; otherwise lstrip_blocks strips the
+// indentation before a block or comment tag that starts its line.
+func leftStrip(text string, sign byte, isBlock, lineStarting bool) string {
+	switch {
+	case sign == '-':
+		return strings.TrimRightFunc(text, pyIsSpace)
+	case sign == '+' || !isBlock:
+		return text
+	}
+	lpos := strings.LastIndexByte(text, '\n') + 1
+	if lpos == 0 && !lineStarting {
+		return text
+	}
+	rest := text[lpos:]
+	if rest != "" && strings.TrimLeftFunc(rest, pyIsSpace) == "" {
+		return text[:lpos]
+	}
+	return text
+}
+
+// rightStrip applies whitespace control after a tag ending at pos: "-"
+// skips all whitespace; trim_blocks (block and comment tags without "+")
+// skips one "\n". It reports where text resumes and whether the tag's match
+// ended with a newline (jinja2's line_starting).
+func rightStrip(src string, pos int, sign byte, isBlock bool) (int, bool) {
+	switch {
+	case sign == '-':
+		pos = skipSpace(src, pos)
+	case sign != '+' && isBlock && pos < len(src) && src[pos] == '\n':
+		pos++
+	}
+	return pos, pos > 0 && src[pos-1] == '\n'
+}
+
+func skipSpace(src string, pos int) int {
+	for pos < len(src) {
+		r, size := utf8.DecodeRuneInString(src[pos:])
+		if !pyIsSpace(r) {
+			break
+		}
+		pos += size
+	}
+	return pos
+}
+
+// emitText writes text as a string literal expression for jinja's tokenizer
+// (which understands \\, \' and \n escapes).
+func emitText(out *strings.Builder, text string) {
+	if text == "" {
+		return
+	}
+	out.WriteString("{{ '")
+	for i := 0; i < len(text); i++ {
+		switch c := text[i]; c {
+		case '\\':
+			out.WriteString(`\\`)
+		case '\'':
+			out.WriteString(`\'`)
+		case '\n':
+			out.WriteString(`\n`)
+		default:
+			out.WriteByte(c)
+		}
+	}
+	out.WriteString("' }}")
+}
+
+func syntaxError(src string, at int, what string) error {
+	line := 1 + strings.Count(src[:at], "\n")
+	return fmt.Errorf("%s at line %d", what, line)
+}
 
 // foldNewlines does what jinja2's lexer does to template source before
 // anything else: every "\r\n", "\r" and "\n" becomes "\n", and one trailing
@@ -16,118 +253,64 @@ func foldNewlines(src string) string {
 // Filters jinja v1.8.0 gets wrong. Its filter lookup consults only its own
 // built-ins, then falls back to a template variable of the same name, so a
 // built-in cannot be replaced directly; instead renameFilters rewrites
-// "| tojson" in the source to "| kvmesh_tojson__", which Render supplies.
+// "| tojson" in tag code to "| kvmesh_tojson__", which Render supplies.
 var overriddenFilters = map[string]string{
 	"tojson": "kvmesh_tojson__",
 	"trim":   "kvmesh_trim__",
 }
 
-// renameFilters rewrites filter applications named in overriddenFilters.
-// It scans tags the way jinja's scanner does ({{ }}, {% %}, {# #}, quoted
-// strings inside tags, {% raw %} bodies left alone) and renames an
-// identifier only where it directly follows a '|' inside a tag, so text,
-// string literals and attribute names are never touched.
-func renameFilters(src string) string {
+// renameFilters rewrites, in the code of one tag, identifiers named in
+// overriddenFilters that directly follow a '|'. String literals are skipped,
+// so only filter applications change.
+func renameFilters(code string) string {
 	var b strings.Builder
-	last := 0 // src[last:] not yet copied to b
-	inRaw := false
-	for i := 0; i+1 < len(src); {
-		if src[i] != '{' {
-			i++
-			continue
-		}
-		var closer string
-		switch src[i+1] {
-		case '{':
-			closer = "}}"
-		case '%':
-			closer = "%}"
-		case '#':
-			closer = "#}"
-		default:
-			i++
-			continue
-		}
-		if closer == "#}" {
-			end := strings.Index(src[i+2:], "#}")
-			if end < 0 {
-				break // unclosed: let jinja report it
-			}
-			i += 2 + end + 2
-			continue
-		}
-		// Find the closer, skipping quoted strings as jinja's scanner does.
-		j := i + 2
-		var names []int // byte offsets of identifiers to rename
-		prevSignificant := byte(0)
-		for j < len(src) {
-			c := src[j]
-			if c == '\'' || c == '"' {
-				j++
-				for j < len(src) && src[j] != c {
-					if src[j] == '\\' && j+1 < len(src) {
-						j++
-					}
+	last := 0
+	prev := byte(0) // previous significant character
+	for j := 0; j < len(code); {
+		c := code[j]
+		if c == '\'' || c == '"' {
+			j++
+			for j < len(code) && code[j] != c {
+				if code[j] == '\\' {
 					j++
 				}
 				j++
-				prevSignificant = c
-				continue
-			}
-			if j+1 < len(src) && c == closer[0] && src[j+1] == closer[1] {
-				break
-			}
-			if isIdentStart(c) {
-				k := j
-				for k < len(src) && isIdentChar(src[k]) {
-					k++
-				}
-				if prevSignificant == '|' && !inRaw {
-					if _, ok := overriddenFilters[src[j:k]]; ok {
-						names = append(names, j)
-					}
-				}
-				prevSignificant = 'a'
-				j = k
-				continue
-			}
-			if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
-				prevSignificant = c
 			}
 			j++
+			prev = c
+			continue
 		}
-		if j >= len(src) {
-			break // unclosed tag: jinja reports it
-		}
-		if closer == "%}" {
-			switch stmtKeyword(src[i+2 : j]) {
-			case "raw":
-				inRaw = true
-			case "endraw":
-				inRaw = false
-			}
-		}
-		for _, n := range names {
-			k := n
-			for k < len(src) && isIdentChar(src[k]) {
+		if isIdentStart(c) {
+			k := j
+			for k < len(code) && isIdentChar(code[k]) {
 				k++
 			}
-			b.WriteString(src[last:n])
-			b.WriteString(overriddenFilters[src[n:k]])
-			last = k
+			if prev == '|' {
+				if repl, ok := overriddenFilters[code[j:k]]; ok {
+					b.WriteString(code[last:j])
+					b.WriteString(repl)
+					last = k
+				}
+			}
+			prev = 'a'
+			j = k
+			continue
 		}
-		i = j + 2
+		if c != ' ' && c != '\t' && c != '\n' {
+			prev = c
+		}
+		j++
 	}
 	if last == 0 {
-		return src
+		return code
 	}
-	b.WriteString(src[last:])
+	b.WriteString(code[last:])
 	return b.String()
 }
 
 // stmtKeyword returns the first word of a statement tag's content.
 func stmtKeyword(s string) string {
-	s = strings.TrimLeft(s, "-+ \t\n\r")
+	s = strings.TrimLeft(s, " \t\n")
 	k := 0
 	for k < len(s) && isIdentChar(s[k]) {
 		k++

@@ -90,7 +90,11 @@ var ErrRender = errors.New("chattemplate: render failed")
 
 // Compile parses a chat template. The source may use CRLF line endings.
 func Compile(src string) (*Template, error) {
-	t, err := jinja.Compile(renameFilters(foldNewlines(src)))
+	pre, err := preprocess(src)
+	if err != nil {
+		return nil, fmt.Errorf("chattemplate: compile: %w", err)
+	}
+	t, err := jinja.Compile(pre)
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
