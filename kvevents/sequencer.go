@@ -1,0 +1,62 @@
+package kvevents
+
+// sequencer is the subscriber's memory of the sequence numbers it has
+// delivered, and the rules that turn a live sequence number into a decision.
+// It holds no sockets: the Subscriber feeds it and performs what it decides.
+type sequencer struct {
+	have     bool   // some batch has been delivered since the last reset
+	last     uint64 // sequence number of the last delivered batch
+	lastHash uint64 // hash of that batch's payload, to recognise it in a replay
+
+	// lastLive is the highest sequence number received live on the current
+	// connection (or, right after a reconnect, the last delivered one). A
+	// publisher numbers its messages 0, 1, 2, …, so a live number at or below
+	// it means the publisher started over.
+	liveValid bool
+	lastLive  uint64
+}
+
+type verdict uint8
+
+const (
+	vNext      verdict = iota // the batch after the last one: deliver it
+	vDuplicate                // already delivered (by a replay): drop it
+	vRestart                  // the publisher restarted: reset, then catch up
+	vCatchUp                  // batches are missing before it (or nothing was delivered yet)
+)
+
+func (q *sequencer) live(seq uint64) verdict {
+	switch {
+	case q.liveValid && seq <= q.lastLive:
+		return vRestart
+	case q.have && seq <= q.last:
+		return vDuplicate
+	case q.have && seq == q.last+1, !q.have && seq == 0:
+		return vNext // nothing can precede seq 0
+	}
+	return vCatchUp
+}
+
+// sawLive records a live sequence number.
+func (q *sequencer) sawLive(seq uint64) { q.liveValid, q.lastLive = true, seq }
+
+// reconnected starts a new connection: the publisher on the other end may
+// have restarted, which its first number at or below the last delivered one
+// would show.
+func (q *sequencer) reconnected() { q.liveValid, q.lastLive = q.have, q.last }
+
+func (q *sequencer) delivered(seq, payloadHash uint64) {
+	q.have, q.last, q.lastHash = true, seq, payloadHash
+}
+
+func (q *sequencer) forget() { q.have = false }
+
+// replayStart is where a catch-up replay begins: at the last delivered batch
+// when there is one, so the first reply proves the ring still continues our
+// history (same number, same bytes); at 0 otherwise.
+func (q *sequencer) replayStart() (from uint64, verify bool) {
+	if q.have {
+		return q.last, true
+	}
+	return 0, false
+}

@@ -1,0 +1,369 @@
+package kvevents
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/rs/zerolog"
+)
+
+// recorder is a Handler that remembers what it was given, in order.
+type recorder struct {
+	mu     sync.Mutex
+	log    []string // "batch 3" or "reset"
+	seqs   []uint64
+	resets []string
+	bad    []string // batches whose content does not match their seq
+}
+
+func (r *recorder) HandleBatch(seq uint64, b *Batch) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.log = append(r.log, fmt.Sprintf("batch %d", seq))
+	r.seqs = append(r.seqs, seq)
+	// testBatch(seq, gen) stamps ts = seq and one block hash = seq.
+	if len(b.Events) != 1 || b.Events[0].BlockHashes[0] != seq || uint64(b.TS) != seq {
+		r.bad = append(r.bad, fmt.Sprintf("seq %d: %+v", seq, *b))
+	}
+}
+
+func (r *recorder) HandleReset(reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.log = append(r.log, "reset")
+	r.resets = append(r.resets, reason)
+}
+
+func (r *recorder) snapshot() (seqs []uint64, resets []string, log []string, bad []string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.seqs), slices.Clone(r.resets), slices.Clone(r.log), slices.Clone(r.bad)
+}
+
+func (r *recorder) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.seqs)
+}
+
+func testBatch(seq uint64) *Batch {
+	return &Batch{TS: float64(seq), DPRank: 0, Events: []Event{{Kind: KindBlockStored,
+		BlockHashes: []uint64{seq}, TokenIDs: exampleTokens, BlockSize: 16, Medium: "GPU"}}}
+}
+
+func seqRange(from, to uint64) []uint64 {
+	var out []uint64
+	for s := from; s <= to; s++ {
+		out = append(out, s)
+	}
+	return out
+}
+
+// freeEndpoint returns a loopback TCP endpoint nobody listens on.
+func freeEndpoint(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return "tcp://" + l.Addr().String()
+}
+
+func testLogger(t *testing.T) zerolog.Logger {
+	return zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.InfoLevel)
+}
+
+// startPublisher binds a publisher on loopback (ports chosen by the caller or
+// by the kernel) regardless of vLLM's wildcard rule, which would bind every
+// interface.
+func startPublisher(t *testing.T, cfg PublisherConfig) *Publisher {
+	t.Helper()
+	if cfg.Endpoint == "" {
+		cfg.Endpoint = "tcp://127.0.0.1:0"
+	}
+	cfg.Logger = testLogger(t)
+	p, err := newPublisher(cfg, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func startSubscriber(t *testing.T, cfg SubscriberConfig, h Handler) *Subscriber {
+	t.Helper()
+	cfg.Logger = testLogger(t)
+	s := NewSubscriber(cfg, h)
+	s.minBackoff = 20 * time.Millisecond
+	s.replayIdle = time.Second
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Errorf("Run did not return after cancel")
+		}
+	})
+	return s
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitSubscribed waits until a subscriber's subscription reached the
+// publisher, so nothing published next is lost to the slow-joiner effect.
+func waitSubscribed(t *testing.T, p *Publisher) {
+	waitFor(t, "a subscribed peer", func() bool {
+		pub := p.currentPub()
+		return pub != nil && len(pub.(zmq4.Topics).Topics()) > 0
+	})
+}
+
+func publishRange(t *testing.T, p *Publisher, from, to uint64) {
+	t.Helper()
+	for s := from; s <= to; s++ {
+		if err := p.Publish(testBatch(s)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func assertDelivered(t *testing.T, rec *recorder, want []uint64, wantResets int) {
+	t.Helper()
+	waitFor(t, fmt.Sprintf("%d batches", len(want)), func() bool { return rec.count() >= len(want) })
+	time.Sleep(50 * time.Millisecond) // nothing extra should follow
+	seqs, resets, log, bad := rec.snapshot()
+	if !slices.Equal(seqs, want) {
+		t.Fatalf("delivered %v\nwant %v\nlog %v", seqs, want, log)
+	}
+	if len(resets) != wantResets {
+		t.Fatalf("resets %q, want %d", resets, wantResets)
+	}
+	if len(bad) > 0 {
+		t.Fatalf("batches with wrong content: %v", bad)
+	}
+}
+
+func TestPubSubDeliversInOrder(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{Topic: "kv@pod@m"})
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint(), Topic: "kv@"}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 499)
+	assertDelivered(t, rec, seqRange(0, 499), 0)
+	st := s.Stats()
+	if st.Messages != 500 || st.Batches != 500 || st.Gaps != 0 || st.LastSeq != 499 || !st.Connected {
+		t.Fatalf("stats %+v", st)
+	}
+	if ps := p.Stats(); ps.Published != 500 || ps.Sent != 500 || ps.Dropped != 0 {
+		t.Fatalf("publisher stats %+v", ps)
+	}
+}
+
+func TestLateJoinerCatchesUpByReplay(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0"})
+	publishRange(t, p, 0, 49) // nobody listens yet
+	waitFor(t, "sent", func() bool { return p.Stats().Sent == 50 })
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 50, 59)
+	assertDelivered(t, rec, seqRange(0, 59), 0)
+	if st := s.Stats(); st.Replayed < 50 || st.Resets != 0 || st.ReplayErrors != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestGapIsFilledByReplay(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0"})
+	p.skipSend = func(seq uint64) bool { return seq >= 10 && seq < 20 || seq == 25 }
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 39)
+	assertDelivered(t, rec, seqRange(0, 39), 0)
+	if st := s.Stats(); st.Gaps == 0 || st.Replayed < 11 || st.Resets != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestGapBeyondTheRingResets(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 4})
+	p.skipSend = func(seq uint64) bool { return seq >= 10 && seq < 20 }
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 9)
+	waitFor(t, "first 10", func() bool { return rec.count() == 10 })
+	publishRange(t, p, 10, 29)
+	waitFor(t, "seq 29", func() bool { return s.Stats().LastSeq == 29 })
+	seqs, resets, log, _ := rec.snapshot()
+	if len(resets) != 1 || !strings.Contains(resets[0], "no longer covers") {
+		t.Fatalf("resets %q, log %v", resets, log)
+	}
+	// 0..9, the reset, then a contiguous run to 29 starting where the ring
+	// started (at most 4 back from the first live seq 20).
+	i := slices.Index(log, "reset")
+	if i != 10 || !slices.Equal(seqs[:10], seqRange(0, 9)) {
+		t.Fatalf("log %v", log)
+	}
+	after := seqs[10:]
+	if after[0] < 16 || after[0] > 20 || !slices.Equal(after, seqRange(after[0], 29)) {
+		t.Fatalf("after the reset got %v", after)
+	}
+}
+
+func TestGapWithoutReplayResets(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{})
+	p.skipSend = func(seq uint64) bool { return seq == 5 }
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint()}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 9)
+	want := append(seqRange(0, 4), seqRange(6, 9)...)
+	assertDelivered(t, rec, want, 1)
+	_, _, log, _ := rec.snapshot()
+	if log[5] != "reset" {
+		t.Fatalf("log %v", log)
+	}
+	if st := s.Stats(); st.Gaps != 1 || st.Resets != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestPublisherRestartResetsThenDelivers(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	p1 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay}, rec)
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 19)
+	waitFor(t, "20 batches", func() bool { return rec.count() == 20 })
+	if err := p1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "disconnect", func() bool { return !s.Stats().Connected })
+
+	p2 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	waitSubscribed(t, p2)
+	publishRange(t, p2, 0, 4)
+	waitFor(t, "25 batches", func() bool { return rec.count() == 25 })
+	seqs, resets, log, bad := rec.snapshot()
+	if len(resets) != 1 || !strings.Contains(resets[0], "restarted") || log[20] != "reset" {
+		t.Fatalf("resets %q log %v", resets, log)
+	}
+	if !slices.Equal(seqs, append(seqRange(0, 19), seqRange(0, 4)...)) || len(bad) > 0 {
+		t.Fatalf("seqs %v bad %v", seqs, bad)
+	}
+	if st := s.Stats(); st.Reconnects == 0 || !st.Connected {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestGarbageIsCountedAndSkipped(t *testing.T) {
+	ep := freeEndpoint(t)
+	pub := zmq4.NewPub(context.Background(), zmq4.WithLogger(zmqLog))
+	defer pub.Close()
+	if err := pub.Listen(ep); err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep}, rec)
+	waitFor(t, "subscription", func() bool { return len(pub.(zmq4.Topics).Topics()) > 0 })
+	good := func(seq uint64) zmq4.Msg {
+		return zmq4.NewMsgFrom([]byte("t"), seqBytes(seq), AppendBatch(nil, testBatch(seq), FormatVLLMArray))
+	}
+	msgs := []zmq4.Msg{
+		good(0),
+		zmq4.NewMsgFrom([]byte("junk")), // 1 frame
+		zmq4.NewMsgFrom([]byte("t"), []byte{0, 1}, []byte{0x90}),         // short seq
+		zmq4.NewMsgFrom([]byte("t"), seqBytes(1), []byte{0xc1, 0xff}),    // not msgpack
+		zmq4.NewMsgFrom([]byte("t"), seqBytes(2), []byte{}, []byte("x")), // 4 frames
+		good(2),
+		good(3),
+	}
+	for _, m := range msgs {
+		if err := pub.SendMulti(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "all messages", func() bool { return s.Stats().Messages == uint64(len(msgs)) })
+	st := s.Stats()
+	if st.Malformed != 3 || st.DecodeErrors != 1 || st.Batches != 3 || st.Resets != 0 || st.LastSeq != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+	seqs, _, _, bad := rec.snapshot()
+	if !slices.Equal(seqs, []uint64{0, 2, 3}) || len(bad) > 0 {
+		t.Fatalf("seqs %v bad %v", seqs, bad)
+	}
+}
+
+func TestBindModeWithConnectingPublisher(t *testing.T) {
+	ep := freeEndpoint(t)
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true}, rec)
+	waitFor(t, "listening", func() bool { return s.Stats().Connected })
+	if publisherBinds(ep) {
+		t.Fatalf("%s should connect", ep)
+	}
+	p, err := NewPublisher(PublisherConfig{Endpoint: ep, Logger: testLogger(t), Format: FormatSGLang})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 99)
+	assertDelivered(t, rec, seqRange(0, 99), 0)
+}
+
+func TestSubscriberConfigErrors(t *testing.T) {
+	if err := NewSubscriber(SubscriberConfig{}, &recorder{}).Run(context.Background()); err == nil {
+		t.Fatal("Run without endpoint succeeded")
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s := NewSubscriber(SubscriberConfig{Endpoint: "tcp://" + l.Addr().String(), Bind: true}, &recorder{})
+	if err := s.Run(ctx); err == nil || ctx.Err() != nil {
+		t.Fatalf("Run on a taken port: %v (ctx %v)", err, ctx.Err())
+	}
+}
+
+func TestPublisherAfterClose(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{})
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Publish(testBatch(0)); err != ErrClosed {
+		t.Fatalf("Publish after Close: %v", err)
+	}
+	if err := p.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
