@@ -1,0 +1,410 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+)
+
+// Request is what to send upstream. Body is sent as is; the caller has
+// already made any change (such as asking for stream usage).
+type Request struct {
+	// Path is the API path, e.g. /v1/chat/completions.
+	Path string
+	// Header holds the client's request headers; hop-by-hop headers and
+	// Accept-Encoding are not forwarded (the router reads the body).
+	Header *fasthttp.RequestHeader
+	Body   []byte
+	// StripUsage drops the usage-only chunk from a stream: the router asked
+	// for it on the client's behalf and the client must not see it.
+	StripUsage bool
+	// DropAuthorization keeps the client's Authorization from the upstream
+	// (the router checked it against its own keys).
+	DropAuthorization bool
+}
+
+// Observer follows one request's attempts. Calls for a request come from one
+// goroutine at a time, but FirstByte and Finish of the serving attempt may
+// run after the fasthttp handler has returned.
+type Observer interface {
+	// Attempt is called before target i is tried.
+	Attempt(i int)
+	// FirstByte is called when target i's response headers arrive.
+	FirstByte(i int, ttft time.Duration)
+	// Header is called once, for the target whose response goes to the
+	// client, before its headers are sent: add headers to h there.
+	Header(i int, h *fasthttp.ResponseHeader)
+	// Finish is called once per attempt, when it failed over or ended.
+	Finish(i int, r Result)
+}
+
+// Result is how one attempt ended.
+type Result struct {
+	// Status is the upstream's HTTP status (0 when none arrived).
+	Status int
+	// Err is a transport, timeout or stream error, nil on a clean end.
+	Err error
+	// Retried is true when the attempt failed before anything reached the
+	// client and a later target was tried.
+	Retried bool
+	// ClientGone is true when the client disconnected mid-stream.
+	ClientGone bool
+	// PromptTokens and CachedTokens come from the engine's usage report;
+	// -1 when the response carried none.
+	PromptTokens int
+	CachedTokens int
+	// Elapsed runs from dispatch to the end of the response body.
+	Elapsed time.Duration
+	// Events counts SSE events relayed to the client.
+	Events int
+}
+
+// Forwarder tries targets in order and relays the first usable answer.
+type Forwarder struct {
+	Log zerolog.Logger
+	// MaxErrorBody bounds how much of a non-streamed answer is buffered
+	// (default 64 MiB).
+	MaxBody int
+}
+
+// Forward sends req to targets in order until one answers with something
+// other than a connection error, 5xx or 429, writes that answer into ctx and
+// returns the index of the target that served (-1 when all failed and ctx
+// holds a 502 or the last failure). Streams are relayed after Forward
+// returns, from fasthttp's body-writer goroutine.
+func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, obs Observer) int {
+	var last *fasthttp.Response // last retryable failure, relayed if all fail
+	lastIdx := -1
+	var lastErr error
+	defer func() {
+		if last != nil {
+			fasthttp.ReleaseResponse(last)
+		}
+	}()
+	for i, up := range targets {
+		obs.Attempt(i)
+		start := time.Now()
+		resp, err := f.dispatch(up, req)
+		if err == nil && !retryable(resp.StatusCode()) {
+			obs.FirstByte(i, time.Since(start))
+			f.relay(ctx, req, i, resp, start, obs)
+			return i
+		}
+		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
+		ev := f.Log.Warn().Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets))
+		if err != nil {
+			ev = ev.Err(err)
+			lastErr = err
+		} else {
+			res.Status = resp.StatusCode()
+			obs.FirstByte(i, time.Since(start))
+			ev = ev.Int("status", res.Status)
+			// Buffer the failure so it can be relayed if nothing better comes.
+			body, rerr := readAll(resp, 1<<20)
+			_ = resp.CloseBodyStream()
+			resp.SetBodyRaw(body)
+			if rerr != nil {
+				res.Err = rerr
+			}
+			if last != nil {
+				fasthttp.ReleaseResponse(last)
+			}
+			last, lastIdx = resp, i
+		}
+		res.Elapsed = time.Since(start)
+		ev.Bool("retrying", res.Retried).Msg("upstream attempt failed")
+		obs.Finish(i, res)
+	}
+	if last != nil {
+		obs.Header(lastIdx, &ctx.Response.Header)
+		copyResponseHeader(&ctx.Response.Header, &last.Header)
+		ctx.SetStatusCode(last.StatusCode())
+		ctx.SetBody(last.Body())
+		return -1
+	}
+	msg := "no upstream answered"
+	if lastErr != nil {
+		msg = "upstream unavailable: " + lastErr.Error()
+	}
+	WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", msg)
+	return -1
+}
+
+func retryable(status int) bool { return status >= 500 || status == fasthttp.StatusTooManyRequests }
+
+// dispatch sends req to up and returns once the response headers arrived;
+// the body stays on the wire.
+func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, error) {
+	ureq := fasthttp.AcquireRequest()
+	defer fasthttp.ReleaseRequest(ureq)
+	if req.Header != nil {
+		req.Header.CopyTo(&ureq.Header)
+	}
+	for _, h := range hopByHop {
+		ureq.Header.Del(h)
+	}
+	ureq.Header.Del(fasthttp.HeaderAcceptEncoding)
+	if req.DropAuthorization {
+		ureq.Header.Del(fasthttp.HeaderAuthorization)
+	}
+	if up.authorization != "" {
+		ureq.Header.Set(fasthttp.HeaderAuthorization, up.authorization)
+	}
+	ureq.Header.SetMethod(fasthttp.MethodPost)
+	up.prepare(ureq, req.Path)
+	ureq.SetBodyRaw(req.Body)
+	resp := fasthttp.AcquireResponse()
+	resp.StreamBody = true
+	if err := up.hc.Do(ureq, resp); err != nil {
+		fasthttp.ReleaseResponse(resp)
+		return nil, err
+	}
+	return resp, nil
+}
+
+// hopByHop headers describe one connection and are never forwarded.
+var hopByHop = []string{
+	"Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
+	"Te", "Trailer", "Transfer-Encoding", "Upgrade",
+}
+
+func copyResponseHeader(dst, src *fasthttp.ResponseHeader) {
+	for k, v := range src.All() {
+		if skipResponseHeader(k) {
+			continue
+		}
+		dst.SetBytesKV(k, v)
+	}
+}
+
+// skipResponseHeader is true for headers the router's server sets itself
+// (framing, connection, date) and hop-by-hop ones.
+func skipResponseHeader(k []byte) bool {
+	for _, h := range skippedResponseHeaders {
+		if bytes.EqualFold(k, h) {
+			return true
+		}
+	}
+	return false
+}
+
+var skippedResponseHeaders = [][]byte{
+	[]byte("Content-Length"), []byte("Transfer-Encoding"), []byte("Connection"), []byte("Keep-Alive"),
+	[]byte("Trailer"), []byte("Upgrade"), []byte("Proxy-Connection"), []byte("Te"), []byte("Date"),
+}
+
+// relay writes resp into ctx: SSE streams event by event, anything else
+// buffered.
+func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
+	obs.Header(i, &ctx.Response.Header)
+	copyResponseHeader(&ctx.Response.Header, &resp.Header)
+	ctx.SetStatusCode(resp.StatusCode())
+	if !bytes.HasPrefix(resp.Header.ContentType(), []byte("text/event-stream")) {
+		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
+		body, err := readAll(resp, f.maxBody())
+		if err != nil {
+			_ = resp.BodyStream().(fasthttp.ReadCloserWithError).CloseWithError(err)
+			res.Err = err
+			ctx.Response.Header.Reset()
+			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "reading upstream response: "+err.Error())
+		} else {
+			_ = resp.CloseBodyStream()
+			res.PromptTokens, res.CachedTokens = usageFromBody(body)
+			ctx.SetBody(body)
+		}
+		fasthttp.ReleaseResponse(resp)
+		res.Elapsed = time.Since(start)
+		obs.Finish(i, res)
+		return
+	}
+	ctx.Response.ImmediateHeaderFlush = true
+	strip := req.StripUsage
+	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+		// The handler has returned: ctx must not be touched from here on.
+		res := relayEvents(w, resp, strip)
+		res.Status = resp.StatusCode()
+		res.Elapsed = time.Since(start)
+		fasthttp.ReleaseResponse(resp)
+		if res.Err != nil {
+			f.Log.Warn().Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
+		}
+		obs.Finish(i, res)
+	})
+}
+
+func (f *Forwarder) maxBody() int {
+	if f.MaxBody > 0 {
+		return f.MaxBody
+	}
+	return 64 << 20
+}
+
+// errBodyTooLarge reports an upstream answer over the buffering limit.
+var errBodyTooLarge = errors.New("proxy: upstream response over the size limit")
+
+func readAll(resp *fasthttp.Response, limit int) ([]byte, error) {
+	r := resp.BodyStream()
+	if r == nil {
+		return resp.Body(), nil
+	}
+	var buf bytes.Buffer
+	n, err := buf.ReadFrom(io.LimitReader(r, int64(limit)+1))
+	if err != nil {
+		return nil, err
+	}
+	if n > int64(limit) {
+		return nil, errBodyTooLarge
+	}
+	return buf.Bytes(), nil
+}
+
+// relayEvents copies SSE events from resp to w, flushing after each read so
+// every event leaves as soon as it arrived, and notes usage on the way.
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool) Result {
+	res := Result{PromptTokens: -1, CachedTokens: -1}
+	body := resp.BodyStream()
+	closer, _ := body.(fasthttp.ReadCloserWithError)
+	buf := make([]byte, 32<<10)
+	var pending []byte
+	done := false
+	for {
+		n, rerr := body.Read(buf)
+		if n > 0 {
+			data := buf[:n]
+			if len(pending) > 0 {
+				pending = append(pending, data...)
+				data = pending
+			}
+			rest, werr := writeEvents(w, data, strip, &res, &done)
+			if werr == nil {
+				werr = w.Flush()
+			}
+			if werr != nil {
+				res.ClientGone, res.Err = true, werr
+				if closer != nil {
+					_ = closer.CloseWithError(werr) // closes the upstream connection: the engine aborts
+				}
+				return res
+			}
+			pending = append(pending[:0], rest...)
+		}
+		if rerr != nil {
+			if errors.Is(rerr, io.EOF) {
+				_ = resp.CloseBodyStream()
+				if len(pending) > 0 { // a last event without its blank line
+					_, _ = w.Write(pending)
+				}
+				_ = w.Flush()
+				return res
+			}
+			res.Err = rerr
+			if closer != nil {
+				_ = closer.CloseWithError(rerr)
+			}
+			if !done {
+				writeStreamError(w, "upstream stream broken: "+rerr.Error())
+			}
+			_ = w.Flush()
+			return res
+		}
+	}
+}
+
+// writeEvents writes the complete events in data to w and returns the
+// incomplete tail. A usage-only chunk is dropped when strip is set.
+func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bool) ([]byte, error) {
+	for {
+		end, sep := eventEnd(data)
+		if end < 0 {
+			return data, nil
+		}
+		ev := data[:end+sep]
+		data = data[end+sep:]
+		payload, ok := eventData(ev[:end])
+		keep := true
+		if ok {
+			if bytes.Equal(payload, doneMarker) {
+				*done = true
+			} else if bytes.Contains(payload, usageKey) {
+				if u, usageOnly, ok := parseUsageChunk(payload); ok {
+					res.PromptTokens, res.CachedTokens = u.prompt, u.cached
+					keep = !(strip && usageOnly)
+				}
+			}
+		}
+		if !keep {
+			continue
+		}
+		res.Events++
+		if _, err := w.Write(ev); err != nil {
+			return nil, err
+		}
+	}
+}
+
+var (
+	doneMarker = []byte("[DONE]")
+	usageKey   = []byte(`"usage"`)
+)
+
+// eventEnd finds the blank line ending the first event: its offset and the
+// separator's length ("\n\n" or "\r\n\r\n"), or -1.
+func eventEnd(b []byte) (int, int) {
+	lf := bytes.Index(b, []byte("\n\n"))
+	crlf := bytes.Index(b, []byte("\r\n\r\n"))
+	switch {
+	case crlf >= 0 && (lf < 0 || crlf < lf):
+		return crlf, 4
+	case lf >= 0:
+		return lf, 2
+	}
+	return -1, 0
+}
+
+// eventData returns the data of a single-line "data:" event.
+func eventData(ev []byte) ([]byte, bool) {
+	rest, ok := bytes.CutPrefix(ev, []byte("data:"))
+	if !ok || bytes.IndexByte(rest, '\n') >= 0 {
+		return nil, false
+	}
+	return bytes.TrimSpace(rest), true
+}
+
+// WriteError writes an OpenAI-shaped error.
+func WriteError(ctx *fasthttp.RequestCtx, status int, typ, msg string) {
+	ctx.Response.Header.SetContentType("application/json")
+	ctx.SetStatusCode(status)
+	ctx.SetBody(ErrorBody(status, typ, msg))
+}
+
+// ErrorBody is the JSON of an OpenAI-shaped error:
+// {"error":{"message":...,"type":...,"code":status}}.
+func ErrorBody(status int, typ, msg string) []byte {
+	b := make([]byte, 0, 64+len(msg))
+	b = append(b, `{"error":{"message":`...)
+	b = appendJSONString(b, msg)
+	b = append(b, `,"type":`...)
+	b = appendJSONString(b, typ)
+	b = append(b, `,"code":`...)
+	b = strconv.AppendInt(b, int64(status), 10)
+	return append(b, "}}"...)
+}
+
+func appendJSONString(b []byte, s string) []byte {
+	q, _ := json.Marshal(s) // a string always marshals
+	return append(b, q...)
+}
+
+// writeStreamError ends a broken stream the way clients can parse: an error
+// event, then [DONE].
+func writeStreamError(w *bufio.Writer, msg string) {
+	_, _ = fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", ErrorBody(fasthttp.StatusBadGateway, "upstream_error", msg))
+}

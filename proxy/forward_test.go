@@ -1,0 +1,346 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+)
+
+// serve runs h on a loopback port until the test ends.
+func serve(t testing.TB, h fasthttp.RequestHandler) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &fasthttp.Server{Handler: h, CloseOnShutdown: true}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.ShutdownWithContext(shutdownCtx(t)) })
+	return "http://" + ln.Addr().String()
+}
+
+// refusedURL is a loopback URL nothing listens on.
+func refusedURL(t testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	return "http://" + addr
+}
+
+type recorder struct {
+	mu       sync.Mutex
+	attempts []int
+	first    []int
+	header   []int
+	finish   map[int]Result
+	done     chan struct{}
+}
+
+func newRecorder() *recorder {
+	return &recorder{finish: map[int]Result{}, done: make(chan struct{}, 16)}
+}
+
+func (r *recorder) Attempt(i int) { r.mu.Lock(); r.attempts = append(r.attempts, i); r.mu.Unlock() }
+func (r *recorder) FirstByte(i int, _ time.Duration) {
+	r.mu.Lock()
+	r.first = append(r.first, i)
+	r.mu.Unlock()
+}
+func (r *recorder) Header(i int, h *fasthttp.ResponseHeader) {
+	r.mu.Lock()
+	r.header = append(r.header, i)
+	r.mu.Unlock()
+	h.Set("X-Served-By", fmt.Sprint(i))
+}
+func (r *recorder) Finish(i int, res Result) {
+	r.mu.Lock()
+	r.finish[i] = res
+	r.mu.Unlock()
+	r.done <- struct{}{}
+}
+
+// router runs a fasthttp server that forwards every request to targets.
+func router(t testing.TB, targets []*Upstream, strip bool, rec *recorder) string {
+	f := &Forwarder{Log: zerolog.Nop()}
+	return serve(t, func(ctx *fasthttp.RequestCtx) {
+		req := &Request{Path: string(ctx.Path()), Header: &ctx.Request.Header, Body: append([]byte(nil), ctx.PostBody()...), StripUsage: strip}
+		f.Forward(ctx, req, targets, rec)
+	})
+}
+
+func upstreams(t testing.TB, urls ...string) []*Upstream {
+	var out []*Upstream
+	for i, u := range urls {
+		up, err := NewUpstream(fmt.Sprintf("r%d", i), u, "", Options{FirstByteTimeout: 5 * time.Second, IdleTimeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(up.Close)
+		out = append(out, up)
+	}
+	return out
+}
+
+const completionJSON = `{"id":"x","choices":[{"text":"hi"}],"usage":{"prompt_tokens":40,"total_tokens":41,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":32}}}`
+
+func jsonEngine(ctx *fasthttp.RequestCtx) {
+	ctx.SetContentType("application/json")
+	ctx.Response.Header.Set("X-Engine", "yes")
+	ctx.Response.Header.Set("X-Seen-Path", string(ctx.Path()))
+	ctx.Response.Header.Set("X-Seen-Auth", string(ctx.Request.Header.Peek("Authorization")))
+	ctx.Response.Header.Set("X-Seen-Body", string(ctx.PostBody()))
+	ctx.SetBodyString(completionJSON)
+}
+
+func TestForwardNonStreamedRelaysBodyHeadersAndUsage(t *testing.T) {
+	rec := newRecorder()
+	base := serve(t, jsonEngine)
+	url := router(t, upstreams(t, base+"/prefix"), false, rec)
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	req.SetRequestURI(url + "/v1/completions")
+	req.Header.SetMethod("POST")
+	req.Header.Set("Authorization", "Bearer client")
+	req.SetBodyString(`{"model":"m","prompt":"hello","extra_field":[1,2]}`)
+	if err := fasthttp.DoTimeout(req, resp, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(resp.Body()); got != completionJSON {
+		t.Fatalf("body %q", got)
+	}
+	checks := map[string]string{
+		"X-Engine": "yes", "X-Served-By": "0", "X-Seen-Path": "/prefix/v1/completions",
+		"X-Seen-Auth": "Bearer client", "X-Seen-Body": `{"model":"m","prompt":"hello","extra_field":[1,2]}`,
+	}
+	for k, want := range checks {
+		if got := string(resp.Header.Peek(k)); got != want {
+			t.Errorf("%s = %q, want %q", k, got, want)
+		}
+	}
+	<-rec.done
+	res := rec.finish[0]
+	if res.PromptTokens != 40 || res.CachedTokens != 32 || res.Err != nil || res.Status != 200 {
+		t.Fatalf("result %+v", res)
+	}
+}
+
+func TestForwardRetriesBeforeFirstByte(t *testing.T) {
+	fail500 := serve(t, func(ctx *fasthttp.RequestCtx) { ctx.Error("boom", 500) })
+	fail429 := serve(t, func(ctx *fasthttp.RequestCtx) { ctx.Error("slow down", 429) })
+	ok := serve(t, jsonEngine)
+	rec := newRecorder()
+	url := router(t, upstreams(t, refusedURL(t), fail500, fail429, ok), false, rec)
+	status, body, err := fasthttp.Post(nil, url+"/v1/completions", nil)
+	if err != nil || status != 200 || string(body) != completionJSON {
+		t.Fatalf("status %d err %v body %q", status, err, body)
+	}
+	for range 4 {
+		<-rec.done
+	}
+	if fmt.Sprint(rec.attempts) != "[0 1 2 3]" || fmt.Sprint(rec.header) != "[3]" {
+		t.Fatalf("attempts %v header %v", rec.attempts, rec.header)
+	}
+	if rec.finish[0].Err == nil || rec.finish[1].Status != 500 || rec.finish[2].Status != 429 || !rec.finish[2].Retried {
+		t.Fatalf("finishes %+v", rec.finish)
+	}
+}
+
+func TestForwardDoesNotRetryClientErrorsAndRelaysLastFailure(t *testing.T) {
+	bad := serve(t, func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetStatusCode(400)
+		ctx.SetBodyString(`{"error":"bad"}`)
+	})
+	rec := newRecorder()
+	url := router(t, upstreams(t, bad, serve(t, jsonEngine)), false, rec)
+	status, body, _ := fasthttp.Post(nil, url+"/v1/completions", nil)
+	if status != 400 || string(body) != `{"error":"bad"}` || len(rec.attempts) != 1 {
+		t.Fatalf("status %d body %q attempts %v", status, body, rec.attempts)
+	}
+
+	fail503 := serve(t, func(ctx *fasthttp.RequestCtx) { ctx.Error("overloaded", 503) })
+	rec = newRecorder()
+	url = router(t, upstreams(t, refusedURL(t), fail503), false, rec)
+	status, body, _ = fasthttp.Post(nil, url+"/v1/completions", nil)
+	if status != 503 || string(body) != "overloaded" {
+		t.Fatalf("want the last failure relayed, got %d %q", status, body)
+	}
+
+	rec = newRecorder()
+	url = router(t, upstreams(t, refusedURL(t), refusedURL(t)), false, rec)
+	status, body, _ = fasthttp.Post(nil, url+"/v1/completions", nil)
+	if status != 502 || !bytes.Contains(body, []byte(`"type":"upstream_error","code":502}}`)) {
+		t.Fatalf("all refused: %d %s", status, body)
+	}
+}
+
+// sseEngine streams n content events interval apart, then, when usage is
+// set, a usage-only chunk, then [DONE]. It reports on gone when a write fails.
+func sseEngine(n int, interval time.Duration, usage bool, gone chan<- time.Time) fasthttp.RequestHandler {
+	return func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("text/event-stream")
+		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			for i := range n {
+				fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}]}\n\n", i)
+				if err := w.Flush(); err != nil {
+					if gone != nil {
+						gone <- time.Now()
+					}
+					return
+				}
+				time.Sleep(interval)
+			}
+			if usage {
+				fmt.Fprint(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"prompt_tokens_details\":{\"cached_tokens\":48}}}\n\n")
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			_ = w.Flush()
+		})
+	}
+}
+
+func wantEvents(n int, usage bool) string {
+	var sb strings.Builder
+	for i := range n {
+		fmt.Fprintf(&sb, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}]}\n\n", i)
+	}
+	if usage {
+		sb.WriteString("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"prompt_tokens_details\":{\"cached_tokens\":48}}}\n\n")
+	}
+	return sb.String() + "data: [DONE]\n\n"
+}
+
+func TestForwardStreamsEventsAndStripsUsageWhenAsked(t *testing.T) {
+	for _, strip := range []bool{false, true} {
+		rec := newRecorder()
+		url := router(t, upstreams(t, serve(t, sseEngine(5, time.Millisecond, true, nil))), strip, rec)
+		status, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+		if err != nil || status != 200 {
+			t.Fatal(status, err)
+		}
+		if want := wantEvents(5, !strip); string(body) != want {
+			t.Fatalf("strip=%v body\n%s\nwant\n%s", strip, body, want)
+		}
+		<-rec.done
+		if r := rec.finish[0]; r.CachedTokens != 48 || r.PromptTokens != 64 || r.Err != nil {
+			t.Fatalf("strip=%v result %+v", strip, r)
+		}
+	}
+}
+
+func TestForwardBrokenStreamEndsWithErrorEvent(t *testing.T) {
+	// An upstream that announces chunked SSE, sends one event and hangs up.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				_, _ = c.Read(buf)
+				fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+				ev := "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"
+				fmt.Fprintf(c, "%x\r\n%s\r\n", len(ev), ev)
+				time.Sleep(20 * time.Millisecond)
+			}()
+		}
+	}()
+	rec := newRecorder()
+	url := router(t, upstreams(t, "http://"+ln.Addr().String()), false, rec)
+	status, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+	if err != nil || status != 200 {
+		t.Fatal(status, err)
+	}
+	want := "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"error\":{\"message\":"
+	if !strings.HasPrefix(string(body), want) || !strings.HasSuffix(string(body), "\"type\":\"upstream_error\",\"code\":502}}\n\ndata: [DONE]\n\n") {
+		t.Fatalf("body %q", body)
+	}
+	<-rec.done
+	if rec.finish[0].Err == nil || rec.finish[0].Events != 1 {
+		t.Fatalf("result %+v", rec.finish[0])
+	}
+}
+
+func TestClientDisconnectCancelsUpstreamWithin100ms(t *testing.T) {
+	gone := make(chan time.Time, 1)
+	rec := newRecorder()
+	url := router(t, upstreams(t, serve(t, sseEngine(1000, 5*time.Millisecond, false, gone))), false, rec)
+	c, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprint(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+	br := bufio.NewReader(c)
+	// Read until a few events have arrived, then hang up.
+	seen := 0
+	for seen < 3 {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(line, "data:") {
+			seen++
+		}
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0) // RST, as a killed client does
+	}
+	closed := time.Now()
+	_ = c.Close()
+	select {
+	case at := <-gone:
+		if d := at.Sub(closed); d > 100*time.Millisecond {
+			t.Fatalf("upstream saw the cancel after %v", d)
+		} else {
+			t.Logf("upstream saw the cancel after %v", d)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("upstream never saw the cancel")
+	}
+	<-rec.done
+	if r := rec.finish[0]; !r.ClientGone {
+		t.Fatalf("result %+v", r)
+	}
+}
+
+func TestUsageFromBody(t *testing.T) {
+	cases := map[string][2]int{
+		completionJSON:                  {40, 32},
+		`{"usage":{"prompt_tokens":7}}`: {7, -1},
+		`{"choices":[{"text":"\"usage\": no"}],"usage":null}`:            {-1, -1},
+		`{"usage": {"prompt_tokens": 3, "prompt_tokens_details": null}}`: {3, -1},
+		`not json`: {-1, -1},
+	}
+	for body, want := range cases {
+		p, c := usageFromBody([]byte(body))
+		if p != want[0] || c != want[1] {
+			t.Errorf("%s: got %d,%d want %v", body, p, c, want)
+		}
+	}
+}
+
+func TestErrorBodyIsValidJSON(t *testing.T) {
+	got := string(ErrorBody(400, "invalid_request_error", "bad \"x\"\x00\n"))
+	want := `{"error":{"message":"bad \"x\"\u0000\n","type":"invalid_request_error","code":400}}`
+	if got != want {
+		t.Fatalf("got %s", got)
+	}
+}

@@ -1,0 +1,44 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"testing"
+)
+
+// FuzzWriteEvents checks the SSE splitter on arbitrary upstream bytes cut at
+// an arbitrary point: without stripping, what is written plus the held-back
+// tail is exactly the input, whatever the framing.
+func FuzzWriteEvents(f *testing.F) {
+	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n"), 10)
+	f.Add([]byte("data: x\r\n\r\n: ping\n\nevent: e\ndata: {\"usage\":1}\n\n"), 3)
+	f.Fuzz(func(t *testing.T, in []byte, cut int) {
+		if cut < 0 || cut > len(in) {
+			cut = len(in) / 2
+		}
+		var out bytes.Buffer
+		w := bufio.NewWriter(&out)
+		res := Result{PromptTokens: -1, CachedTokens: -1}
+		done := false
+		tail, err := writeEvents(w, in[:cut], false, &res, &done)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = w.Flush()
+		if got := append(out.Bytes(), tail...); !bytes.Equal(got, in) {
+			t.Fatalf("relayed %q, want %q", got, in)
+		}
+		// Stripping only ever removes whole events.
+		out.Reset()
+		w.Reset(&out)
+		_, _ = writeEvents(w, in, true, &res, &done)
+		_ = w.Flush()
+		if out.Len() > len(in) {
+			t.Fatalf("stripping grew the stream")
+		}
+	})
+}

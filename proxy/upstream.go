@@ -1,0 +1,202 @@
+// Package proxy forwards one OpenAI-style request to engine replicas over
+// fasthttp and relays the answer to the client, streaming server-sent events
+// as they arrive.
+//
+// It owns what happens on the wire: per-replica connection pools, timeouts
+// that bound connecting and waiting for the first byte and the silence
+// between chunks but never a long stream as a whole, retries on the next
+// replica while nothing has reached the client yet, a clean SSE error when a
+// stream breaks later, cancelling the upstream when the client goes away, and
+// reading the engine's usage (cached prompt tokens) on the way through. Which
+// replicas to try, in what order, is decided by the caller.
+package proxy
+
+import (
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// Options tune the connections to one upstream. Zero fields take defaults.
+type Options struct {
+	// DialTimeout bounds establishing a TCP connection.
+	DialTimeout time.Duration
+	// FirstByteTimeout bounds the wait for the response to start once the
+	// request is written; it must cover queueing plus prefill.
+	FirstByteTimeout time.Duration
+	// IdleTimeout bounds the silence between two reads once the response has
+	// started, so a wedged stream ends while a long healthy one never does.
+	IdleTimeout time.Duration
+	// MaxConns caps connections per upstream; each stream holds one for its
+	// whole life, so size it above the engine's concurrent sequences.
+	MaxConns int
+	// MaxConnWait is how long a request waits for a free connection.
+	MaxConnWait time.Duration
+	// MaxIdleConn closes pooled connections idle this long; keep it below the
+	// engine's keep-alive (uvicorn's default is 5 s) so a request never picks
+	// a connection the server is closing.
+	MaxIdleConn time.Duration
+}
+
+func (o Options) withDefaults() Options {
+	def := func(v *time.Duration, d time.Duration) {
+		if *v <= 0 {
+			*v = d
+		}
+	}
+	def(&o.DialTimeout, 3*time.Second)
+	def(&o.FirstByteTimeout, 10*time.Minute)
+	def(&o.IdleTimeout, 2*time.Minute)
+	def(&o.MaxConnWait, 2*time.Second)
+	def(&o.MaxIdleConn, 4*time.Second)
+	if o.MaxConns <= 0 {
+		o.MaxConns = 4096
+	}
+	return o
+}
+
+// Upstream is one replica (or fallback endpoint) with its connection pool.
+// It is safe for concurrent use.
+type Upstream struct {
+	Name string
+	URL  string
+
+	host   string // host:port for the Host header and dialing
+	prefix string // path prefix of URL, without trailing slash
+	// authorization, when set, replaces the client's Authorization header
+	// (a fallback endpoint's own API key).
+	authorization string
+	hc            *fasthttp.HostClient
+}
+
+// NewUpstream returns an upstream for base URL rawURL (http or https; a path
+// is kept as a prefix, so "https://api.example.com/v1" is not supported: give
+// the URL without the /v1). apiKey, when not empty, is sent as a bearer token
+// instead of the client's Authorization.
+func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, fmt.Errorf("proxy: upstream %q: %w", name, err)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("proxy: upstream %q: URL %q must be http(s)://host[:port][/prefix]", name, rawURL)
+	}
+	opt = opt.withDefaults()
+	tls := u.Scheme == "https"
+	addr := u.Host
+	if u.Port() == "" {
+		if tls {
+			addr = net.JoinHostPort(u.Hostname(), "443")
+		} else {
+			addr = net.JoinHostPort(u.Hostname(), "80")
+		}
+	}
+	up := &Upstream{
+		Name:   name,
+		URL:    rawURL,
+		host:   u.Host,
+		prefix: strings.TrimSuffix(u.EscapedPath(), "/"),
+	}
+	if apiKey != "" {
+		up.authorization = "Bearer " + apiKey
+	}
+	dialer := &net.Dialer{Timeout: opt.DialTimeout, KeepAlive: 30 * time.Second}
+	up.hc = &fasthttp.HostClient{
+		Addr:  addr,
+		IsTLS: tls,
+		Dial: func(a string) (net.Conn, error) {
+			c, err := dialer.Dial("tcp", a)
+			if err != nil {
+				return nil, err
+			}
+			return &deadlineConn{Conn: c, firstByte: opt.FirstByteTimeout, idle: opt.IdleTimeout}, nil
+		},
+		MaxConns:                      opt.MaxConns,
+		MaxConnWaitTimeout:            opt.MaxConnWait,
+		MaxIdleConnDuration:           opt.MaxIdleConn,
+		MaxIdemponentCallAttempts:     2,
+		RetryIfErr:                    retryStaleConn,
+		DisableHeaderNamesNormalizing: true,
+		DisablePathNormalizing:        true,
+		NoDefaultUserAgentHeader:      true,
+		ReadBufferSize:                16 << 10,
+		WriteBufferSize:               16 << 10,
+		// ReadTimeout and WriteTimeout stay 0: fasthttp would apply them to
+		// the whole streamed body. deadlineConn bounds silence instead.
+	}
+	return up, nil
+}
+
+// retryStaleConn retries once when a pooled connection turned out closed
+// before any response byte: the server closed it while idle, so it cannot
+// have started the request.
+func retryStaleConn(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
+	return false, attempts < 2 && err == fasthttp.ErrConnectionClosed
+}
+
+// Close drops the upstream's idle connections. In-flight requests finish.
+func (u *Upstream) Close() { u.hc.CloseIdleConnections() }
+
+// InUse reports the connections currently open to the upstream.
+func (u *Upstream) InUse() int { return u.hc.ConnsCount() }
+
+// Get performs a small buffered GET of path (e.g. /v1/models) with an
+// overall timeout, for discovery rather than proxying.
+func (u *Upstream) Get(path string, timeout time.Duration) (status int, body []byte, err error) {
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	u.prepare(req, path)
+	req.Header.SetMethod(fasthttp.MethodGet)
+	if u.authorization != "" {
+		req.Header.Set(fasthttp.HeaderAuthorization, u.authorization)
+	}
+	if err := u.hc.DoTimeout(req, resp, timeout); err != nil {
+		return 0, nil, err
+	}
+	return resp.StatusCode(), append([]byte(nil), resp.Body()...), nil
+}
+
+func (u *Upstream) prepare(req *fasthttp.Request, path string) {
+	req.SetRequestURI(u.prefix + path)
+	if u.hc.IsTLS {
+		req.URI().SetScheme("https")
+	}
+	req.SetHost(u.host)
+}
+
+// deadlineConn turns per-read deadlines into the two timeouts a streaming
+// proxy needs: after a request is written, the first read may wait up to
+// firstByte (queueing and prefill); every later read up to idle. A
+// connection carries one request at a time, so the state is per request.
+type deadlineConn struct {
+	net.Conn
+	firstByte, idle time.Duration
+	waiting         atomic.Bool
+}
+
+func (c *deadlineConn) Write(p []byte) (int, error) {
+	c.waiting.Store(true)
+	return c.Conn.Write(p)
+}
+
+func (c *deadlineConn) Read(p []byte) (int, error) {
+	d := c.idle
+	if c.waiting.Load() {
+		d = c.firstByte
+	}
+	if err := c.Conn.SetReadDeadline(time.Now().Add(d)); err != nil {
+		return 0, err
+	}
+	n, err := c.Conn.Read(p)
+	if n > 0 {
+		c.waiting.Store(false)
+	}
+	return n, err
+}
