@@ -202,8 +202,8 @@ func NewProbe(key uint64) Probe {
 	p := Probe{h: key}
 	g := mix64(key)
 	for i := range p.pos {
-		if i > 0 && i%7 == 0 {
-			g = mix64(g + 0x9e3779b97f4a7c15)
+		if i > 0 && i%7 == 0 { // 7 slices of 9 bits used up: remix the key
+			g = mix64(key + uint64(i/7)*0x9e3779b97f4a7c15)
 		}
 		p.pos[i] = uint16(g & (blockBits - 1))
 		g >>= 9

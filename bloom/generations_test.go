@@ -1,0 +1,254 @@
+package bloom
+
+import (
+	"slices"
+	"testing"
+	"time"
+)
+
+var t0 = time.Date(2026, 11, 30, 2, 0, 0, 0, time.UTC)
+
+// exactSet is a test stand-in for the sidecar's resident set.
+type exactSet map[uint64]bool
+
+func (s exactSet) keys(yield func(uint64) bool) {
+	for k := range s {
+		if !yield(k) {
+			return
+		}
+	}
+}
+
+func TestDeltasFollowSnapshotAndReproduceTheFilter(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000}, 77, t0)
+	keys := randomKeys(5, 300)
+	for _, k := range keys[:100] {
+		g.Add(k)
+	}
+	if _, ok := g.TakeDelta(); !ok {
+		t.Fatal("no delta after 100 adds")
+	}
+	snap := g.Snapshot() // as of seq 1
+	if snap.Epoch != 77 || snap.Generation != 1 || snap.Seq != 1 || snap.Keys != 100 {
+		t.Fatalf("snapshot header %d/%d/%d keys %d, want 77/1/1 keys 100", snap.Epoch, snap.Generation, snap.Seq, snap.Keys)
+	}
+	var m Mirror
+	if err := m.ApplySnapshot(snap); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys[100:200] {
+		g.Add(k)
+	}
+	d2, _ := g.TakeDelta()
+	for _, k := range keys[200:] {
+		g.Add(k)
+	}
+	d3, _ := g.TakeDelta()
+	if d2.Seq != 2 || d3.Seq != 3 || len(d2.Keys) != 100 || !slices.Equal(d3.Keys, keys[200:]) {
+		t.Fatalf("deltas seq %d (%d keys), %d (%d keys)", d2.Seq, len(d2.Keys), d3.Seq, len(d3.Keys))
+	}
+	if _, ok := g.TakeDelta(); ok {
+		t.Fatal("delta without adds")
+	}
+	if !m.ApplyDelta(d2) || !m.ApplyDelta(d3) {
+		t.Fatal("in-order deltas refused")
+	}
+	if !m.ApplyDelta(d2) {
+		t.Fatal("a repeated delta must be ignored, not refused")
+	}
+	if !slices.Equal(m.Filter().Words(), g.Snapshot().Words) {
+		t.Fatal("mirror's filter differs from the sidecar's")
+	}
+	if st := m.State(); st.Keys != 300 || st.Seq != 3 || g.Stats().Keys != 300 {
+		t.Fatalf("mirror at seq %d with %d keys, sidecar %d keys; want 3, 300", st.Seq, st.Keys, g.Stats().Keys)
+	}
+}
+
+func TestMirrorRefusesWhatDoesNotFollowOn(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 100}, 1, t0)
+	var m Mirror
+	g.Add(1)
+	d1, _ := g.TakeDelta()
+	if m.ApplyDelta(d1) {
+		t.Fatal("delta before any snapshot accepted")
+	}
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+		t.Fatal(err)
+	}
+	g.Add(2)
+	g.TakeDelta() // lost
+	g.Add(3)
+	d3, _ := g.TakeDelta()
+	if m.ApplyDelta(d3) {
+		t.Fatal("delta after a gap accepted")
+	}
+	if m.Filter().Test(3) {
+		t.Fatal("refused delta was applied")
+	}
+	other := d3
+	other.Epoch = 2
+	if m.ApplyDelta(other) {
+		t.Fatal("delta of another epoch accepted")
+	}
+	// Resync: the sidecar's snapshot covers the lost delta.
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+		t.Fatal(err)
+	}
+	if !m.Filter().Test(2) || !m.Filter().Test(3) {
+		t.Fatal("resync snapshot lost keys")
+	}
+	old := g.Snapshot()
+	g.Rebuild(t0, exactSet{1: true, 2: true, 3: true}.keys)
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil || m.Generation() != 2 {
+		t.Fatalf("generation 2 snapshot: %v, mirror at generation %d", err, m.Generation())
+	}
+	if err := m.ApplySnapshot(old); err == nil {
+		t.Fatal("a generation-1 snapshot replaced generation 2")
+	}
+	if m.ApplyDelta(d3) {
+		t.Fatal("delta of the previous generation accepted")
+	}
+	restarted := NewGenerations(GenerationConfig{Capacity: 100}, 9, t0)
+	if err := m.ApplySnapshot(restarted.Snapshot()); err != nil || m.Generation() != 1 || m.Filter().Test(1) {
+		t.Fatalf("new epoch's generation 1 snapshot: err %v, generation %d", err, m.Generation())
+	}
+	m.Reset()
+	if m.Filter() != nil || m.Keys() != 0 {
+		t.Fatal("reset mirror still has a filter")
+	}
+}
+
+func TestRebuildTriggers(t *testing.T) {
+	cfg := GenerationConfig{Capacity: 1000, RebuildRemovedFraction: 0.1, MaxAge: time.Minute}
+	t.Run("removed fraction", func(t *testing.T) {
+		g := NewGenerations(cfg, 1, t0)
+		keys := randomKeys(1, 200)
+		for _, k := range keys {
+			g.Add(k)
+		}
+		for _, k := range keys[:20] {
+			g.Remove(k)
+		}
+		if g.NeedsRebuild(t0) {
+			t.Fatal("10 % removed: rebuild already")
+		}
+		g.Remove(keys[20])
+		if !g.NeedsRebuild(t0) {
+			t.Fatal("21 of 200 removed: no rebuild")
+		}
+	})
+	t.Run("fill ratio", func(t *testing.T) {
+		g := NewGenerations(cfg, 1, t0)
+		n := 0
+		for _, k := range randomKeys(2, 3000) {
+			if g.NeedsRebuild(t0) {
+				break
+			}
+			g.Add(k)
+			n++
+		}
+		// The default limit is the fill at which the FPR doubles: somewhat
+		// past capacity.
+		if n < 1000 || n > 1600 {
+			t.Fatalf("fill trigger after %d keys in a filter for 1000", n)
+		}
+	})
+	t.Run("age only with removals", func(t *testing.T) {
+		g := NewGenerations(cfg, 1, t0)
+		g.Add(1)
+		if g.NeedsRebuild(t0.Add(time.Hour)) {
+			t.Fatal("old generation without removals rebuilt")
+		}
+		g.Add(2)
+		g.Remove(2)
+		g.Add(3)
+		g.Add(4)
+		for i := range 20 {
+			g.Add(uint64(100 + i))
+		}
+		if g.NeedsRebuild(t0.Add(59 * time.Second)) {
+			t.Fatal("young generation rebuilt")
+		}
+		if !g.NeedsRebuild(t0.Add(time.Minute)) {
+			t.Fatal("generation at MaxAge with a removal not rebuilt")
+		}
+	})
+	t.Run("clear", func(t *testing.T) {
+		g := NewGenerations(cfg, 1, t0)
+		g.Add(1)
+		g.Clear()
+		if !g.NeedsRebuild(t0) {
+			t.Fatal("no rebuild after clear")
+		}
+		g.Rebuild(t0, exactSet{}.keys)
+		if g.NeedsRebuild(t0) {
+			t.Fatal("rebuild wanted right after rebuild")
+		}
+		if st := g.Stats(); st.Generation != 2 || st.Keys != 0 || st.FillRatio != 0 {
+			t.Fatalf("after clear and rebuild: %+v", st)
+		}
+	})
+}
+
+func TestRebuildDropsRemovedKeysAndGrows(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000}, 1, t0)
+	keys := randomKeys(8, 3000)
+	set := exactSet{}
+	for _, k := range keys {
+		g.Add(k)
+		set[k] = true
+	}
+	for _, k := range keys[:1500] {
+		g.Remove(k)
+		delete(set, k)
+	}
+	g.TakeDelta()
+	g.Rebuild(t0.Add(time.Second), set.keys)
+	snap := g.Snapshot()
+	if snap.Generation != 2 || snap.Seq != 0 || snap.Keys != 1500 {
+		t.Fatalf("rebuilt snapshot %d/%d keys %d, want 2/0 keys 1500", snap.Generation, snap.Seq, snap.Keys)
+	}
+	if _, ok := g.TakeDelta(); ok {
+		t.Fatal("rebuild left pending delta keys")
+	}
+	f, _ := FromWords(snap.Words, snap.M, snap.K)
+	if want := uint(NewFilter(1875, 0.01).M()); f.M() != want {
+		t.Fatalf("1500 live keys > capacity 1000: m=%d, want %d (sized for 1875)", f.M(), want)
+	}
+	stale := 0
+	for _, k := range keys[:1500] {
+		if f.Test(k) {
+			stale++
+		}
+	}
+	for _, k := range keys[1500:] {
+		if !f.Test(k) {
+			t.Fatalf("live key %x missing after rebuild", k)
+		}
+	}
+	if stale > 40 {
+		t.Fatalf("%d of 1500 removed keys still test positive", stale)
+	}
+}
+
+func TestMaxDeltaKeysSplitsDeltas(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000, MaxDeltaKeys: 150}, 1, t0)
+	keys := randomKeys(4, 400)
+	for _, k := range keys {
+		g.Add(k)
+	}
+	var got []uint64
+	for seq := uint64(1); ; seq++ {
+		d, ok := g.TakeDelta()
+		if !ok {
+			break
+		}
+		if d.Seq != seq || len(d.Keys) > 150 {
+			t.Fatalf("delta seq %d with %d keys, want seq %d ≤150 keys", d.Seq, len(d.Keys), seq)
+		}
+		got = append(got, d.Keys...)
+	}
+	if !slices.Equal(got, keys) {
+		t.Fatalf("split deltas carry %d keys, want the 400 added in order", len(got))
+	}
+}
