@@ -263,9 +263,7 @@ func (e *Engine) Stats() Stats {
 	st.Waiting, st.Running = len(e.waiting), len(e.running)
 	st.UsedBlocks = e.pool.used()
 	st.KVUsage = float64(st.UsedBlocks) / float64(e.cfg.KVBlocks)
-	for _, bs := range e.pool.cached {
-		st.CachedBlocks += len(bs)
-	}
+	st.CachedBlocks = e.pool.numCached
 	return st
 }
 

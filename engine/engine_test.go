@@ -361,6 +361,13 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 			t.Fatalf("step %d: %d running, %d blocks used", i, st.Running, st.UsedBlocks)
 		}
 		want := e.Resident()
+		copies := 0
+		for _, n := range want {
+			copies += n
+		}
+		if copies != st.CachedBlocks {
+			t.Fatalf("step %d: stats count %d cached blocks, resident set %d", i, st.CachedBlocks, copies)
+		}
 		if len(want) != len(rec.resident) {
 			t.Fatalf("step %d: replay holds %d hashes, engine %d", i, len(rec.resident), len(want))
 		}

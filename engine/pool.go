@@ -23,6 +23,8 @@ type pool struct {
 	// two sequences computing the same block at once both cache it, and each
 	// copy is stored and later removed on its own.
 	cached map[uint64][]int32
+	// numCached counts blocks holding a hash (the copies in cached).
+	numCached int
 
 	events *[]kvevents.Event
 }
@@ -113,6 +115,7 @@ func (p *pool) evict(b int32) {
 		p.cached[h] = bs
 	}
 	p.hashed[b] = false
+	p.numCached--
 	*p.events = append(*p.events, kvevents.Event{
 		Kind:        kvevents.KindBlockRemoved,
 		BlockHashes: []uint64{h},
@@ -124,6 +127,7 @@ func (p *pool) evict(b int32) {
 func (p *pool) cache(b int32, h uint64) {
 	p.hash[b], p.hashed[b] = h, true
 	p.cached[h] = append(p.cached[h], b)
+	p.numCached++
 }
 
 // free drops one reference on each block, last block first, so that when
@@ -147,6 +151,7 @@ func (p *pool) reset() bool {
 	}
 	clear(p.cached)
 	clear(p.hashed)
+	p.numCached = 0
 	*p.events = append(*p.events, kvevents.Event{Kind: kvevents.KindAllBlocksCleared})
 	return true
 }
