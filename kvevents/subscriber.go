@@ -269,10 +269,18 @@ func (s *Subscriber) onMessage(ctx context.Context, frames [][]byte) {
 	}
 	switch {
 	case s.cfg.ReplayEndpoint != "" && time.Now().After(s.noReplayUntil):
-		if err := s.replay(ctx, seq); err != nil {
-			s.stats.replayErrors.Add(1)
-			s.noReplayUntil = time.Now().Add(s.replayCooldown)
-			s.log.Warn().Err(err).Msg("kv events replay failed")
+		// A second pass only after the first found a restarted publisher:
+		// then its history is fetched from 0.
+		for pass := 0; pass < 2; pass++ {
+			restarted, err := s.replay(ctx, seq)
+			if err != nil {
+				s.stats.replayErrors.Add(1)
+				s.noReplayUntil = time.Now().Add(s.replayCooldown)
+				s.log.Warn().Err(err).Msg("kv events replay failed")
+			}
+			if !restarted || err != nil {
+				break
+			}
 		}
 	case s.seq.have:
 		s.reset(fmt.Sprintf("batches %d..%d missed and no replay available", s.seq.last+1, seq-1))
@@ -317,9 +325,11 @@ func (s *Subscriber) reset(reason string) {
 // was delivered before. upto is the live sequence number that triggered it:
 // when the ring has nothing from at or before it, the replay is abandoned
 // after the reset and delivery goes on from the live stream, which loses less.
-func (s *Subscriber) replay(ctx context.Context, upto uint64) error {
+// restarted reports a ring that holds a different batch under the last
+// delivered number: a new publisher, whose history starts at 0.
+func (s *Subscriber) replay(ctx context.Context, upto uint64) (restarted bool, err error) {
 	from, verify := s.seq.replayStart()
-	return fetchReplay(ctx, s.cfg.ReplayEndpoint, from, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
+	err = fetchReplay(ctx, s.cfg.ReplayEndpoint, from, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
 		if verify {
 			verify = false
 			switch {
@@ -327,6 +337,8 @@ func (s *Subscriber) replay(ctx context.Context, upto uint64) error {
 				return true // our last batch: the ring continues our history
 			case seq == s.seq.last:
 				s.reset(fmt.Sprintf("replayed batch %d differs from the one delivered: publisher restarted", seq))
+				restarted = true
+				return false
 			default:
 				s.reset(fmt.Sprintf("replay starts at %d, not %d: the ring no longer covers the gap", seq, from))
 				if seq > upto {
@@ -350,6 +362,7 @@ func (s *Subscriber) replay(ctx context.Context, upto uint64) error {
 		}
 		return true
 	})
+	return restarted, err
 }
 
 // fetchReplay runs one replay over a fresh DEALER: it sends ["", from8] and

@@ -98,12 +98,15 @@ func startPublisher(t *testing.T, cfg PublisherConfig) *Publisher {
 	return p
 }
 
-func startSubscriber(t *testing.T, cfg SubscriberConfig, h Handler) *Subscriber {
+func startSubscriber(t *testing.T, cfg SubscriberConfig, h Handler, tune ...func(*Subscriber)) *Subscriber {
 	t.Helper()
 	cfg.Logger = testLogger(t)
 	s := NewSubscriber(cfg, h)
 	s.minBackoff = 20 * time.Millisecond
 	s.replayIdle = time.Second
+	for _, f := range tune {
+		f(s)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Run(ctx) }()
@@ -365,5 +368,91 @@ func TestPublisherAfterClose(t *testing.T) {
 	}
 	if err := p.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
+	}
+}
+
+// A publisher that restarted and already passed the old sequence numbers
+// before the subscriber reconnected is caught by the replay check: the batch
+// under the last delivered number has other bytes. Its history is then
+// replayed from 0.
+func TestRestartSeenOnlyThroughReplay(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	p1 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay}, rec,
+		func(s *Subscriber) { s.minBackoff = 300 * time.Millisecond }) // reconnect after p2 published
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 9)
+	waitFor(t, "10 batches", func() bool { return rec.count() == 10 })
+	p1.Close()
+
+	p2 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	for seq := uint64(0); seq < 15; seq++ {
+		b := testBatch(seq)
+		b.DPRank = 1 // other bytes under the same numbers
+		if err := p2.Publish(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "p2 sent", func() bool { return p2.Stats().Sent == 15 })
+	waitSubscribed(t, p2)
+	publishRange(t, p2, 15, 16)
+	waitFor(t, "seq 16", func() bool { return s.Stats().LastSeq == 16 && rec.count() >= 27 })
+	seqs, resets, log, bad := rec.snapshot()
+	if len(resets) != 1 || log[10] != "reset" || len(bad) > 0 {
+		t.Fatalf("resets %q log %v bad %v", resets, log, bad)
+	}
+	if !slices.Equal(seqs, append(seqRange(0, 9), seqRange(0, 16)...)) {
+		t.Fatalf("seqs %v", seqs)
+	}
+}
+
+// vLLM before v0.26 replies [seq8, payload] after the delimiter, and ends
+// with [FF×8, ""]; a raw ROUTER plays that publisher here.
+func TestReplayAcceptsTheOlderTwoFrameLayout(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pub := zmq4.NewPub(ctx, zmq4.WithLogger(zmqLog))
+	defer pub.Close()
+	router := zmq4.NewRouter(ctx, zmq4.WithLogger(zmqLog))
+	defer router.Close()
+	if err := pub.Listen(ep); err != nil {
+		t.Fatal(err)
+	}
+	if err := router.Listen(replay); err != nil {
+		t.Fatal(err)
+	}
+	payload := func(seq uint64) []byte { return AppendBatch(nil, testBatch(seq), FormatVLLMArray) }
+	requests := make(chan uint64, 4)
+	go func() {
+		for {
+			msg, err := router.Recv()
+			if err != nil {
+				return
+			}
+			id, start, ok := parseReplayRequest(msg.Frames)
+			if !ok {
+				continue
+			}
+			requests <- start
+			for seq := start; seq <= 5; seq++ {
+				router.SendMulti(zmq4.NewMsgFrom(id, nil, seqBytes(seq), payload(seq)))
+			}
+			router.SendMulti(zmq4.NewMsgFrom(id, nil, endSeq, nil))
+		}
+	}()
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay}, rec)
+	waitFor(t, "subscription", func() bool { return len(pub.(zmq4.Topics).Topics()) > 0 })
+	if err := pub.SendMulti(zmq4.NewMsgFrom(nil, seqBytes(5), payload(5))); err != nil {
+		t.Fatal(err)
+	}
+	assertDelivered(t, rec, seqRange(0, 5), 0)
+	if start := <-requests; start != 0 {
+		t.Fatalf("replay requested from %d, want 0", start)
+	}
+	if st := s.Stats(); st.Replayed != 6 || st.Duplicates != 0 {
+		t.Fatalf("stats %+v", st)
 	}
 }
