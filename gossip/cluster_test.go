@@ -1,0 +1,261 @@
+package gossip
+
+import (
+	"encoding/base64"
+	"fmt"
+	"net"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/fleet"
+)
+
+var testKey = []byte("0123456789abcdef0123456789abcdef")
+
+func testLog() zerolog.Logger {
+	if os.Getenv("GOSSIP_TEST_LOG") != "" {
+		return zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.DebugLevel)
+	}
+	return zerolog.Nop()
+}
+
+func baseConfig(name string, join ...string) Config {
+	return Config{Name: name, BindAddr: "127.0.0.1:0", Join: join, Key: testKey, Label: "kvmesh-test", Logger: testLog()}
+}
+
+func startTestRouter(t testing.TB, name string, join ...string) (*RouterNode, *fleet.Table) {
+	t.Helper()
+	tb := fleet.NewTable(fleet.TableConfig{})
+	r, err := StartRouter(RouterConfig{Config: baseConfig(name, join...)}, tb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Leave(0) })
+	return r, tb
+}
+
+func startTestSidecar(t testing.TB, name string, join ...string) (*SidecarNode, *bloom.Generations) {
+	t.Helper()
+	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096, MaxDeltaKeys: 150}, uint64(time.Now().UnixNano()), time.Now())
+	s, err := StartSidecar(SidecarConfig{Config: baseConfig(name, join...), Models: []string{"m"}, EngineURL: "http://" + name,
+		Protocol: fleet.ProtocolVLLM, BlockSize: 16, Filter: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Leave(0) })
+	return s, g
+}
+
+// waitFor polls cond every 5 ms until it holds or d passes.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > d {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+func replica(tb *fleet.Table, name string) (fleet.Replica, bool) {
+	s := tb.Snapshot()
+	if i := s.Find(name); i >= 0 {
+		return s.Replicas[i], true
+	}
+	return fleet.Replica{}, false
+}
+
+func hasKey(tb *fleet.Table, name string, key uint64) bool {
+	s := tb.Snapshot()
+	i := s.Find(name)
+	if i < 0 {
+		return false
+	}
+	matched := make([]int, len(s.Replicas))
+	s.MatchPrefix([]uint64{key}, matched)
+	return matched[i] == 1
+}
+
+func TestSidecarFeedsRouterTable(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	s, g := startTestSidecar(t, "a", r.Addr())
+	waitFor(t, 3*time.Second, "replica in table", func() bool { _, ok := replica(tb, "a"); return ok })
+
+	g.Add(11)
+	waitFor(t, 2*time.Second, "key 11 at router", func() bool { return hasKey(tb, "a", 11) })
+	s.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 3, Running: 2, KVUsage: 0.25})
+	waitFor(t, 2*time.Second, "load at router", func() bool {
+		rep, _ := replica(tb, "a")
+		return rep.Load.Waiting == 3 && rep.Load.Running == 2 && rep.Load.KVUsage == 0.25
+	})
+	rep, _ := replica(tb, "a")
+	if !rep.Online || !rep.KVEvents || rep.URL != "http://a" || rep.BlockSize != 16 || rep.Models[0] != "m" {
+		t.Fatalf("%+v", rep)
+	}
+
+	// Rebuild: generation 2 without key 11 replaces generation 1.
+	g.Remove(11)
+	g.Rebuild(time.Now(), func(yield func(uint64) bool) { yield(12) })
+	waitFor(t, 2*time.Second, "generation 2", func() bool {
+		rep, _ := replica(tb, "a")
+		return rep.FilterGeneration == 2 && hasKey(tb, "a", 12) && !hasKey(tb, "a", 11)
+	})
+
+	// In-flight work this router reports comes back through the sidecar.
+	r.ReportInflight("a", 4, 1000)
+	waitFor(t, 2*time.Second, "in-flight summed at sidecar", func() bool {
+		req, tok := s.Inflight()
+		return req == 4 && tok == 1000
+	})
+
+	// Unhealthy engine: offline at once.
+	s.SetEngineLoad(EngineLoad{Healthy: false})
+	d := waitFor(t, time.Second, "offline", func() bool { rep, _ := replica(tb, "a"); return !rep.Online })
+	t.Logf("unhealthy engine offline at the router after %v", d)
+	if rep, _ := replica(tb, "a"); rep.Filter != nil {
+		t.Fatal("offline replica kept its filter")
+	}
+}
+
+func TestInflightIsSummedOverRouters(t *testing.T) {
+	r1, tb1 := startTestRouter(t, "r1")
+	r2, tb2 := startTestRouter(t, "r2", r1.Addr())
+	s, _ := startTestSidecar(t, "a", r1.Addr())
+	waitFor(t, 3*time.Second, "sidecar sees both routers", func() bool { return s.Routers() == 2 })
+	r1.ReportInflight("a", 2, 100)
+	r2.ReportInflight("a", 3, 50)
+	waitFor(t, 2*time.Second, "both routers see the cluster's in-flight", func() bool {
+		a, _ := replica(tb1, "a")
+		b, _ := replica(tb2, "a")
+		return a.Load.InflightRequests == 5 && b.Load.InflightRequests == 5 &&
+			a.Load.InflightPrefillTokens == 150 && b.Load.InflightPrefillTokens == 150
+	})
+	// A router that dies takes its share with it (expired at the sidecar).
+	r2.abort()
+	waitFor(t, 3*time.Second, "dead router's share expired", func() bool {
+		a, _ := replica(tb1, "a")
+		return a.Load.InflightRequests == 2
+	})
+}
+
+func TestRouteClearIsClusterWide(t *testing.T) {
+	r1, tb1 := startTestRouter(t, "r1")
+	var cleared atomic.Int32
+	tb2 := fleet.NewTable(fleet.TableConfig{})
+	cfg := RouterConfig{Config: baseConfig("r2", r1.Addr()), OnClearRoutes: func([]string) { cleared.Add(1) }}
+	r2, err := StartRouter(cfg, tb2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r2.Leave(0) })
+
+	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096}, 5, time.Now())
+	var rebuilds atomic.Int32
+	sc, err := StartSidecar(SidecarConfig{Config: baseConfig("a", r1.Addr()), Protocol: fleet.ProtocolVLLM, Filter: g,
+		OnClearRoutes: func() {
+			rebuilds.Add(1)
+			g.Rebuild(time.Now(), func(yield func(uint64) bool) { yield(21) })
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sc.Leave(0) })
+	g.Add(21)
+	waitFor(t, 3*time.Second, "key at both routers", func() bool { return hasKey(tb1, "a", 21) && hasKey(tb2, "a", 21) })
+	waitFor(t, 3*time.Second, "r1 knows r2", func() bool { r1.mu.Lock(); defer r1.mu.Unlock(); return len(r1.routers) == 1 })
+
+	r1.ClearRoutes(nil)
+	if hasKey(tb1, "a", 21) {
+		t.Fatal("clearing router still matches")
+	}
+	waitFor(t, 2*time.Second, "other router notified, sidecar rebuilt", func() bool { return cleared.Load() == 1 && rebuilds.Load() == 1 })
+	waitFor(t, 2*time.Second, "fresh generation at both", func() bool {
+		a, _ := replica(tb1, "a")
+		b, _ := replica(tb2, "a")
+		return a.FilterGeneration == 2 && b.FilterGeneration == 2 && hasKey(tb1, "a", 21) && hasKey(tb2, "a", 21)
+	})
+}
+
+func TestKilledSidecarLeavesRoutingWithinOneSecond(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	s, g := startTestSidecar(t, "a", r.Addr())
+	g.Add(5)
+	waitFor(t, 3*time.Second, "key at router", func() bool { return hasKey(tb, "a", 5) })
+	// Abrupt stop: no leave message, no last load record (as kill -9).
+	close(s.stop)
+	<-s.done
+	s.abort()
+	killed := time.Now()
+	waitFor(t, time.Second, "replica offline", func() bool { rep, _ := replica(tb, "a"); return !rep.Online })
+	d := time.Since(killed)
+	if hasKey(tb, "a", 5) {
+		t.Fatal("dead replica still matches")
+	}
+	t.Logf("killed sidecar out of routing after %v", d)
+}
+
+func TestWrongKeyOrLabelIsRejectedAndCounted(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	// A sidecar with the wrong key, then one with the wrong label.
+	for _, c := range []struct {
+		name  string
+		key   []byte
+		label string
+	}{{"badkey", []byte("ffffffffffffffffffffffffffffffff"), "kvmesh-test"}, {"badlabel", testKey, "other"}} {
+		cfg := SidecarConfig{Config: Config{Name: c.name, BindAddr: "127.0.0.1:0", Key: c.key, Label: c.label, Logger: testLog()}}
+		s, err := StartSidecar(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.ml.Join([]string{r.Addr()}); err == nil {
+			t.Errorf("%s: join succeeded", c.name)
+		}
+		_ = s.Leave(0)
+	}
+	// Garbage datagrams straight at the router's port.
+	conn, err := net.Dial("udp", r.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		_, _ = conn.Write([]byte(fmt.Sprintf("garbage %d %s", i, base64.StdEncoding.EncodeToString(testKey[:i]))))
+	}
+	conn.Close()
+	waitFor(t, 2*time.Second, "rejections counted", func() bool {
+		st := r.Stats()
+		return st.RejectedDecrypt > 0 && st.RejectedLabel >= 20
+	})
+	st := r.Stats()
+	t.Logf("rejected: label %d, decrypt %d, malformed %d", st.RejectedLabel, st.RejectedDecrypt, st.RejectedMalformed)
+	if _, ok := replica(tb, "badkey"); ok {
+		t.Fatal("wrong-key sidecar got into the table")
+	}
+	// Still healthy: a good sidecar joins and is fed.
+	_, g := startTestSidecar(t, "good", r.Addr())
+	g.Add(9)
+	waitFor(t, 3*time.Second, "good sidecar fed", func() bool { return hasKey(tb, "good", 9) })
+}
+
+func TestParseKey(t *testing.T) {
+	for _, n := range []int{16, 24, 32} {
+		k, err := ParseKey(base64.StdEncoding.EncodeToString(make([]byte, n)))
+		if err != nil || len(k) != n {
+			t.Fatal(n, err)
+		}
+	}
+	for _, s := range []string{"!!", base64.StdEncoding.EncodeToString(make([]byte, 20))} {
+		if _, err := ParseKey(s); err == nil {
+			t.Fatalf("%q accepted", s)
+		}
+	}
+	if k, err := ParseKey(""); k != nil || err != nil {
+		t.Fatal("empty key")
+	}
+}

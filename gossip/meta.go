@@ -1,0 +1,118 @@
+package gossip
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/hashicorp/memberlist"
+)
+
+// Role is what a cluster member does.
+type Role uint8
+
+const (
+	RoleUnknown Role = iota
+	RoleSidecar
+	RoleRouter
+)
+
+func (r Role) String() string {
+	switch r {
+	case RoleSidecar:
+		return "sidecar"
+	case RoleRouter:
+		return "router"
+	}
+	return "unknown"
+}
+
+// Capability bits a sidecar announces.
+const (
+	// CapKVEvents: the sidecar feeds resident blocks (filters), not only load.
+	CapKVEvents uint32 = 1 << iota
+	// CapInflight: the sidecar sums routers' in-flight reports into its load.
+	CapInflight
+)
+
+const metaVersion = 1
+
+// Meta is a member's node metadata, gossiped with its alive messages. It
+// changes rarely (models learned, engine URL): load never rides here.
+type Meta struct {
+	Role          Role
+	Name          string // replica name for a sidecar, router name for a router
+	Models        []string
+	EngineURL     string
+	Protocol      string // fleet.ProtocolVLLM or fleet.ProtocolSGLang
+	BlockSize     int
+	SchemeVersion int // blockkey.SchemeVersion the keys were computed with
+	Capabilities  uint32
+	Epoch         uint64 // boot epoch of the sender
+}
+
+// ErrMetaTooLarge is returned when metadata cannot fit memberlist's limit
+// even with every model name dropped.
+var ErrMetaTooLarge = errors.New("gossip: node metadata over 512 bytes")
+
+// Encode returns m in at most memberlist.MetaMaxSize bytes. Models that do not
+// fit are left out (their count is returned), since a node whose metadata
+// grows past the limit would make memberlist panic.
+func (m *Meta) Encode() ([]byte, int, error) {
+	for keep := len(m.Models); keep >= 0; keep-- {
+		b := m.encode(m.Models[:keep])
+		if len(b) <= memberlist.MetaMaxSize {
+			return b, len(m.Models) - keep, nil
+		}
+	}
+	return nil, len(m.Models), ErrMetaTooLarge
+}
+
+func (m *Meta) encode(models []string) []byte {
+	w := writer{b: make([]byte, 0, 128)}
+	w.byte(metaVersion)
+	w.byte(byte(m.Role))
+	w.str(m.Name)
+	w.uvarint(uint64(len(models)))
+	for _, s := range models {
+		w.str(s)
+	}
+	w.str(m.EngineURL)
+	w.str(m.Protocol)
+	w.uvarint(uint64(m.BlockSize))
+	w.uvarint(uint64(m.SchemeVersion))
+	w.uvarint(uint64(m.Capabilities))
+	w.u64(m.Epoch)
+	return w.b
+}
+
+// DecodeMeta parses metadata written by Encode. Fields appended by later
+// versions are ignored.
+func DecodeMeta(b []byte) (Meta, error) {
+	var m Meta
+	r := reader{b: b}
+	if v := r.byte(); r.err == nil && v != metaVersion {
+		return m, fmt.Errorf("gossip: metadata version %d, want %d", v, metaVersion)
+	}
+	m.Role = Role(r.byte())
+	m.Name = r.str(255)
+	n := r.int(memberlist.MetaMaxSize)
+	for i := 0; i < n && r.err == nil; i++ {
+		m.Models = append(m.Models, r.str(memberlist.MetaMaxSize))
+	}
+	m.EngineURL = r.str(memberlist.MetaMaxSize)
+	m.Protocol = r.str(64)
+	m.BlockSize = r.int(1 << 20)
+	m.SchemeVersion = r.int(1 << 20)
+	m.Capabilities = uint32(r.int(1<<32 - 1))
+	m.Epoch = r.u64()
+	if r.err != nil {
+		return Meta{}, r.err
+	}
+	if m.Role != RoleSidecar && m.Role != RoleRouter {
+		return Meta{}, fmt.Errorf("gossip: unknown role %d", m.Role)
+	}
+	if m.Name == "" {
+		return Meta{}, errors.New("gossip: metadata without a name")
+	}
+	return m, nil
+}

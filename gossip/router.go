@@ -1,0 +1,460 @@
+package gossip
+
+import (
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/fleet"
+)
+
+// RouterConfig configures a router's member.
+type RouterConfig struct {
+	Config
+	// OnClearRoutes, when set, is called with the replicas (nil: all) whose
+	// route records another router cleared, so the router can drop its own
+	// speculative records too. It runs on the node's loop: do not block.
+	OnClearRoutes func(names []string)
+	// Tick paces table expiry and in-flight reports (default 100 ms).
+	Tick time.Duration
+	// ResyncEvery rate-limits snapshot requests per replica (default 500 ms).
+	ResyncEvery time.Duration
+}
+
+// RouterNode feeds a fleet.Table from the sidecars' messages and tells the
+// sidecars and the other routers what this router knows.
+type RouterNode struct {
+	*node
+	cfg   RouterConfig
+	table *fleet.Table
+	now   func() time.Time
+
+	mu       sync.Mutex
+	sidecars map[string]*sidecarPeer // by member name
+	replicas map[string]*sidecarPeer // by replica name
+	routers  map[string]*memberlist.Node
+	inflight map[string]inflight // this router's in-flight work, by replica
+
+	stop chan struct{}
+	done chan struct{}
+}
+
+type inflight struct{ requests, prefillTokens int }
+
+// sidecarPeer is what the router tracks about one sidecar's stream.
+type sidecarPeer struct {
+	node   *memberlist.Node
+	meta   Meta
+	mirror bloom.Mirror
+
+	epoch   uint64 // boot epoch of the state held (0: none yet)
+	loadSeq uint64
+	// pending holds deltas of a generation whose snapshot has not arrived.
+	pending []bloom.Delta
+	// behind counts consecutive load records announcing filter state the
+	// mirror lacks; two in a row mean a snapshot or delta was lost.
+	behind     int
+	lastResync time.Time
+	// awaitGen: after a route clear, filter state of generations below it
+	// is ignored until the sidecar publishes a fresh one.
+	awaitGen uint64
+	// reported is the in-flight work this router last reported there.
+	reported inflight
+	inflSeq  uint64
+}
+
+// maxPending bounds the deltas buffered ahead of a snapshot.
+const maxPending = 64
+
+// StartRouter joins the cluster as a router and starts feeding table.
+func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
+	if table == nil {
+		return nil, errors.New("gossip: StartRouter needs a table")
+	}
+	if cfg.Tick <= 0 {
+		cfg.Tick = 100 * time.Millisecond
+	}
+	if cfg.ResyncEvery <= 0 {
+		cfg.ResyncEvery = 500 * time.Millisecond
+	}
+	r := &RouterNode{
+		cfg:      cfg,
+		table:    table,
+		now:      time.Now,
+		sidecars: map[string]*sidecarPeer{},
+		replicas: map[string]*sidecarPeer{},
+		routers:  map[string]*memberlist.Node{},
+		inflight: map[string]inflight{},
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	n, err := start(cfg.Config, Meta{Role: RoleRouter, Name: cfg.Name, SchemeVersion: blockkey.SchemeVersion, Epoch: rand.Uint64() | 1})
+	if err != nil {
+		return nil, err
+	}
+	r.node = n
+	go r.loop()
+	return r, nil
+}
+
+// ReportInflight sets the work this router has dispatched to replica and not
+// yet seen finish: requests, and their uncached prompt tokens. The replica's
+// sidecar sums every router's report into the load all routers see.
+func (r *RouterNode) ReportInflight(replica string, requests, prefillTokens int) {
+	r.mu.Lock()
+	if requests <= 0 && prefillTokens <= 0 {
+		delete(r.inflight, replica)
+	} else {
+		r.inflight[replica] = inflight{max(requests, 0), max(prefillTokens, 0)}
+	}
+	r.mu.Unlock()
+}
+
+// ClearRoutes clears route records (filters) of the named replicas, or of
+// all when names is empty, here and cluster-wide: the sidecars rebuild and
+// republish, the other routers drop their copies too.
+func (r *RouterNode) ClearRoutes(names []string) {
+	msg := Message{Kind: KindClearRoutes, From: r.d.self, Epoch: r.meta.Epoch, Seq: rand.Uint64(), Names: names}
+	r.mu.Lock()
+	r.clearLocked(names)
+	var targets []*memberlist.Node
+	for _, n := range r.routers {
+		targets = append(targets, n)
+	}
+	for _, p := range r.sidecars {
+		if len(names) == 0 || slices.Contains(names, p.meta.Name) {
+			targets = append(targets, p.node)
+		}
+	}
+	r.mu.Unlock()
+	for _, t := range targets {
+		go func() {
+			if err := r.send(t, &msg, true); err != nil {
+				r.log.Warn().Err(err).Str("to", t.Name).Msg("route clear not delivered")
+			}
+		}()
+	}
+}
+
+func (r *RouterNode) clearLocked(names []string) {
+	cleared := r.table.ClearRoutes(names)
+	for _, name := range cleared {
+		if p := r.replicas[name]; p != nil {
+			if st := p.mirror.State(); st != nil {
+				p.awaitGen = st.Generation + 1
+			}
+			p.mirror.Reset()
+			p.pending = nil
+		}
+	}
+}
+
+// Leave announces departure, waits up to timeout for it to spread, and stops.
+func (r *RouterNode) Leave(timeout time.Duration) error {
+	select {
+	case <-r.stop:
+		return nil
+	default:
+	}
+	close(r.stop)
+	<-r.done
+	return r.leave(timeout)
+}
+
+// Stats returns the node's counters.
+func (r *RouterNode) Stats() StatsSnapshot { return r.node.stats() }
+
+func (r *RouterNode) loop() {
+	defer close(r.done)
+	tick := time.NewTicker(r.cfg.Tick)
+	defer tick.Stop()
+	for {
+		select {
+		case <-r.stop:
+			return
+		case ev := <-r.d.evq:
+			r.mu.Lock()
+			r.membership(ev)
+			r.mu.Unlock()
+		case m := <-r.d.inbox:
+			r.mu.Lock()
+			r.handle(&m)
+			r.mu.Unlock()
+		case <-tick.C:
+			r.tick()
+		}
+	}
+}
+
+func (r *RouterNode) membership(ev event) {
+	m := ev.member
+	switch m.meta.Role {
+	case RoleRouter:
+		if ev.kind == evLeave {
+			delete(r.routers, m.node.Name)
+		} else {
+			r.routers[m.node.Name] = m.node
+		}
+		return
+	case RoleSidecar:
+	default:
+		if ev.kind == evLeave {
+			delete(r.routers, m.node.Name)
+			if p := r.sidecars[m.node.Name]; p != nil {
+				r.dropSidecar(p)
+			}
+		}
+		return
+	}
+	p := r.sidecars[m.node.Name]
+	if ev.kind == evLeave {
+		if p != nil {
+			r.dropSidecar(p)
+		}
+		return
+	}
+	if p == nil {
+		p = &sidecarPeer{}
+		r.sidecars[m.node.Name] = p
+	}
+	if p.meta.Name != "" && p.meta.Name != m.meta.Name {
+		delete(r.replicas, p.meta.Name)
+		r.table.Remove(p.meta.Name)
+	}
+	p.node, p.meta = m.node, m.meta
+	r.replicas[m.meta.Name] = p
+	r.table.Upsert(fleet.Info{
+		Name:      m.meta.Name,
+		Models:    m.meta.Models,
+		URL:       m.meta.EngineURL,
+		Protocol:  m.meta.Protocol,
+		KVEvents:  r.usesFilter(p),
+		BlockSize: m.meta.BlockSize,
+	}, r.now())
+}
+
+// usesFilter: routers ignore filters of sidecars that compute keys with
+// another scheme; they are load-balanced only.
+func (r *RouterNode) usesFilter(p *sidecarPeer) bool {
+	return p.meta.Capabilities&CapKVEvents != 0 && p.meta.SchemeVersion == blockkey.SchemeVersion
+}
+
+func (r *RouterNode) dropSidecar(p *sidecarPeer) {
+	delete(r.sidecars, p.node.Name)
+	if r.replicas[p.meta.Name] == p {
+		delete(r.replicas, p.meta.Name)
+		r.table.Remove(p.meta.Name)
+	}
+}
+
+func (r *RouterNode) handle(m *Message) {
+	if m.Kind == KindClearRoutes {
+		r.clearLocked(m.Names)
+		if r.cfg.OnClearRoutes != nil {
+			r.cfg.OnClearRoutes(slices.Clone(m.Names))
+		}
+		return
+	}
+	p := r.sidecars[m.From]
+	if p == nil {
+		return // membership has not arrived yet; the next record will do
+	}
+	now := r.now()
+	if m.Epoch != p.epoch {
+		// A new boot or a new epoch after an engine restart: nothing held
+		// for the old one is true any more.
+		p.epoch, p.loadSeq, p.behind, p.awaitGen = m.Epoch, 0, 0, 0
+		p.mirror.Reset()
+		p.pending = nil
+		r.table.SetFilter(p.meta.Name, nil, 0, 0, now)
+	}
+	switch m.Kind {
+	case KindLoad:
+		r.onLoad(p, m, now)
+	case KindSnapshot:
+		r.onSnapshot(p, m, now)
+	case KindDelta:
+		r.onDelta(p, m, now)
+	}
+}
+
+func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
+	if m.Seq <= p.loadSeq {
+		r.table.Heard(p.meta.Name, now)
+		return // reordered or duplicated
+	}
+	p.loadSeq = m.Seq
+	l := &m.Load
+	mine := r.inflight[p.meta.Name]
+	// The sidecar's sum includes what this router last reported; replace
+	// that share with what this router has in flight now.
+	load := fleet.Load{
+		Waiting:               l.Waiting,
+		Running:               l.Running,
+		KVUsage:               float64(l.KVUsage),
+		InflightRequests:      max(l.InflightRequests-p.reported.requests, 0) + mine.requests,
+		InflightPrefillTokens: max(l.InflightPrefillTokens-p.reported.prefillTokens, 0) + mine.prefillTokens,
+	}
+	r.table.SetLoad(p.meta.Name, load, l.Healthy, now)
+	if !l.Healthy {
+		p.mirror.Reset()
+		p.pending = nil
+		p.behind = 0
+		return
+	}
+	if !r.usesFilter(p) || l.FilterGen < p.awaitGen {
+		return
+	}
+	st := p.mirror.State()
+	if st == nil || st.Generation < l.FilterGen || st.Generation == l.FilterGen && st.Seq < l.FilterSeq {
+		p.behind++
+		if p.behind >= 2 {
+			r.requestResync(p, now)
+		}
+		return
+	}
+	p.behind = 0
+}
+
+func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
+	s, err := bloom.DecodeSnapshot(m.Payload)
+	if err != nil || s.Epoch != m.Epoch {
+		r.d.stats.BadMessages.Add(1)
+		return
+	}
+	r.table.Heard(p.meta.Name, now)
+	if s.Generation < p.awaitGen || !r.usesFilter(p) {
+		return
+	}
+	if err := p.mirror.ApplySnapshot(s); err != nil {
+		return // older than what we hold
+	}
+	p.awaitGen = 0
+	p.behind = 0
+	// Replay deltas that overtook the snapshot.
+	pending := p.pending
+	p.pending = nil
+	slices.SortFunc(pending, func(a, b bloom.Delta) int {
+		return cmpUint(a.Generation, b.Generation)*2 + cmpUint(a.Seq, b.Seq)
+	})
+	for _, d := range pending {
+		if d.Generation == s.Generation && d.Seq > s.Seq {
+			if !p.mirror.ApplyDelta(d) {
+				r.requestResync(p, now)
+				break
+			}
+		}
+	}
+	r.publish(p, now)
+}
+
+func cmpUint(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
+	d, err := bloom.DecodeDelta(m.Payload)
+	if err != nil || d.Epoch != m.Epoch {
+		r.d.stats.BadMessages.Add(1)
+		return
+	}
+	r.table.Heard(p.meta.Name, now)
+	if d.Generation < p.awaitGen || !r.usesFilter(p) {
+		return
+	}
+	if p.mirror.ApplyDelta(d) {
+		r.publish(p, now)
+		return
+	}
+	st := p.mirror.State()
+	switch {
+	case st != nil && d.Generation < st.Generation:
+		// From a generation already replaced.
+	case st != nil && d.Generation == st.Generation:
+		// A lost delta: nothing but a snapshot can fill the hole.
+		r.requestResync(p, now)
+	default:
+		// A generation whose snapshot is still on its way.
+		if len(p.pending) < maxPending {
+			p.pending = append(p.pending, d)
+		} else {
+			r.requestResync(p, now)
+		}
+	}
+}
+
+// publish hands the mirror's current filter to the table.
+func (r *RouterNode) publish(p *sidecarPeer, now time.Time) {
+	if st := p.mirror.State(); st != nil {
+		r.table.SetFilter(p.meta.Name, st.Filter, st.Generation, st.Keys, now)
+	}
+}
+
+func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time) {
+	if now.Sub(p.lastResync) < r.cfg.ResyncEvery {
+		return
+	}
+	p.lastResync = now
+	p.behind = 0
+	r.d.stats.Resyncs.Add(1)
+	var held uint64
+	if st := p.mirror.State(); st != nil {
+		held = st.Epoch
+	}
+	msg := Message{Kind: KindResync, From: r.d.self, Epoch: held}
+	to := p.node
+	go func() {
+		if err := r.send(to, &msg, false); err != nil {
+			r.log.Debug().Err(err).Str("to", to.Name).Msg("resync request not sent")
+		}
+	}()
+}
+
+func (r *RouterNode) tick() {
+	now := r.now()
+	type report struct {
+		to  *memberlist.Node
+		msg Message
+	}
+	var reports []report
+	r.mu.Lock()
+	for _, name := range r.table.Expire(now) {
+		if p := r.replicas[name]; p != nil {
+			p.mirror.Reset()
+			p.pending = nil
+			p.behind = 0
+			r.log.Info().Str("replica", name).Msg("sidecar silent: replica offline")
+		}
+	}
+	for _, p := range r.sidecars {
+		if p.meta.Capabilities&CapInflight == 0 {
+			continue
+		}
+		cur := r.inflight[p.meta.Name]
+		if cur == (inflight{}) && p.reported == (inflight{}) {
+			continue
+		}
+		p.inflSeq++
+		p.reported = cur
+		reports = append(reports, report{p.node, Message{
+			Kind: KindInflight, From: r.d.self, Epoch: r.meta.Epoch, Seq: p.inflSeq,
+			Requests: cur.requests, PrefillTokens: cur.prefillTokens,
+		}})
+	}
+	r.mu.Unlock()
+	for i := range reports {
+		_ = r.send(reports[i].to, &reports[i].msg, false)
+	}
+}

@@ -1,0 +1,425 @@
+package gossip
+
+import (
+	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/bloom"
+)
+
+// SidecarConfig configures a sidecar's member.
+type SidecarConfig struct {
+	Config
+	Models    []string // served model names (may be learned later: SetModels)
+	EngineURL string
+	Protocol  string
+	BlockSize int // 0 until learned from events
+	// Filter is the sidecar's filter generations; nil announces a load-only
+	// replica (no KV events).
+	Filter *bloom.Generations
+	// OnClearRoutes asks the owner of the exact set to rebuild the filter
+	// now (a router cleared this replica's route records). It runs on the
+	// node's loop: do not block.
+	OnClearRoutes func()
+
+	LoadInterval  time.Duration // load records (default 100 ms)
+	DeltaInterval time.Duration // filter delta batches (default 25 ms)
+	// InflightTTL expires a router's in-flight report it has not renewed
+	// (default 1 s): a router that died takes its share with it.
+	InflightTTL time.Duration
+}
+
+// EngineLoad is what the sidecar learned from its engine.
+type EngineLoad struct {
+	Healthy bool
+	Waiting int
+	Running int
+	KVUsage float64
+}
+
+// SidecarNode sends its replica's load and filter to every router.
+type SidecarNode struct {
+	*node
+	cfg SidecarConfig
+
+	filter atomic.Pointer[bloom.Generations]
+	engine atomic.Pointer[EngineLoad]
+	kick   chan struct{} // send a load record now
+
+	mu       sync.Mutex
+	routers  map[string]*routerPeer
+	meta     Meta
+	loadSeq  uint64
+	lastGen  genID
+	snapMu   sync.Mutex
+	snapID   genID
+	snapSeq  uint64
+	snapWire []byte
+
+	stop chan struct{}
+	done chan struct{}
+	wg   sync.WaitGroup
+}
+
+type genID struct{ epoch, gen uint64 }
+
+// routerPeer is a router this sidecar feeds.
+type routerPeer struct {
+	node *memberlist.Node
+	// wantSnap (1-deep) wakes the router's snapshot sender.
+	wantSnap chan struct{}
+	quit     chan struct{}
+	// in-flight work the router reported here
+	inflight  inflight
+	inflSeq   uint64
+	inflAt    time.Time
+	inflEpoch uint64
+}
+
+// StartSidecar joins the cluster as a sidecar.
+func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
+	if cfg.LoadInterval <= 0 {
+		cfg.LoadInterval = 100 * time.Millisecond
+	}
+	if cfg.DeltaInterval <= 0 {
+		cfg.DeltaInterval = 25 * time.Millisecond
+	}
+	if cfg.InflightTTL <= 0 {
+		cfg.InflightTTL = time.Second
+	}
+	s := &SidecarNode{
+		cfg:     cfg,
+		kick:    make(chan struct{}, 1),
+		routers: map[string]*routerPeer{},
+		stop:    make(chan struct{}),
+		done:    make(chan struct{}),
+	}
+	s.engine.Store(&EngineLoad{Healthy: true})
+	var epoch uint64
+	if cfg.Filter != nil {
+		s.filter.Store(cfg.Filter)
+		epoch = cfg.Filter.Stats().Epoch
+	}
+	s.meta = Meta{
+		Role:          RoleSidecar,
+		Name:          cfg.Name,
+		Models:        slices.Clone(cfg.Models),
+		EngineURL:     cfg.EngineURL,
+		Protocol:      cfg.Protocol,
+		BlockSize:     cfg.BlockSize,
+		SchemeVersion: blockkey.SchemeVersion,
+		Capabilities:  CapInflight,
+		Epoch:         epoch,
+	}
+	if cfg.Filter != nil {
+		s.meta.Capabilities |= CapKVEvents
+	}
+	n, err := start(cfg.Config, s.meta)
+	if err != nil {
+		return nil, err
+	}
+	s.node = n
+	go s.loop()
+	return s, nil
+}
+
+// SetEngineLoad records the engine's latest health and load. A change of
+// health is announced to every router at once.
+func (s *SidecarNode) SetEngineLoad(l EngineLoad) {
+	old := s.engine.Swap(&l)
+	if old == nil || old.Healthy != l.Healthy {
+		select {
+		case s.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// SetFilter switches to another filter (a new epoch after an engine
+// restart); every router gets its snapshot.
+func (s *SidecarNode) SetFilter(g *bloom.Generations) {
+	s.filter.Store(g)
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// SetModels announces the served models and block size (learned from the
+// engine) in the node's metadata, if they changed.
+func (s *SidecarNode) SetModels(models []string, blockSize int) error {
+	s.mu.Lock()
+	m := s.meta
+	if slices.Equal(m.Models, models) && m.BlockSize == blockSize {
+		s.mu.Unlock()
+		return nil
+	}
+	m.Models, m.BlockSize = slices.Clone(models), blockSize
+	s.meta = m
+	s.mu.Unlock()
+	return s.updateMeta(m)
+}
+
+// Routers counts the routers this sidecar feeds.
+func (s *SidecarNode) Routers() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.routers)
+}
+
+// Inflight is the in-flight work summed over every router's live report.
+func (s *SidecarNode) Inflight() (requests, prefillTokens int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f := s.inflightLocked(time.Now())
+	return f.requests, f.prefillTokens
+}
+
+// Stats returns the node's counters.
+func (s *SidecarNode) Stats() StatsSnapshot { return s.node.stats() }
+
+// Leave tells the routers this replica is going (an unhealthy load record),
+// announces departure to the cluster, waits up to timeout, and stops.
+func (s *SidecarNode) Leave(timeout time.Duration) error {
+	select {
+	case <-s.stop:
+		return nil
+	default:
+	}
+	close(s.stop)
+	<-s.done
+	s.mu.Lock()
+	for _, rp := range s.routers {
+		close(rp.quit)
+	}
+	s.routers = map[string]*routerPeer{}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return s.leave(timeout)
+}
+
+func (s *SidecarNode) loop() {
+	defer close(s.done)
+	loadTick := time.NewTicker(s.cfg.LoadInterval)
+	defer loadTick.Stop()
+	deltaTick := time.NewTicker(s.cfg.DeltaInterval)
+	defer deltaTick.Stop()
+	for {
+		select {
+		case <-s.stop:
+			s.sendLoad() // last word: routers see the final state at once
+			return
+		case ev := <-s.d.evq:
+			s.membership(ev)
+		case m := <-s.d.inbox:
+			s.handle(&m)
+		case <-deltaTick.C:
+			s.flushFilter()
+		case <-loadTick.C:
+			s.flushFilter()
+			s.sendLoad()
+		case <-s.kick:
+			s.flushFilter()
+			s.sendLoad()
+		}
+	}
+}
+
+func (s *SidecarNode) membership(ev event) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	name := ev.member.node.Name
+	rp := s.routers[name]
+	if ev.kind == evLeave || ev.member.meta.Role != RoleRouter {
+		if rp != nil {
+			close(rp.quit)
+			delete(s.routers, name)
+		}
+		return
+	}
+	if rp == nil {
+		rp = &routerPeer{wantSnap: make(chan struct{}, 1), quit: make(chan struct{})}
+		s.routers[name] = rp
+		s.wg.Add(1)
+		go s.snapshotSender(rp)
+	}
+	rp.node = ev.member.node
+	if ev.kind == evJoin {
+		rp.want()
+	}
+}
+
+func (rp *routerPeer) want() {
+	select {
+	case rp.wantSnap <- struct{}{}:
+	default:
+	}
+}
+
+func (s *SidecarNode) handle(m *Message) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rp := s.routers[m.From]
+	if rp == nil {
+		return
+	}
+	switch m.Kind {
+	case KindResync:
+		s.d.stats.Resyncs.Add(1)
+		rp.want()
+	case KindClearRoutes:
+		if (len(m.Names) == 0 || slices.Contains(m.Names, s.cfg.Name)) && s.cfg.OnClearRoutes != nil {
+			s.cfg.OnClearRoutes()
+		}
+	case KindInflight:
+		if m.Epoch != rp.inflEpoch || m.Seq > rp.inflSeq {
+			rp.inflEpoch, rp.inflSeq = m.Epoch, m.Seq
+			rp.inflight = inflight{m.Requests, m.PrefillTokens}
+			rp.inflAt = time.Now()
+		}
+	}
+}
+
+func (s *SidecarNode) inflightLocked(now time.Time) inflight {
+	var sum inflight
+	for _, rp := range s.routers {
+		if now.Sub(rp.inflAt) > s.cfg.InflightTTL {
+			rp.inflight = inflight{}
+			continue
+		}
+		sum.requests += rp.inflight.requests
+		sum.prefillTokens += rp.inflight.prefillTokens
+	}
+	return sum
+}
+
+// targets returns the routers to send to now.
+func (s *SidecarNode) targets() []*routerPeer {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*routerPeer, 0, len(s.routers))
+	for _, rp := range s.routers {
+		out = append(out, rp)
+	}
+	return out
+}
+
+// flushFilter snapshots a new generation to every router and sends the
+// deltas taken since the last flush.
+func (s *SidecarNode) flushFilter() {
+	g := s.filter.Load()
+	if g == nil {
+		return
+	}
+	st := g.Stats()
+	routers := s.targets()
+	if id := (genID{st.Epoch, st.Generation}); id != s.lastGen {
+		s.lastGen = id
+		for _, rp := range routers {
+			rp.want()
+		}
+	}
+	// Bounded: a burst beyond this waits for the next tick.
+	for range 256 {
+		d, ok := g.TakeDelta()
+		if !ok {
+			break
+		}
+		msg := Message{Kind: KindDelta, From: s.d.self, Epoch: d.Epoch}
+		msg.Payload = d.AppendBinary(make([]byte, 0, bloom.DeltaSize(len(d.Keys))))
+		for _, rp := range routers {
+			_ = s.send(rp.node, &msg, false)
+		}
+		if d.Epoch != s.lastGen.epoch || d.Generation != s.lastGen.gen {
+			s.lastGen = genID{d.Epoch, d.Generation}
+			for _, rp := range routers {
+				rp.want()
+			}
+		}
+	}
+}
+
+func (s *SidecarNode) sendLoad() {
+	e := s.engine.Load()
+	now := time.Now()
+	s.mu.Lock()
+	s.loadSeq++
+	f := s.inflightLocked(now)
+	msg := Message{Kind: KindLoad, From: s.d.self, Seq: s.loadSeq, Load: Load{
+		Healthy:               e.Healthy,
+		Waiting:               e.Waiting,
+		Running:               e.Running,
+		KVUsage:               float32(min(max(e.KVUsage, 0), 1)),
+		InflightRequests:      f.requests,
+		InflightPrefillTokens: f.prefillTokens,
+	}}
+	routers := make([]*memberlist.Node, 0, len(s.routers))
+	for _, rp := range s.routers {
+		routers = append(routers, rp.node)
+	}
+	s.mu.Unlock()
+	if g := s.filter.Load(); g != nil {
+		st := g.Stats()
+		msg.Epoch = st.Epoch
+		msg.Load.FilterGen, msg.Load.FilterSeq, msg.Load.FilterKeys = st.Generation, st.Seq, st.Keys
+	} else {
+		msg.Epoch = s.meta.Epoch
+	}
+	for _, to := range routers {
+		_ = s.send(to, &msg, false)
+	}
+}
+
+// snapshotSender sends a router the current snapshot each time it is
+// wanted, one at a time (requests coalesce while one is in flight).
+func (s *SidecarNode) snapshotSender(rp *routerPeer) {
+	defer s.wg.Done()
+	for {
+		select {
+		case <-rp.quit:
+			return
+		case <-rp.wantSnap:
+		}
+		msg, err := s.snapshotMessage()
+		if err != nil {
+			continue
+		}
+		s.mu.Lock()
+		to := rp.node
+		s.mu.Unlock()
+		if err := s.send(to, msg, true); err != nil {
+			s.log.Debug().Err(err).Str("to", to.Name).Msg("snapshot not delivered; retrying")
+			select {
+			case <-rp.quit:
+				return
+			case <-time.After(200 * time.Millisecond):
+				rp.want()
+			}
+		}
+	}
+}
+
+var errNoFilter = errors.New("gossip: no filter")
+
+// snapshotMessage encodes the current snapshot once for all routers.
+func (s *SidecarNode) snapshotMessage() (*Message, error) {
+	g := s.filter.Load()
+	if g == nil {
+		return nil, errNoFilter
+	}
+	s.snapMu.Lock()
+	defer s.snapMu.Unlock()
+	st := g.Stats()
+	if (genID{st.Epoch, st.Generation}) != s.snapID || st.Seq != s.snapSeq || s.snapWire == nil {
+		snap := g.Snapshot()
+		s.snapID, s.snapSeq = genID{snap.Epoch, snap.Generation}, snap.Seq
+		s.snapWire = snap.AppendBinary(make([]byte, 0, bloom.SnapshotSize(snap.M)))
+	}
+	return &Message{Kind: KindSnapshot, From: s.d.self, Epoch: s.snapID.epoch, Payload: s.snapWire}, nil
+}
