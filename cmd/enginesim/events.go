@@ -1,26 +1,40 @@
 package main
 
 import (
-	"fmt"
+	"errors"
+
+	"github.com/rs/zerolog"
 
 	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/kvevents"
 )
 
-// eventSink owns the KV-event publisher, if any.
-type eventSink struct {
-	pub engine.EventSink
-}
-
-func newEventSink(o options) (*eventSink, error) {
+// newPublisher opens the KV-event publisher the flags ask for, or returns
+// nil when --kv-events is empty.
+func newPublisher(o options, log zerolog.Logger) (*kvevents.Publisher, error) {
 	if o.kvEvents == "" {
 		if o.kvReplay != "" {
-			return nil, fmt.Errorf("--kv-replay needs --kv-events")
+			return nil, errors.New("--kv-replay needs --kv-events")
 		}
-		return &eventSink{}, nil
+		return nil, nil
 	}
-	return nil, fmt.Errorf("--kv-events: the ZMQ publisher (kvevents.NewPublisher) is not in this build yet")
+	format, err := kvevents.ParseFormat(o.kvFormat)
+	if err != nil {
+		return nil, err
+	}
+	return kvevents.NewPublisher(kvevents.PublisherConfig{
+		Endpoint:       o.kvEvents,
+		ReplayEndpoint: o.kvReplay,
+		Topic:          o.kvTopic,
+		Format:         format,
+		Logger:         log,
+	})
 }
 
-func (s *eventSink) sink() engine.EventSink { return s.pub }
-
-func (s *eventSink) Close() {}
+// sink hands the server a nil interface, not a typed nil, when events are off.
+func sink(p *kvevents.Publisher) engine.EventSink {
+	if p == nil {
+		return nil
+	}
+	return p
+}

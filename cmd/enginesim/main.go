@@ -23,7 +23,9 @@ import (
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return
 		}
@@ -35,6 +37,7 @@ func main() {
 type options struct {
 	listen, model, tokenizer     string
 	kvEvents, kvReplay, kvTopic  string
+	kvFormat                     string
 	costProfile                  string
 	blockSize, kvBlocks          int
 	maxNumSeqs, maxBatchedTokens int
@@ -43,7 +46,8 @@ type options struct {
 	log                          logging.Options
 }
 
-func run(args []string) error {
+// run serves until ctx ends or the listener fails.
+func run(ctx context.Context, args []string) error {
 	var o options
 	fs := flag.NewFlagSet("enginesim", flag.ContinueOnError)
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8000", "HTTP listen address")
@@ -54,6 +58,7 @@ func run(args []string) error {
 	fs.StringVar(&o.kvEvents, "kv-events", "", "ZMQ PUB endpoint for KV events; a wildcard host (tcp://*:5557) binds, a concrete host connects; empty disables")
 	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ ROUTER endpoint serving replay of recent event batches (optional)")
 	fs.StringVar(&o.kvTopic, "kv-topic", "", "topic frame of every KV-event message")
+	fs.StringVar(&o.kvFormat, "kv-events-format", "vllm", "KV-event encoding: vllm (v0.26+ map events), vllm-array (older array events) or sglang")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "real seconds per simulated second: 1 real time, 0.1 ten times faster, 0 no delay")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 256, "maximum running sequences per step")
 	fs.IntVar(&o.maxBatchedTokens, "max-num-batched-tokens", 8192, "token budget per step (longer prefills are chunked)")
@@ -78,11 +83,13 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	events, err := newEventSink(o)
+	pub, err := newPublisher(o, log.With().Str("component", "kvevents").Logger())
 	if err != nil {
 		return err
 	}
-	defer events.Close()
+	if pub != nil {
+		defer pub.Close()
+	}
 	srv, err := enginesim.New(enginesim.Config{
 		Model:     o.model,
 		Tokenizer: tok,
@@ -92,15 +99,13 @@ func run(args []string) error {
 			MaxModelLen: o.maxModelLen, Cost: cost,
 		},
 		TimeScale: o.timeScale,
-		Events:    events.sink(),
+		Events:    sink(pub),
 		Logger:    log,
 	})
 	if err != nil {
 		return err
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	engineCtx, stopEngine := context.WithCancel(context.Background())
 	engineDone := make(chan struct{})
 	go func() { srv.Run(engineCtx); close(engineDone) }()
@@ -135,5 +140,9 @@ func loadTokenizer(spec string) (tokenize.Model, error) {
 	if spec == "builtin" {
 		return tokenize.Builtin{}, nil
 	}
-	return nil, fmt.Errorf("--tokenizer %q: only builtin is available in this build (HuggingFace directories arrive with tokenize.LoadDir)", spec)
+	t, err := tokenize.LoadDir(spec)
+	if err != nil {
+		return nil, fmt.Errorf("--tokenizer %q: %w", spec, err)
+	}
+	return t, nil
 }
