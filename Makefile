@@ -1,6 +1,6 @@
 # kvmesh — build, test, bench. `make test` is the README's test command and what CI runs.
 GO        ?= go
-BINARIES  := router sidecar enginesim loadtest
+BINARIES  := router sidecar enginesim loadtest healthcheck
 FUZZTIME  ?= 10s
 export CGO_ENABLED ?= 0
 
