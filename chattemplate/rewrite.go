@@ -19,7 +19,9 @@ import (
 //     expression ({{ '...' }}), markers are removed, and jinja's own
 //     trimming finds no text to touch;
 //   - comments are dropped and {% raw %} bodies become literals;
-//   - filters jinja gets wrong are renamed (see overriddenFilters).
+//   - filters jinja gets wrong are renamed (see overriddenFilters), and
+//     every printed expression goes through Python's str() (jinja prints
+//     1.0 as "1" and None as "").
 func preprocess(src string) (string, error) {
 	src = foldNewlines(src)
 	var out strings.Builder
@@ -88,10 +90,20 @@ func preprocess(src string) (string, error) {
 			continue
 		}
 
-		out.WriteString("{")
-		out.WriteByte(kind)
-		out.WriteString(renameFilters(content))
-		out.WriteString(closer)
+		code := renameFilters(content)
+		switch {
+		case kind == '{' && !isStringLiteral(code):
+			// jinja prints values Go-style (1.0 as "1", None as ""); route
+			// every printed value through Python's str() instead.
+			out.WriteString("{{ (")
+			out.WriteString(code)
+			out.WriteString(") | " + pyStrFilterName + " }}")
+		default:
+			out.WriteString("{")
+			out.WriteByte(kind)
+			out.WriteString(code)
+			out.WriteString(closer)
+		}
 		pos, lineStarting = rightStrip(src, after, closeSign, kind == '%')
 	}
 }
@@ -257,6 +269,29 @@ func foldNewlines(src string) string {
 var overriddenFilters = map[string]string{
 	"tojson": "kvmesh_tojson__",
 	"trim":   "kvmesh_trim__",
+	"string": pyStrFilterName,
+}
+
+// pyStrFilterName is the variable holding Python's str() as a filter; every
+// printed expression is piped through it.
+const pyStrFilterName = "kvmesh_str__"
+
+// isStringLiteral reports whether code is one quoted string and nothing
+// else (such output needs no str() conversion).
+func isStringLiteral(code string) bool {
+	code = strings.TrimSpace(code)
+	if len(code) < 2 || (code[0] != '\'' && code[0] != '"') {
+		return false
+	}
+	q := code[0]
+	i := 1
+	for i < len(code) && code[i] != q {
+		if code[i] == '\\' {
+			i++
+		}
+		i++
+	}
+	return i == len(code)-1
 }
 
 // renameFilters rewrites, in the code of one tag, identifiers named in

@@ -5,27 +5,32 @@
 // transformers renders with jinja2's ImmutableSandboxedEnvironment
 // (trim_blocks, lstrip_blocks, loop controls) plus raise_exception,
 // strftime_now and a tojson filter equal to Python's json.dumps with
-// ensure_ascii=False. This package runs github.com/ardanlabs/jinja and closes
-// the gaps that change prompts:
+// ensure_ascii=False. This package runs github.com/ardanlabs/jinja v1.8.0
+// and closes, from outside it, the gaps that change prompts:
 //
-//   - template source newlines are folded ("\r\n" and "\r" to "\n", one
-//     trailing newline dropped) as jinja2's lexer does;
+//   - template source is preprocessed as jinja2's lexer does it: newlines
+//     folded ("\r\n" and "\r" to "\n", one trailing newline dropped) and
+//     whitespace control (trim_blocks, lstrip_blocks, "-" and "+" markers)
+//     applied here, because jinja v1.8.0 trims past expressions;
 //   - request JSON is decoded into ordered values, so tools and tool-call
 //     arguments keep the client's key order, ints stay ints and 1.0 stays a
 //     float;
-//   - tojson and trim are replaced by Python-exact versions (insertion key
-//     order, ", "/": " separators, indent=, sort_keys=, non-ASCII and U+2028
-//     kept, 1.0 printed as 1.0, Python's whitespace set);
+//   - tojson, trim and string are replaced by Python-exact versions
+//     (insertion key order, ", "/": " separators, indent=, sort_keys=,
+//     non-ASCII and U+2028 kept, Python's whitespace set), and every printed
+//     value goes through Python's str() (1.0 prints "1.0", None "None");
 //   - raise_exception yields a *TemplateError carrying the template's message;
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does.
 //
-// Known differences that cannot be fixed from outside jinja v1.8.0: a float
-// printed directly ({{ 1.0 }} or 'x' ~ 1.0) renders as Go's %g ("1"), and
-// the string methods .strip()/.lstrip()/.rstrip()/.split() use Go's
-// whitespace set rather than Python's. Messages are passed to the template
-// as sent; vLLM's own request normalisation (e.g. parsing tool-call
-// arguments from JSON strings) is the caller's job.
+// Known differences left inside jinja v1.8.0: the ~ operator and the join
+// filter print floats Go-style ('a' ~ 1.0 is "a1"); the string methods
+// .strip()/.lstrip()/.rstrip()/.split() use Go's whitespace set; a float
+// literal without a '.' (1e20) does not parse; templates that would raise a
+// Python TypeError (str + None) may render instead of failing (vLLM rejects
+// such requests, so nothing is routed wrongly). Messages are passed to the
+// template as sent; vLLM's own request normalisation (e.g. parsing tool-call
+// arguments from JSON strings, flattening content parts) is the caller's job.
 package chattemplate
 
 import (
@@ -105,6 +110,7 @@ func Compile(src string) (*Template, error) {
 var (
 	tojsonValue         = jinja.NewCallable("tojson", tojsonFilter)
 	trimValue           = jinja.NewCallable("trim", trimFilter)
+	pyStrValue          = jinja.NewCallable("string", pyStrFilter)
 	raiseExceptionValue = jinja.NewCallable("raise_exception", raiseException)
 	strftimeNowValue    = jinja.NewCallable("strftime_now", strftimeNow)
 )
@@ -115,6 +121,16 @@ func raiseException(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, 
 		msg = pyStr(args[0])
 	}
 	return jinja.Undefined(), &TemplateError{Message: msg}
+}
+
+func pyStrFilter(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+	if len(args) == 0 {
+		return jinja.NewString(""), nil
+	}
+	if args[0].IsString() {
+		return args[0], nil
+	}
+	return jinja.NewString(pyStr(args[0])), nil
 }
 
 func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
@@ -203,6 +219,7 @@ func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 	vars["strftime_now"] = strftimeNowValue
 	vars[overriddenFilters["tojson"]] = tojsonValue
 	vars[overriddenFilters["trim"]] = trimValue
+	vars[pyStrFilterName] = pyStrValue
 	return vars, msgs.AsList(), nil
 }
 
