@@ -113,11 +113,14 @@ func (l *loop) run(ctx context.Context) {
 		res := l.eng.Step(0)
 		l.sim += res.Duration
 		l.sleep()
-		l.deliver(res.Outputs)
+		// Events and gauges first, tokens last: whoever sees a token can
+		// count on the step's events having been published and /metrics
+		// reflecting it.
 		if res.Events != nil {
 			l.publish(res.Events)
 		}
 		l.publishStats()
+		l.deliver(res.Outputs)
 	}
 }
 
