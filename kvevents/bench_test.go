@@ -1,6 +1,14 @@
 package kvevents
 
-import "testing"
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/rs/zerolog"
+)
 
 // BenchmarkDecodeBlockStored decodes batches of 32 BlockStored events, one
 // 16-token block each (Qwen-sized token ids, uint64 hashes, a parent), the
@@ -45,3 +53,55 @@ func BenchmarkAppendBatch(b *testing.B) {
 	}
 	b.ReportMetric(float64(b.N*32)/b.Elapsed().Seconds(), "events/s")
 }
+
+// BenchmarkPubSubLoopback pushes batches of 32 one-block BlockStored events
+// from a Publisher to a Subscriber over loopback TCP and reports delivered
+// batches and events per second end to end (both ends in this process).
+func BenchmarkPubSubLoopback(b *testing.B) {
+	p, err := newPublisher(PublisherConfig{Endpoint: "tcp://127.0.0.1:0", Logger: zerolog.Nop()}, true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer p.Close()
+	var delivered atomic.Uint64
+	h := countingHandler{&delivered}
+	s := NewSubscriber(SubscriberConfig{Endpoint: p.Endpoint(), Logger: zerolog.Nop()}, h)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if pub := p.currentPub(); pub != nil && len(pub.(zmq4.Topics).Topics()) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("no subscriber")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	batch := Batch{TS: exampleTS, DPRank: 0}
+	for i := range 32 {
+		batch.Events = append(batch.Events, Event{Kind: KindBlockStored, BlockHashes: []uint64{uint64(i)},
+			HasParent: true, TokenIDs: exampleTokens, BlockSize: 16, Medium: "GPU"})
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for p.Publish(&batch) == ErrQueueFull {
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	for deadline := time.Now().Add(30 * time.Second); delivered.Load() < uint64(b.N); {
+		if time.Now().After(deadline) {
+			b.Fatalf("delivered %d of %d (stats %+v)", delivered.Load(), b.N, s.Stats())
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "batches/s")
+	b.ReportMetric(float64(b.N*32)/b.Elapsed().Seconds(), "events/s")
+}
+
+type countingHandler struct{ n *atomic.Uint64 }
+
+func (h countingHandler) HandleBatch(uint64, *Batch) { h.n.Add(1) }
+func (h countingHandler) HandleReset(string)         {}

@@ -6,6 +6,13 @@
 // map-encoded events, missing trailing fields, unknown extra fields and tags,
 // and block hashes as signed or unsigned ints or as digest bytes (folded to
 // their last 8 bytes, big-endian). Malformed input is an error, never a panic.
+//
+// DecodeBatch and AppendBatch are the codec (pure, allocation-free once a
+// Batch is warm). Subscriber is the sidecar's long-running SUB client: it
+// delivers batches in sequence order, fills gaps from the replay endpoint and
+// turns what cannot be recovered (a publisher restart, a gap older than the
+// replay ring) into a HandleReset instead of silent loss. Publisher is the
+// engine side, for enginesim and tests.
 package kvevents
 
 // Kind tells which event an Event holds.

@@ -222,6 +222,7 @@ func (s *Subscriber) receive(ctx context.Context, sock zmq4.Socket, in chan<- re
 		if err != nil && s.cfg.Bind {
 			// One connecting publisher went away; the listener goes on.
 			s.log.Debug().Err(err).Msg("kv events publisher disconnected")
+			time.Sleep(10 * time.Millisecond) // never spin on repeated errors
 			continue
 		}
 		select {

@@ -1,9 +1,13 @@
 package kvevents
 
 import (
+	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -455,4 +459,77 @@ func TestReplayAcceptsTheOlderTwoFrameLayout(t *testing.T) {
 	if st := s.Stats(); st.Replayed != 6 || st.Duplicates != 0 {
 		t.Fatalf("stats %+v", st)
 	}
+}
+
+// pythonWithZMQ returns a python3 that has pyzmq and msgpack (Debian:
+// python3-zmq, python3-msgpack), or "" if there is none.
+func pythonWithZMQ() string {
+	for _, py := range []string{"python3", "/usr/bin/python3"} {
+		if err := exec.Command(py, "-c", "import zmq, msgpack").Run(); err == nil {
+			return py
+		}
+	}
+	return ""
+}
+
+// The subscriber against real libzmq sockets shaped like vLLM's publisher,
+// in both replay layouts and both event encodings, with batches lost on the
+// live stream that only the replay ROUTER can supply.
+func TestInteropWithLibzmqPublisher(t *testing.T) {
+	py := pythonWithZMQ()
+	if py == "" {
+		t.Skip("no python3 with pyzmq and msgpack (apt-get install python3-zmq python3-msgpack)")
+	}
+	for _, tc := range []struct{ layout, format string }{{"new", "map"}, {"old", "array"}} {
+		t.Run(tc.layout+"-"+tc.format, func(t *testing.T) {
+			ep, replay := freeEndpoint(t), freeEndpoint(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, py, "testdata/vllm_publisher.py", ep, replay, tc.layout, tc.format, "40", "0,1,17,18,19")
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			stdout, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			cmd.Stderr = os.Stderr
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer cmd.Wait()
+			defer stdin.Close()
+			lines := bufio.NewScanner(stdout)
+			if !lines.Scan() || lines.Text() != "ready" {
+				t.Fatalf("publisher did not start: %q", lines.Text())
+			}
+			rec := &recorder{}
+			s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay, Topic: "kv@"}, rec)
+			waitFor(t, "connection", func() bool { return s.Stats().Connected })
+			time.Sleep(100 * time.Millisecond) // let libzmq register the subscription
+			io.WriteString(stdin, "go\n")
+			if !lines.Scan() || lines.Text() != "done" {
+				t.Fatalf("publisher did not finish: %q", lines.Text())
+			}
+			assertDelivered(t, rec, seqRange(0, 39), 0)
+			if st := s.Stats(); st.Replayed < 5 || st.Resets != 0 || st.DecodeErrors != 0 {
+				t.Fatalf("stats %+v", st)
+			}
+		})
+	}
+}
+
+func TestSubscriberStartedBeforePublisher(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay}, rec)
+	time.Sleep(300 * time.Millisecond) // dialing a port nobody listens on yet
+	if s.Stats().Connected {
+		t.Fatal("connected to nothing")
+	}
+	p := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 9)
+	assertDelivered(t, rec, seqRange(0, 9), 0)
 }
