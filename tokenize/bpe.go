@@ -32,6 +32,30 @@ type bpeModel struct {
 	cache        *pieceCache
 }
 
+// selfMerging flags a vocab value whose token, run through BPE on its own,
+// comes out as that single token: a piece equal to it needs no merging.
+const selfMerging = 1 << 31
+
+// markSelfMerging runs BPE over every vocabulary token once (at load) and
+// flags the tokens that merge into themselves.
+func (m *bpeModel) markSelfMerging() {
+	var sc bpeScratch
+	for tok, v := range m.vocab {
+		m.initial(tok, &sc)
+		m.mergeAll(&sc)
+		n, id := 0, uint32(0)
+		for _, s := range sc.syms {
+			if !s.removed {
+				n++
+				id = s.id
+			}
+		}
+		if n == 1 && id == v {
+			m.vocab[tok] = v | selfMerging
+		}
+	}
+}
+
 type symbol struct {
 	id         uint32
 	prev, next int32
@@ -60,10 +84,8 @@ func (m *bpeModel) appendPiece(dst []uint32, piece string, sc *bpeScratch) []uin
 	if piece == "" {
 		return dst
 	}
-	if m.ignoreMerges {
-		if id, ok := m.vocab[piece]; ok {
-			return append(dst, id)
-		}
+	if v, ok := m.vocab[piece]; ok && (m.ignoreMerges || v&selfMerging != 0) {
+		return append(dst, v&^selfMerging)
 	}
 	if m.byteLevel && len(piece) == 1 && m.byteIDs[piece[0]] >= 0 {
 		return append(dst, uint32(m.byteIDs[piece[0]]))
@@ -145,8 +167,8 @@ func (m *bpeModel) initial(piece string, sc *bpeScratch) {
 			if m.suffix != "" && end == len(piece) {
 				s += m.suffix
 			}
-			if id, ok := m.vocab[s]; ok {
-				hit(id)
+			if v, ok := m.vocab[s]; ok {
+				hit(v &^ selfMerging)
 			} else {
 				miss(s)
 			}

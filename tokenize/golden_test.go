@@ -66,7 +66,13 @@ var (
 )
 
 // goldenTokenizer loads (once per test binary) a model directory.
-func goldenTokenizer(t testing.TB, model string, opts ...Option) (*HF, *goldenFile) {
+func goldenTokenizer(t testing.TB, model string) (*HF, *goldenFile) {
+	return goldenVariant(t, model, "")
+}
+
+// goldenVariant loads a model directory with options, cached under
+// model+"/"+variant.
+func goldenVariant(t testing.TB, model, variant string, opts ...Option) (*HF, *goldenFile) {
 	t.Helper()
 	dir := filepath.Join(sharedTokenizers(t), model)
 	data, err := os.ReadFile(filepath.Join(dir, "golden.json"))
@@ -79,10 +85,7 @@ func goldenTokenizer(t testing.TB, model string, opts ...Option) (*HF, *goldenFi
 	}
 	goldenMu.Lock()
 	defer goldenMu.Unlock()
-	key := model
-	if len(opts) > 0 {
-		key += "+opts"
-	}
+	key := model + "/" + variant
 	tok := goldenCache[key]
 	if tok == nil {
 		if tok, err = LoadDir(dir, opts...); err != nil {

@@ -238,6 +238,12 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 		}
 		m.vocab = rawVocab
 	}
+	for _, id := range m.vocab {
+		if id&selfMerging != 0 {
+			return nil, fmt.Errorf("tokenize: model: token id %d is out of range", id)
+		}
+	}
+	m.markSelfMerging()
 	return m, nil
 }
 

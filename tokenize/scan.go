@@ -58,6 +58,13 @@ func classAt(s string, i int) (uint8, int) {
 // runOf returns the end of the run of class cls starting at i.
 func runOf(s string, i int, cls uint8) int {
 	for i < len(s) {
+		if b := s[i]; b < utf8.RuneSelf {
+			if asciiClass[b] != cls {
+				break
+			}
+			i++
+			continue
+		}
 		c, size := classAt(s, i)
 		if c != cls {
 			break
