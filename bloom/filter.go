@@ -160,6 +160,15 @@ func (f *Filter) Test(key uint64) bool {
 // TestProbe reports whether the key behind p may be in the filter.
 func (f *Filter) TestProbe(p *Probe) bool {
 	blk := f.block(p)
+	if p.maskK == f.k {
+		// All k bits at once: 8 loads of one cache line, no data-dependent
+		// branches; a hit (the common case in a walk) needs them all anyway.
+		var miss uint64
+		for w := range blockWords {
+			miss |= p.masks[w] &^ atomic.LoadUint64(&blk[w])
+		}
+		return miss == 0
+	}
 	for _, q := range p.pos[:f.k] {
 		if atomic.LoadUint64(&blk[(q>>6)&7])&(1<<(q&63)) == 0 {
 			return false
@@ -192,23 +201,47 @@ func (f *Filter) FillRatio() float64 {
 // Probe holds a key's block selector and in-block bit positions, so one key
 // is hashed once and tested against many filters of any size.
 type Probe struct {
-	h   uint64
-	pos [MaxK]uint16
+	h     uint64
+	maskK uint // masks hold the first maskK positions; 0 when not built
+	masks [blockWords]uint64
+	pos   [MaxK]uint16
 }
 
 // NewProbe computes key's probe: its block selector is the key itself (keys
 // are uniform hashes), its bit positions 9-bit slices of remixes of it.
 func NewProbe(key uint64) Probe {
-	p := Probe{h: key}
+	var p Probe
+	p.init(key, MaxK, 0)
+	return p
+}
+
+// init computes the first k positions (k may be 0) and, if maskK > 0, the
+// per-word masks of the first maskK positions.
+func (p *Probe) init(key uint64, k, maskK uint) {
+	p.h = key
 	g := mix64(key)
-	for i := range p.pos {
+	for i := range k {
 		if i > 0 && i%7 == 0 { // 7 slices of 9 bits used up: remix the key
 			g = mix64(key + uint64(i/7)*0x9e3779b97f4a7c15)
 		}
 		p.pos[i] = uint16(g & (blockBits - 1))
 		g >>= 9
 	}
-	return p
+	p.maskK = maskK
+	if maskK == 0 {
+		return
+	}
+	// The same positions as above, straight into masks.
+	var masks [blockWords]uint64
+	g = mix64(key)
+	for i := range maskK {
+		if i > 0 && i%7 == 0 {
+			g = mix64(key + uint64(i/7)*0x9e3779b97f4a7c15)
+		}
+		masks[(g>>6)&7] |= 1 << (g & 63)
+		g >>= 9
+	}
+	p.masks = masks
 }
 
 // mix64 is splitmix64's finalizer: a second, independent-looking hash of key.
@@ -224,34 +257,55 @@ func mix64(x uint64) uint64 {
 // MatchPrefix sets matched[i] to the number of leading keys that filters[i]
 // may contain, stopping at each filter's first miss: keys are chained, so a
 // miss at block j means nothing after j can be resident there. A nil filter
-// matches nothing. len(matched) must equal len(filters). It does not allocate
-// and may run while other goroutines add keys to the filters.
+// matches nothing. len(matched) must be at least len(filters). It does not
+// allocate and may run while other goroutines add keys to the filters.
 func MatchPrefix(keys []uint64, filters []*Filter, matched []int) {
 	matched = matched[:len(filters)]
-	live := 0
+	for lo := 0; lo < len(filters); lo += matchChunk {
+		hi := min(lo+matchChunk, len(filters))
+		matchPrefix(keys, filters[lo:hi], matched[lo:hi])
+	}
+}
+
+// matchChunk bounds the filters walked together, so the list of those still
+// matching lives on the stack.
+const matchChunk = 128
+
+func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
+	var live [matchChunk]uint8 // indexes of filters that matched every key so far
+	n := 0
+	var kpos, kmask uint
 	for i, f := range filters {
-		matched[i] = -1 // still walking
 		if f == nil {
 			matched[i] = 0
 			continue
 		}
-		live++
+		live[n] = uint8(i)
+		n++
+		if kmask == 0 {
+			kmask = f.k // replicas share a configuration: build masks for it
+		} else if f.k != kmask {
+			kpos = max(kpos, f.k) // and positions for any other
+		}
 	}
-	for j := 0; j < len(keys) && live > 0; j++ {
-		p := NewProbe(keys[j])
-		for i, f := range filters {
-			if matched[i] >= 0 {
+	var p Probe
+	for j, key := range keys {
+		if n == 0 {
+			return
+		}
+		p.init(key, kpos, kmask)
+		for x := 0; x < n; {
+			i := live[x]
+			if filters[i].TestProbe(&p) {
+				x++
 				continue
 			}
-			if !f.TestProbe(&p) {
-				matched[i] = j
-				live--
-			}
+			matched[i] = j
+			n--
+			live[x] = live[n]
 		}
 	}
-	for i := range matched {
-		if matched[i] < 0 {
-			matched[i] = len(keys)
-		}
+	for _, i := range live[:n] {
+		matched[i] = len(keys)
 	}
 }

@@ -144,3 +144,42 @@ func TestFromWordsSharesBits(t *testing.T) {
 		}
 	}
 }
+
+// Filters of different k (replicas configured differently) in one walk.
+func TestMatchPrefixMixedK(t *testing.T) {
+	keys := randomKeys(21, 40)
+	a, b := NewFilter(1000, 0.01), NewFilter(1000, 0.0001)
+	if a.K() == b.K() {
+		t.Fatal("test needs filters of different k")
+	}
+	for _, k := range keys[:30] {
+		a.Add(k)
+	}
+	for _, k := range keys[:10] {
+		b.Add(k)
+	}
+	matched := make([]int, 3)
+	MatchPrefix(keys, []*Filter{b, a, b}, matched)
+	if want := []int{10, 30, 10}; !slices.Equal(matched, want) {
+		t.Fatalf("matched %v, want %v", matched, want)
+	}
+}
+
+// More filters than one stack chunk.
+func TestMatchPrefixManyFilters(t *testing.T) {
+	keys := randomKeys(22, 20)
+	filters := make([]*Filter, 300)
+	for i := range filters {
+		filters[i] = NewFilter(100, 0.0001)
+		for _, k := range keys[:i%21] {
+			filters[i].Add(k)
+		}
+	}
+	matched := make([]int, len(filters))
+	MatchPrefix(keys, filters, matched)
+	for i, m := range matched {
+		if m != i%21 {
+			t.Fatalf("filter %d matched %d, want %d", i, m, i%21)
+		}
+	}
+}
