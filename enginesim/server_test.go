@@ -530,6 +530,9 @@ func benchBody(maxTokens int) []byte {
 // time scale 0: one client, one request at a time, over loopback. The
 // health sub-benchmark is the same client and server doing no work: the
 // difference is what enginesim adds (parse, tokenize, engine steps, JSON).
+// cpu-µs/req is the process's CPU time per request (client and server), the
+// figure that holds up on a machine shared with other jobs; µs/req is wall
+// time.
 func BenchmarkRequestSequential(b *testing.B) {
 	for _, c := range []struct {
 		name, path string
@@ -548,11 +551,13 @@ func BenchmarkRequestSequential(b *testing.B) {
 				req.SetBody(c.body)
 			}
 			b.ReportAllocs()
+			cpu := processCPU()
 			for b.Loop() {
 				if err := ts.client.Do(req, resp); err != nil || resp.StatusCode() != 200 {
 					b.Fatal(err, resp.StatusCode())
 				}
 			}
+			b.ReportMetric(float64((processCPU()-cpu).Microseconds())/float64(b.N), "cpu-µs/req")
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N), "µs/req")
 		})
 	}
@@ -565,6 +570,7 @@ func BenchmarkRequestParallel(b *testing.B) {
 	body := benchBody(16)
 	b.SetParallelism(16) // × GOMAXPROCS client goroutines
 	b.ResetTimer()
+	cpu := processCPU()
 	b.RunParallel(func(pb *testing.PB) {
 		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 		req.SetRequestURI("http://" + ts.addr + "/v1/completions")
@@ -577,5 +583,6 @@ func BenchmarkRequestParallel(b *testing.B) {
 			}
 		}
 	})
+	b.ReportMetric(float64((processCPU()-cpu).Microseconds())/float64(b.N), "cpu-µs/req")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 }
