@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"bytes"
 	"math/rand/v2"
 	"testing"
 )
@@ -35,5 +36,27 @@ func FuzzDecodeBatch(f *testing.F) {
 				t.Fatalf("%v: round trip changed the batch:\n got %+v\nwant %+v", fm, got, want)
 			}
 		}
+	})
+}
+
+// FuzzFrames feeds arbitrary multipart messages (frames split at 0x00 0x00)
+// to the live and replay framing parsers: no panic, and what they accept
+// has the shape they promise.
+func FuzzFrames(f *testing.F) {
+	f.Add([]byte("kv@\x00\x00\x00\x00\x00\x00\x00\x00\x00\x07\x00\x00\x92\x01\x90"), "kv@")
+	f.Add([]byte("\x00\x00topic\x00\x00\xff\xff\xff\xff\xff\xff\xff\xff\x00\x00"), "")
+	f.Fuzz(func(t *testing.T, raw []byte, topic string) {
+		frames := bytes.Split(raw, []byte{0, 0})
+		seq, payload, filtered, err := parseLive(frames, topic)
+		if err == nil && !filtered {
+			if len(frames) != 3 || !bytes.HasPrefix(frames[0], []byte(topic)) || !bytes.Equal(seqBytes(seq), frames[1]) || !bytes.Equal(payload, frames[2]) {
+				t.Fatalf("parseLive accepted %q as seq %d", frames, seq)
+			}
+		}
+		seq, payload, end, err := parseReplay(frames)
+		if err == nil && !end && (len(payload) == 0 || seq == ^uint64(0)) {
+			t.Fatalf("parseReplay returned an end marker as data: %q", frames)
+		}
+		parseReplayRequest(frames)
 	})
 }

@@ -533,3 +533,29 @@ func TestSubscriberStartedBeforePublisher(t *testing.T) {
 	publishRange(t, p, 0, 9)
 	assertDelivered(t, rec, seqRange(0, 9), 0)
 }
+
+func TestBindModeConnectingPublisherRestarts(t *testing.T) {
+	ep := freeEndpoint(t)
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true}, rec)
+	waitFor(t, "listening", func() bool { return s.Stats().Connected })
+	p1, err := NewPublisher(PublisherConfig{Endpoint: ep, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 9)
+	waitFor(t, "10 batches", func() bool { return rec.count() == 10 })
+	p1.Close()
+	p2, err := NewPublisher(PublisherConfig{Endpoint: ep, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	waitSubscribed(t, p2)
+	publishRange(t, p2, 0, 4)
+	assertDelivered(t, rec, append(seqRange(0, 9), seqRange(0, 4)...), 1)
+	if _, _, log, _ := rec.snapshot(); log[10] != "reset" {
+		t.Fatalf("log %v", log)
+	}
+}
