@@ -2,6 +2,7 @@ package tokenize
 
 import (
 	"encoding/json"
+	"fmt"
 	"html"
 	"os"
 	"path/filepath"
@@ -147,32 +148,50 @@ func multiTurnChat(b testing.TB, turns int) json.RawMessage {
 	return raw
 }
 
-// BenchmarkMultiTurnChatCached renders and tokenizes a ~32k-token chat whose
-// earlier turns were seen before: only the final turn is new.
+// BenchmarkMultiTurnChatCached renders and tokenizes a ~32k-token Llama-3
+// chat whose earlier turns were seen before; every iteration ends with a
+// new user turn, so only that turn is tokenized afresh.
 func BenchmarkMultiTurnChatCached(b *testing.B) {
 	tok, _ := goldenTokenizer(b, "llama3")
-	const turns = 64
+	const turns = 48
 	full := multiTurnChat(b, turns)
 	var msgs []json.RawMessage
 	if err := json.Unmarshal(full, &msgs); err != nil {
 		b.Fatal(err)
 	}
 	earlier, _ := json.Marshal(msgs[:len(msgs)-1])
-	if _, _, err := tok.EncodeChat(Chat{Messages: earlier}); err != nil {
-		b.Fatal(err)
+	lastTurn := prose(b)[200000:202000]
+	withTurn := func(n int) json.RawMessage {
+		content, _ := json.Marshal(fmt.Sprintf("Question %d: %s", n, lastTurn))
+		return json.RawMessage(string(earlier[:len(earlier)-1]) + `,{"role":"user","content":` + string(content) + `}]`)
 	}
-	_, ids, err := tok.EncodeChat(Chat{Messages: full, AddGenerationPrompt: true})
+	prompt, ids, err := tok.EncodeChat(Chat{Messages: withTurn(-1), AddGenerationPrompt: true})
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.ReportMetric(float64(len(ids)), "tokens")
-	b.ReportAllocs()
-	b.ResetTimer()
-	for b.Loop() {
-		if _, _, err := tok.EncodeChat(Chat{Messages: full, AddGenerationPrompt: true}); err != nil {
-			b.Fatal(err)
+	b.Run("render+encode", func(b *testing.B) {
+		b.ReportAllocs()
+		n := 0
+		for b.Loop() {
+			n++
+			if _, _, err := tok.EncodeChat(Chat{Messages: withTurn(n), AddGenerationPrompt: true}); err != nil {
+				b.Fatal(err)
+			}
 		}
-	}
+		b.ReportMetric(float64(len(ids)), "tokens")
+	})
+	// The tokenizer's share: the rendered prompt with a new last turn.
+	b.Run("encode", func(b *testing.B) {
+		b.ReportAllocs()
+		dst := make([]uint32, 0, 2*len(ids))
+		n := 0
+		for b.Loop() {
+			n++
+			p := strings.Replace(prompt, "Question -1:", fmt.Sprintf("Question %d:", n), 1)
+			dst, _ = tok.AppendEncode(dst[:0], p, false)
+		}
+		b.ReportMetric(float64(len(ids)), "tokens")
+	})
 }
 
 // TestLlama3HeapSize loads the Llama-3 tokenizer and measures the heap it

@@ -61,7 +61,11 @@ func (t *HF) encodeChat(r chatRenderer, chat Chat, maxTokens int) (string, []uin
 	if err != nil {
 		return "", nil, err
 	}
-	ids, err := t.appendEncode(make([]uint32, 0, len(prompt)/3+4), prompt, false, maxTokens)
+	size := len(prompt)/3 + 4
+	if maxTokens > 0 {
+		size = min(size, maxTokens+8)
+	}
+	ids, err := t.appendEncode(make([]uint32, 0, size), prompt, false, maxTokens)
 	if err != nil {
 		return prompt, nil, err
 	}

@@ -243,7 +243,9 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 			return nil, fmt.Errorf("tokenize: model: token id %d is out of range", id)
 		}
 	}
-	m.markSelfMerging()
+	if !m.ignoreMerges {
+		m.markSelfMerging()
+	}
 	return m, nil
 }
 

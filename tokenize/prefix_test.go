@@ -1,0 +1,75 @@
+package tokenize
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestPrefixEqualsLeadingIDs: for every golden text and several budgets the
+// prefix ids are exactly the first ids of the full encode.
+func TestPrefixEqualsLeadingIDs(t *testing.T) {
+	for _, model := range goldenModels {
+		t.Run(model, func(t *testing.T) {
+			tok, g := goldenTokenizer(t, model)
+			for _, c := range g.Encode {
+				full, err := tok.Encode(c.Text, c.AddSpecialTokens)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, n := range []int{1, 2, 3, 5, 8, 13, len(full) - 1, len(full), len(full) + 1} {
+					if n <= 0 {
+						continue
+					}
+					got, err := Prefix(tok, n).Encode(c.Text, c.AddSpecialTokens)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if want := full[:min(n, len(full))]; !slices.Equal(got, want) {
+						t.Fatalf("%s special=%v n=%d:\n got  %v\n want %v", c.ID, c.AddSpecialTokens, n, got, want)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestPrefixStopsEarly: a 16-token budget over 8 MB of text must not cost
+// anything like tokenizing 8 MB.
+func TestPrefixStopsEarly(t *testing.T) {
+	tok, _ := goldenTokenizer(t, "llama3")
+	huge := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 8<<20/45)
+	start := time.Now()
+	ids, err := Prefix(tok, 16).Encode(huge, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if elapsed := time.Since(start); elapsed > 500*time.Millisecond {
+		t.Fatalf("16-token prefix of 8 MB took %v", elapsed)
+	}
+	full, _ := tok.Encode(huge[:200], true)
+	if !slices.Equal(ids, full[:16]) {
+		t.Fatalf("prefix %v, want %v", ids, full[:16])
+	}
+}
+
+func TestPrefixOverOtherModels(t *testing.T) {
+	ids, err := Prefix(Builtin{}, 2).Encode("one two three four", true)
+	if err != nil || len(ids) != 2 || ids[0] != BuiltinBOS {
+		t.Fatalf("got %v, %v", ids, err)
+	}
+}
+
+func BenchmarkPrefix16k(b *testing.B) {
+	tok, _ := goldenVariant(b, "llama3", "nosegcache", WithSegmentCacheBytes(0))
+	text := strings.Repeat(prose(b), 8) // ~2.8 MB, ~650k tokens
+	m := Prefix(tok, DefaultMaxPrefixTokens)
+	b.ReportAllocs()
+	for b.Loop() {
+		ids, err := m.Encode(text, true)
+		if err != nil || len(ids) != DefaultMaxPrefixTokens {
+			b.Fatal(len(ids), err)
+		}
+	}
+}
