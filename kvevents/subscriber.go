@@ -201,6 +201,13 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 		case <-ctx.Done():
 			return gotMessages, nil
 		case m := <-in:
+			if m.err != nil && s.cfg.Bind {
+				// A connecting publisher went away; the listener goes on. The
+				// next one may be the same publisher restarted.
+				s.log.Debug().Err(m.err).Msg("kv events publisher disconnected")
+				s.seq.reconnected()
+				continue
+			}
 			if m.err != nil {
 				return gotMessages, m.err
 			}
@@ -219,19 +226,19 @@ func (s *Subscriber) receive(ctx context.Context, sock zmq4.Socket, in chan<- re
 		if ctx.Err() != nil {
 			return
 		}
-		if err != nil && s.cfg.Bind {
-			// One connecting publisher went away; the listener goes on.
-			s.log.Debug().Err(err).Msg("kv events publisher disconnected")
-			time.Sleep(10 * time.Millisecond) // never spin on repeated errors
-			continue
-		}
 		select {
 		case in <- received{msg.Frames, err}:
 		case <-ctx.Done():
 			return
 		}
-		if err != nil {
-			return
+		switch {
+		case err == nil:
+		case s.cfg.Bind:
+			// A listening socket outlives its peers: go on receiving, but
+			// never spin on repeated errors.
+			time.Sleep(10 * time.Millisecond)
+		default:
+			return // a dialed socket is dead once its peer is gone
 		}
 	}
 }
@@ -253,6 +260,9 @@ func (s *Subscriber) onMessage(ctx context.Context, frames [][]byte) {
 	if v == vRestart {
 		s.reset(fmt.Sprintf("sequence went back from %d to %d: publisher restarted", s.seq.lastLive, seq))
 		v = vCatchUp
+		if seq == 0 {
+			v = vNext
+		}
 	}
 	s.seq.sawLive(seq)
 	switch v {
@@ -284,7 +294,7 @@ func (s *Subscriber) onMessage(ctx context.Context, frames [][]byte) {
 			}
 		}
 	case s.seq.have:
-		s.reset(fmt.Sprintf("batches %d..%d missed and no replay available", s.seq.last+1, seq-1))
+		s.reset(fmt.Sprintf("batches %d..%d missed and replay unavailable (none configured, or failing)", s.seq.last+1, seq-1))
 	}
 	switch {
 	case s.seq.have && seq <= s.seq.last: // the replay delivered it

@@ -559,3 +559,31 @@ func TestBindModeConnectingPublisherRestarts(t *testing.T) {
 		t.Fatalf("log %v", log)
 	}
 }
+
+// A connecting publisher that restarts and is first heard above 0 (its early
+// batches were lost before it was subscribed) must still count as a restart,
+// not pass for duplicates of numbers already delivered.
+func TestBindModeRestartFirstHeardMidStream(t *testing.T) {
+	ep := freeEndpoint(t)
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true}, rec)
+	waitFor(t, "listening", func() bool { return s.Stats().Connected })
+	p1, err := NewPublisher(PublisherConfig{Endpoint: ep, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 29)
+	waitFor(t, "30 batches", func() bool { return rec.count() == 30 })
+	p1.Close()
+	p2, err := NewPublisher(PublisherConfig{Endpoint: ep, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	p2.skipSend = func(seq uint64) bool { return seq < 25 } // lost before it connected
+	publishRange(t, p2, 0, 24)
+	waitSubscribed(t, p2)
+	publishRange(t, p2, 25, 27)
+	assertDelivered(t, rec, append(seqRange(0, 29), 25, 26, 27), 1)
+}
