@@ -1,0 +1,82 @@
+// Command sidecar runs beside one engine: it follows the engine's KV-cache
+// events and load, and sends both to every kvmesh router over the gossip
+// cluster. See CONTRACT.md for flags and /status.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvmesh/kvmesh/flagenv"
+	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/sidecar"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "sidecar:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	fs := flag.NewFlagSet("sidecar", flag.ContinueOnError)
+	var (
+		cfg                    sidecar.Config
+		logOpts                logging.Options
+		join, key              string
+		bind, advertise, label string
+	)
+	host, _ := os.Hostname()
+	fs.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "engine base URL")
+	fs.StringVar(&cfg.KVEvents, "kv-events", "", "engine's KV events PUB endpoint to connect to (e.g. tcp://127.0.0.1:5557)")
+	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "endpoint to bind for a publisher that connects (e.g. tcp://*:5557)")
+	fs.StringVar(&cfg.KVReplay, "kv-replay", "", "engine's KV events replay (ROUTER) endpoint")
+	fs.StringVar(&cfg.KVTopic, "kv-topic", "", "KV events topic prefix (empty: all)")
+	fs.StringVar(&cfg.Name, "name", host, "replica name, unique in the cluster")
+	fs.StringVar(&bind, "gossip-bind", "0.0.0.0:7946", "gossip listen address host:port (UDP and TCP)")
+	fs.StringVar(&advertise, "gossip-advertise", "", "gossip address others reach this sidecar at (host:port)")
+	fs.StringVar(&join, "join", "", "comma-separated gossip addresses of members to join")
+	fs.StringVar(&key, "gossip-key", "", "base64 gossip encryption key (16, 24 or 32 bytes)")
+	fs.StringVar(&label, "gossip-label", gossip.DefaultLabel, "cluster label; members with another label are rejected")
+	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:9100", "status and metrics HTTP address")
+	fs.StringVar(&cfg.Protocol, "protocol", "vllm", "engine dialect for metrics: vllm or sglang")
+	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", 200*time.Millisecond, "engine /health and /metrics interval")
+	fs.Float64Var(&cfg.FilterFPR, "filter-fpr", 0.01, "Bloom filter target false-positive rate")
+	fs.IntVar(&cfg.Capacity, "capacity", 65536, "engine KV capacity in blocks (sizes the filter)")
+	logOpts.Register(fs)
+	if err := flagenv.Parse(fs, args); err != nil {
+		if err == flag.ErrHelp {
+			return nil
+		}
+		return err
+	}
+	log, err := logOpts.Logger(nil, "sidecar")
+	if err != nil {
+		return err
+	}
+	cfg.Logger = log
+	if cfg.Gossip.Key, err = gossip.ParseKey(key); err != nil {
+		return err
+	}
+	cfg.Gossip.BindAddr, cfg.Gossip.AdvertiseAddr, cfg.Gossip.Label = bind, advertise, label
+	for _, j := range strings.Split(join, ",") {
+		if j = strings.TrimSpace(j); j != "" {
+			cfg.Gossip.Join = append(cfg.Gossip.Join, j)
+		}
+	}
+	s, err := sidecar.New(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	return s.Run(ctx)
+}

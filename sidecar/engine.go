@@ -1,0 +1,158 @@
+package sidecar
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+)
+
+// metricNames are the Prometheus series a protocol's engine exposes for
+// queued requests, running requests and KV-cache usage (0..1). Usage lists
+// fallbacks in order: vLLM before 0.10 only had gpu_cache_usage_perc.
+type metricNames struct {
+	waiting, running string
+	usage            []string
+}
+
+var protocolMetrics = map[string]metricNames{
+	"vllm": {
+		waiting: "vllm:num_requests_waiting",
+		running: "vllm:num_requests_running",
+		usage:   []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
+	},
+	"sglang": {
+		waiting: "sglang:num_queue_reqs",
+		running: "sglang:num_running_reqs",
+		usage:   []string{"sglang:token_usage"},
+	},
+}
+
+// EngineMetrics is what the sidecar reads from an engine's /metrics.
+type EngineMetrics struct {
+	Waiting, Running int
+	KVUsage          float64
+}
+
+// ParseMetrics reads the load figures out of Prometheus text exposition for
+// protocol ("vllm" or "sglang"). Counts are summed over label sets (several
+// engines or data-parallel ranks behind one server); usage is the largest.
+// Missing series read as zero; a body with none of them is an error.
+func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
+	names, ok := protocolMetrics[protocol]
+	if !ok {
+		return EngineMetrics{}, fmt.Errorf("sidecar: unknown protocol %q", protocol)
+	}
+	var m EngineMetrics
+	found := false
+	usage := make([]float64, len(names.usage))
+	usageSeen := make([]bool, len(names.usage))
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, value, ok := sample(line)
+		if !ok {
+			continue
+		}
+		switch name {
+		case names.waiting:
+			m.Waiting += clampCount(value)
+			found = true
+		case names.running:
+			m.Running += clampCount(value)
+			found = true
+		default:
+			for i, u := range names.usage {
+				if name == u {
+					usage[i] = max(usage[i], clampUnit(value))
+					usageSeen[i] = true
+					found = true
+				}
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return EngineMetrics{}, fmt.Errorf("sidecar: read metrics: %w", err)
+	}
+	if !found {
+		return EngineMetrics{}, fmt.Errorf("sidecar: no %s load metrics (%s, %s) in /metrics", protocol, names.waiting, names.running)
+	}
+	for i := range usage {
+		if usageSeen[i] {
+			m.KVUsage = usage[i]
+			break
+		}
+	}
+	return m, nil
+}
+
+// sample splits one exposition line into metric name and value.
+func sample(line string) (string, float64, bool) {
+	var name, rest string
+	if i := strings.IndexByte(line, '{'); i >= 0 {
+		j := strings.LastIndexByte(line, '}')
+		if j < i {
+			return "", 0, false
+		}
+		name, rest = line[:i], line[j+1:]
+	} else {
+		i := strings.IndexAny(line, " \t")
+		if i < 0 {
+			return "", 0, false
+		}
+		name, rest = line[:i], line[i:]
+	}
+	fields := strings.Fields(rest)
+	if len(fields) == 0 {
+		return "", 0, false
+	}
+	v, err := strconv.ParseFloat(fields[0], 64)
+	if err != nil {
+		return "", 0, false
+	}
+	return strings.TrimSpace(name), v, true
+}
+
+func clampCount(v float64) int {
+	if !(v > 0) { // also NaN
+		return 0
+	}
+	return int(min(v, math.MaxInt32))
+}
+
+func clampUnit(v float64) float64 {
+	if !(v > 0) {
+		return 0
+	}
+	return min(v, 1)
+}
+
+// ParseModels reads the served model ids from an OpenAI /v1/models body:
+// the base model first, then LoRA adapters, as the engine lists them.
+func ParseModels(body []byte) ([]string, error) {
+	var resp struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(body, &resp); err != nil {
+		return nil, fmt.Errorf("sidecar: /v1/models: %w", err)
+	}
+	var out []string
+	for _, d := range resp.Data {
+		if d.ID != "" {
+			out = append(out, d.ID)
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("sidecar: /v1/models lists no model")
+	}
+	return out, nil
+}

@@ -1,0 +1,428 @@
+// Package sidecar wires what runs beside one engine: its KV events feed the
+// exact resident set and the filter generations, its /health and /metrics
+// feed the load record, and a gossip sidecar member sends both to every
+// router. It serves /status, /metrics and /health for operators.
+package sidecar
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/kvevents"
+	"github.com/kvmesh/kvmesh/residentset"
+)
+
+// Config is everything a sidecar needs.
+type Config struct {
+	Name      string
+	EngineURL string // engine base URL, e.g. http://127.0.0.1:8000
+	Protocol  string // "vllm" or "sglang"
+
+	// KVEvents is the engine's PUB endpoint to connect to; KVEventsBind an
+	// endpoint to bind for publishers that connect. One of them, or neither
+	// for a load-only replica.
+	KVEvents     string
+	KVEventsBind string
+	KVReplay     string
+	KVTopic      string
+
+	Gossip gossip.Config // Name is filled from Name
+
+	Listen         string        // status/metrics HTTP address; "" disables
+	ScrapeInterval time.Duration // health + metrics (default 200 ms)
+	ModelsInterval time.Duration // /v1/models refresh (default 30 s)
+	FilterFPR      float64       // target false-positive rate (default 0.01)
+	Capacity       int           // engine KV capacity in blocks (default 65536)
+
+	Logger zerolog.Logger
+}
+
+// Sidecar is one running sidecar.
+type Sidecar struct {
+	cfg    Config
+	log    zerolog.Logger
+	client *http.Client
+
+	// mu guards the exact set and the filter: the event goroutine applies
+	// batches, the maintenance goroutine rebuilds.
+	mu      sync.Mutex
+	set     *residentset.Set
+	gens    *bloom.Generations
+	obs     observer
+	resets  uint64
+	reasons []string
+
+	node *gossip.SidecarNode
+	sub  *kvevents.Subscriber
+
+	healthy    atomic.Bool
+	metricsOK  atomic.Bool
+	load       atomic.Pointer[EngineMetrics]
+	models     atomic.Pointer[[]string]
+	blockSize  atomic.Int64
+	scrapeErrs atomic.Uint64
+	rebuilds   atomic.Uint64
+	clearReq   chan struct{}
+
+	httpSrv *http.Server
+}
+
+// observer forwards resident-set changes to the current generations.
+type observer struct{ g *bloom.Generations }
+
+func (o observer) Added(k uint64)   { o.g.Add(k) }
+func (o observer) Removed(k uint64) { o.g.Remove(k) }
+func (o observer) Cleared()         { o.g.Clear() }
+
+func (c *Config) withDefaults() error {
+	if c.Name == "" {
+		return errors.New("sidecar: --name is required")
+	}
+	if c.EngineURL == "" {
+		return errors.New("sidecar: --engine is required")
+	}
+	c.EngineURL = strings.TrimRight(c.EngineURL, "/")
+	if c.Protocol == "" {
+		c.Protocol = "vllm"
+	}
+	if _, ok := protocolMetrics[c.Protocol]; !ok {
+		return fmt.Errorf("sidecar: --protocol %q: want vllm or sglang", c.Protocol)
+	}
+	if c.KVEvents != "" && c.KVEventsBind != "" {
+		return errors.New("sidecar: give --kv-events or --kv-events-bind, not both")
+	}
+	if c.ScrapeInterval <= 0 {
+		c.ScrapeInterval = 200 * time.Millisecond
+	}
+	if c.ModelsInterval <= 0 {
+		c.ModelsInterval = 30 * time.Second
+	}
+	if c.FilterFPR <= 0 || c.FilterFPR >= 1 {
+		c.FilterFPR = 0.01
+	}
+	if c.Capacity <= 0 {
+		c.Capacity = 1 << 16
+	}
+	c.Gossip.Name = c.Name
+	c.Gossip.Logger = c.Logger.With().Str("part", "gossip").Logger()
+	return nil
+}
+
+// New checks cfg and prepares a sidecar; Run starts it.
+func New(cfg Config) (*Sidecar, error) {
+	if err := cfg.withDefaults(); err != nil {
+		return nil, err
+	}
+	s := &Sidecar{
+		cfg:      cfg,
+		log:      cfg.Logger,
+		client:   &http.Client{Timeout: 2 * time.Second},
+		set:      residentset.New(residentset.Options{}),
+		clearReq: make(chan struct{}, 1),
+	}
+	s.gens = s.newGenerations(time.Now())
+	s.obs = observer{s.gens}
+	s.load.Store(&EngineMetrics{})
+	empty := []string{}
+	s.models.Store(&empty)
+	return s, nil
+}
+
+func (s *Sidecar) kvEvents() bool { return s.cfg.KVEvents != "" || s.cfg.KVEventsBind != "" }
+
+func (s *Sidecar) newGenerations(now time.Time) *bloom.Generations {
+	return bloom.NewGenerations(bloom.GenerationConfig{
+		Capacity:     s.cfg.Capacity,
+		FPRate:       s.cfg.FilterFPR,
+		MaxDeltaKeys: 150, // one delta per ~1.3 KB datagram
+	}, rand.Uint64()|1, now)
+}
+
+// Run starts every part and blocks until ctx ends, then leaves the cluster
+// gracefully (routers drop this replica at once) and stops.
+func (s *Sidecar) Run(ctx context.Context) error {
+	// Learn what the engine serves before announcing it, but do not wait
+	// for a slow engine: the scrape loop keeps trying.
+	s.checkHealth(ctx)
+	s.refreshModels(ctx)
+
+	scfg := gossip.SidecarConfig{
+		Config:        s.cfg.Gossip,
+		Models:        *s.models.Load(),
+		EngineURL:     s.cfg.EngineURL,
+		Protocol:      s.cfg.Protocol,
+		OnClearRoutes: s.requestClear,
+	}
+	if s.kvEvents() {
+		scfg.Filter = s.gens
+	}
+	node, err := gossip.StartSidecar(scfg)
+	if err != nil {
+		return err
+	}
+	s.node = node
+	s.pushLoad()
+
+	var wg sync.WaitGroup
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 3)
+	if s.kvEvents() {
+		ep, bind := s.cfg.KVEvents, false
+		if ep == "" {
+			ep, bind = s.cfg.KVEventsBind, true
+		}
+		s.sub = kvevents.NewSubscriber(kvevents.SubscriberConfig{
+			Endpoint: ep, Bind: bind, ReplayEndpoint: s.cfg.KVReplay, Topic: s.cfg.KVTopic,
+			Logger: s.log.With().Str("part", "kvevents").Logger(),
+		}, s)
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			if err := s.sub.Run(ctx); err != nil {
+				errc <- err
+			}
+		}()
+		go func() { defer wg.Done(); s.maintain(ctx) }()
+	}
+	wg.Add(1)
+	go func() { defer wg.Done(); s.scrape(ctx) }()
+	if s.cfg.Listen != "" {
+		s.httpSrv = &http.Server{Addr: s.cfg.Listen, Handler: s.Handler(), ReadHeaderTimeout: 5 * time.Second}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := s.httpSrv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- fmt.Errorf("sidecar: --listen %s: %w", s.cfg.Listen, err)
+			}
+		}()
+	}
+	s.log.Info().Str("name", s.cfg.Name).Str("gossip", node.Addr()).Str("engine", s.cfg.EngineURL).
+		Bool("kv_events", s.kvEvents()).Msg("sidecar running")
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-errc:
+	}
+	// Leave first: routers stop sending here before anything else stops.
+	s.healthy.Store(false)
+	s.pushLoad()
+	if err := node.Leave(2 * time.Second); err != nil {
+		s.log.Warn().Err(err).Msg("leave")
+	}
+	cancel()
+	if s.httpSrv != nil {
+		sctx, c := context.WithTimeout(context.Background(), time.Second)
+		_ = s.httpSrv.Shutdown(sctx)
+		c()
+	}
+	wg.Wait()
+	return runErr
+}
+
+// HandleBatch applies one batch of KV events (kvevents.Handler).
+func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
+	s.mu.Lock()
+	for i := range b.Events {
+		s.set.Apply(&b.Events[i], s.obs)
+	}
+	if bs := s.set.BlockSize(); bs > 0 && int64(bs) != s.blockSize.Load() {
+		s.blockSize.Store(int64(bs))
+		defer s.announce()
+	}
+	s.maybeRebuildLocked(time.Now())
+	s.mu.Unlock()
+}
+
+// HandleReset drops everything learned from the lost stream
+// (kvevents.Handler): the engine restarted, or a gap could not be replayed.
+// Routers get an empty filter under a new epoch at once.
+func (s *Sidecar) HandleReset(reason string) {
+	s.mu.Lock()
+	s.set.Reset(nil)
+	s.gens = s.newGenerations(time.Now())
+	s.obs = observer{s.gens}
+	s.resets++
+	s.reasons = append(s.reasons, reason)
+	if len(s.reasons) > 8 {
+		s.reasons = s.reasons[1:]
+	}
+	g := s.gens
+	s.mu.Unlock()
+	s.log.Warn().Str("reason", reason).Msg("KV event stream reset: resident set cleared, new filter epoch")
+	if s.node != nil {
+		s.node.SetFilter(g)
+	}
+}
+
+func (s *Sidecar) maybeRebuildLocked(now time.Time) {
+	if s.gens.NeedsRebuild(now) {
+		s.rebuildLocked(now)
+	}
+}
+
+func (s *Sidecar) rebuildLocked(now time.Time) {
+	s.gens.Rebuild(now, s.set.Keys)
+	s.rebuilds.Add(1)
+}
+
+func (s *Sidecar) requestClear() {
+	select {
+	case s.clearReq <- struct{}{}:
+	default:
+	}
+}
+
+// maintain rebuilds aged generations and serves route clears.
+func (s *Sidecar) maintain(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	var lastClear time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.mu.Lock()
+			s.maybeRebuildLocked(time.Now())
+			s.mu.Unlock()
+		case <-s.clearReq:
+			// A router cleared this replica's routes: publish the exact set
+			// afresh (no stale positives). At most once a second.
+			if time.Since(lastClear) < time.Second {
+				continue
+			}
+			lastClear = time.Now()
+			s.mu.Lock()
+			s.rebuildLocked(lastClear)
+			s.mu.Unlock()
+		}
+	}
+}
+
+// scrape health-checks the engine and reads its metrics every interval.
+func (s *Sidecar) scrape(ctx context.Context) {
+	t := time.NewTicker(s.cfg.ScrapeInterval)
+	defer t.Stop()
+	lastModels := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		was := s.healthy.Load()
+		s.checkHealth(ctx)
+		if s.healthy.Load() {
+			s.readMetrics(ctx)
+			if len(*s.models.Load()) == 0 || time.Since(lastModels) > s.cfg.ModelsInterval || !was {
+				lastModels = time.Now()
+				if s.refreshModels(ctx) {
+					s.announce()
+				}
+			}
+		}
+		s.pushLoad()
+	}
+}
+
+func (s *Sidecar) get(ctx context.Context, path string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, max(s.cfg.ScrapeInterval*4, time.Second))
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.cfg.EngineURL+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return body, fmt.Errorf("GET %s: %s", path, resp.Status)
+	}
+	return body, nil
+}
+
+func (s *Sidecar) checkHealth(ctx context.Context) {
+	_, err := s.get(ctx, "/health")
+	ok := err == nil
+	if s.healthy.Swap(ok) != ok {
+		if ok {
+			s.log.Info().Msg("engine healthy")
+		} else {
+			s.log.Warn().Err(err).Msg("engine unhealthy: announced offline")
+		}
+	}
+}
+
+func (s *Sidecar) readMetrics(ctx context.Context) {
+	body, err := s.get(ctx, "/metrics")
+	if err == nil {
+		var m EngineMetrics
+		if m, err = ParseMetrics(body, s.cfg.Protocol); err == nil {
+			s.load.Store(&m)
+			s.metricsOK.Store(true)
+			return
+		}
+	}
+	if s.metricsOK.Swap(false) {
+		s.log.Warn().Err(err).Msg("engine metrics unreadable")
+	}
+	s.scrapeErrs.Add(1)
+}
+
+// refreshModels reads /v1/models and reports whether the list changed.
+func (s *Sidecar) refreshModels(ctx context.Context) bool {
+	body, err := s.get(ctx, "/v1/models")
+	if err != nil {
+		return false
+	}
+	models, err := ParseModels(body)
+	if err != nil {
+		s.log.Warn().Err(err).Msg("models")
+		return false
+	}
+	if slices.Equal(models, *s.models.Load()) {
+		return false
+	}
+	s.models.Store(&models)
+	s.log.Info().Strs("models", models).Msg("engine serves")
+	return true
+}
+
+// announce puts the current models and block size in the node metadata.
+func (s *Sidecar) announce() {
+	if s.node == nil {
+		return
+	}
+	if err := s.node.SetModels(*s.models.Load(), int(s.blockSize.Load())); err != nil {
+		s.log.Warn().Err(err).Msg("metadata update")
+	}
+}
+
+func (s *Sidecar) pushLoad() {
+	if s.node == nil {
+		return
+	}
+	m := s.load.Load()
+	s.node.SetEngineLoad(gossip.EngineLoad{Healthy: s.healthy.Load(), Waiting: m.Waiting, Running: m.Running, KVUsage: m.KVUsage})
+}
