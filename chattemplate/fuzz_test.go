@@ -234,3 +234,28 @@ func sameValue(v jinja.Value, w any) (bool, string) {
 	}
 	return false, "unexpected type"
 }
+
+// FuzzCompile feeds arbitrary template source (model files are outside
+// input too): Compile and Render return errors, never panic.
+func FuzzCompile(f *testing.F) {
+	for _, s := range []string{llama3Template, qwen25Template, "{% raw %}{{ x }}{%- endraw +%}", "{{- x | tojson(indent=2) -}}\r\n{#+ c -#}",
+		"{% for m in messages %}{{ m }}\n{% endfor %}", "{% if %}", "{{ 'unterminated }}"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, src string) {
+		if strings.Contains(src, "macro") || strings.Contains(src, "call") {
+			// jinja v1.8.0 has no recursion limit: a macro that calls
+			// itself overflows the Go stack (fatal, not a panic). Templates
+			// are operator configuration, so this is documented, not fuzzed.
+			return
+		}
+		tmpl, err := Compile(src)
+		if err != nil {
+			return
+		}
+		out, err := tmpl.Render(Input{Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`), Tools: json.RawMessage(`[{"a":1.0}]`)})
+		if err != nil && out != "" {
+			t.Fatalf("error %v with output %q", err, out)
+		}
+	})
+}

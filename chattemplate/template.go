@@ -94,16 +94,21 @@ func (e *InputError) Error() string {
 var ErrRender = errors.New("chattemplate: render failed")
 
 // Compile parses a chat template. The source may use CRLF line endings.
-func Compile(src string) (*Template, error) {
+func Compile(src string) (t *Template, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			t, err = nil, fmt.Errorf("chattemplate: compile: template parser panic: %v", r)
+		}
+	}()
 	pre, err := preprocess(src)
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	t, err := jinja.Compile(pre)
+	jt, err := jinja.Compile(pre)
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	return &Template{tmpl: t}, nil
+	return &Template{tmpl: jt}, nil
 }
 
 // Variables every template may use; Kwargs cannot replace them.
