@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -117,7 +118,7 @@ func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Worklo
 	cl, err := cluster.Start(ctx, cluster.Config{
 		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
-		EngineArgs: cfg.EngineArgs, SidecarArgs: cfg.SidecarArgs, RouterArgs: cfg.RouterArgs,
+		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: cfg.SidecarArgs, RouterArgs: cfg.RouterArgs,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err

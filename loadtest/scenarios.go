@@ -25,8 +25,11 @@ type Scenario struct {
 	// FleetFill is the workload's distinct KV demand over the fleet's KV
 	// capacity: --kv-blocks per replica = demand / (FleetFill · replicas).
 	FleetFill float64
-	// MinKVBlocks keeps room for the running sequences' own blocks.
+	// MinKVBlocks keeps room for the running sequences' own blocks; it
+	// must be at least enginesim's max model length (32,768) / block size.
 	MinKVBlocks int
+	// EngineArgs are extra enginesim flags the scenario needs.
+	EngineArgs []string
 	// Policies run by default (--policies overrides).
 	Policies []string
 	Generate func(seed uint64, sim time.Duration) (workload.Workload, error)
@@ -60,7 +63,7 @@ var TenantsParams = workload.TenantsParams{
 // replica can serve, so pinning by cache alone melts that replica.
 var HotParams = workload.TenantsParams{
 	Groups: 16, UsersPerGroup: 8, ContextTokens: 3000, QuestionTokens: 300, OutputTokens: 32,
-	RateStart: 48, RateEnd: 48, HotShare: 0.5,
+	RateStart: 64, RateEnd: 64, HotShare: 0.5,
 }
 
 // MultiturnParams is the multiturn scenario: ShareGPT-like chats.
@@ -91,8 +94,13 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			},
 		},
 		"hot": {
-			Name: "hot", About: "16 tenants × 3,000-token context, tenant 0 sends half of 48 req/s",
-			Replicas: 8, TimeScale: 0.5, Duration: 10 * time.Second, FleetFill: 0.5, MinKVBlocks: 1024,
+			Name: "hot", About: "16 tenants × 3,000-token context, tenant 0 sends half of 64 req/s",
+			// A small KV cache per replica (all tenants' demand is a quarter
+			// of the fleet's) bounds how many sequences one replica runs,
+			// as on a real GPU; --max-model-len 8192 lets enginesim start
+			// with it. Time-scale 1: 64 req/s is what this machine can send.
+			Replicas: 8, TimeScale: 1, Duration: 12 * time.Second, FleetFill: 0.25, MinKVBlocks: 512,
+			EngineArgs: []string{"--max-model-len", "8192"},
 			Policies: []string{"least-loaded", "prefix-pin", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("hot", HotParams, seed, d)
@@ -100,7 +108,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		},
 		"multiturn": {
 			Name: "multiturn", About: "chats of 3–10 turns, 6 new per second, history resent each turn",
-			Replicas: 8, TimeScale: 0.5, Duration: 15 * time.Second, FleetFill: 0.7, MinKVBlocks: 1024,
+			Replicas: 8, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			Policies: []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Multiturn(MultiturnParams, seed, d)
@@ -108,7 +116,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		},
 		"nocache": {
 			Name: "nocache", About: "unique ≈2,000-token prompts at 40 req/s",
-			Replicas: 8, TimeScale: 0.5, Duration: 10 * time.Second, FleetFill: 1, MinKVBlocks: 4096,
+			Replicas: 8, TimeScale: 1, Duration: 15 * time.Second, FleetFill: 1, MinKVBlocks: 4096,
 			Policies: []string{"least-loaded", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.NoCache(NoCacheParams, seed, d)

@@ -17,7 +17,7 @@ var SmokeParams = workload.TenantsParams{
 // 2 replicas and 2 routers, ~3 s of arrivals, at most 80 requests.
 var Smoke = Scenario{
 	Name: "smoke", About: "4 groups × 600-token context, 2 users each, 20→40 req/s",
-	Replicas: 2, TimeScale: 0.2, Duration: 600 * time.Millisecond, FleetFill: 0.7, MinKVBlocks: 512,
+	Replicas: 2, TimeScale: 0.2, Duration: 600 * time.Millisecond, FleetFill: 0.7, MinKVBlocks: 2048,
 	Policies: []string{"round-robin", "kvaware"},
 	Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 		return workload.Tenants("smoke", SmokeParams, seed, d)
