@@ -271,8 +271,8 @@ func (e *Engine) Stats() Stats {
 // (hash → copies): what a consumer of the events must reconstruct.
 func (e *Engine) Resident() map[uint64]int {
 	m := make(map[uint64]int, len(e.pool.cached))
-	for h, bs := range e.pool.cached {
-		m[h] = len(bs)
+	for h := range e.pool.cached {
+		m[h] = e.pool.copies(h)
 	}
 	return m
 }

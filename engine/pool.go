@@ -19,12 +19,14 @@ type pool struct {
 	inFree     []bool
 	numFree    int
 
-	// cached maps a hash to the blocks holding it. vLLM does not deduplicate:
-	// two sequences computing the same block at once both cache it, and each
-	// copy is stored and later removed on its own.
-	cached map[uint64][]int32
-	// numCached counts blocks holding a hash (the copies in cached).
-	numCached int
+	// cached maps a hash to a block holding it, extra to any further
+	// copies. vLLM does not deduplicate: two sequences computing the same
+	// block at once both cache it, and each copy is stored and later
+	// removed on its own. Copies are rare, so the common case is one map
+	// entry and no allocation.
+	cached    map[uint64]int32
+	extra     map[uint64][]int32
+	numCached int // blocks holding a hash
 
 	events *[]kvevents.Event
 }
@@ -37,7 +39,8 @@ func newPool(n int, events *[]kvevents.Event) *pool {
 		prev:   make([]int32, n+1),
 		next:   make([]int32, n+1),
 		inFree: make([]bool, n),
-		cached: make(map[uint64][]int32),
+		cached: make(map[uint64]int32),
+		extra:  make(map[uint64][]int32),
 		events: events,
 	}
 	s := int32(n)
@@ -68,11 +71,16 @@ func (p *pool) unlink(b int32) {
 
 // lookup returns a cached block with hash h.
 func (p *pool) lookup(h uint64) (int32, bool) {
-	bs := p.cached[h]
-	if len(bs) == 0 {
-		return 0, false
+	b, ok := p.cached[h]
+	return b, ok
+}
+
+// copies is how many blocks hold hash h.
+func (p *pool) copies(h uint64) int {
+	if _, ok := p.cached[h]; !ok {
+		return 0
 	}
-	return bs[0], true
+	return 1 + len(p.extra[h])
 }
 
 // touch takes a reference on a cached block (a prefix hit), pulling it out
@@ -102,17 +110,25 @@ func (p *pool) alloc(dst []int32, n int) []int32 {
 
 func (p *pool) evict(b int32) {
 	h := p.hash[b]
-	bs := p.cached[h]
-	for i, x := range bs {
-		if x == b {
-			bs = append(bs[:i], bs[i+1:]...)
-			break
+	more := p.extra[h]
+	switch {
+	case p.cached[h] == b && len(more) == 0:
+		delete(p.cached, h)
+	case p.cached[h] == b:
+		p.cached[h] = more[len(more)-1]
+		more = more[:len(more)-1]
+	default:
+		for i, x := range more {
+			if x == b {
+				more = append(more[:i], more[i+1:]...)
+				break
+			}
 		}
 	}
-	if len(bs) == 0 {
-		delete(p.cached, h)
+	if len(more) == 0 {
+		delete(p.extra, h)
 	} else {
-		p.cached[h] = bs
+		p.extra[h] = more
 	}
 	p.hashed[b] = false
 	p.numCached--
@@ -126,7 +142,11 @@ func (p *pool) evict(b int32) {
 // cache marks block b as holding hash h (it just filled).
 func (p *pool) cache(b int32, h uint64) {
 	p.hash[b], p.hashed[b] = h, true
-	p.cached[h] = append(p.cached[h], b)
+	if _, dup := p.cached[h]; dup {
+		p.extra[h] = append(p.extra[h], b)
+	} else {
+		p.cached[h] = b
+	}
 	p.numCached++
 }
 
@@ -150,6 +170,7 @@ func (p *pool) reset() bool {
 		return false
 	}
 	clear(p.cached)
+	clear(p.extra)
 	clear(p.hashed)
 	p.numCached = 0
 	*p.events = append(*p.events, kvevents.Event{Kind: kvevents.KindAllBlocksCleared})
