@@ -59,26 +59,20 @@ type tierID struct {
 	group  int
 }
 
-// entry is one resident engine hash.
-type entry struct {
-	key  uint64
-	refs uint32 // stores not yet matched by removals
-}
-
 // Set is the exact resident set of one engine. It is not safe for concurrent
 // use; the sidecar's event loop owns it.
 type Set struct {
 	media []string
 
-	tiers     map[tierID]map[uint64]entry
-	keys      map[uint64]uint32 // kvmesh key → resident engine hashes naming it
+	tiers     map[tierID]*hashIndex // engine hash → key and stores not yet removed
+	keys      keyCounts             // kvmesh key → resident engine hashes naming it
 	blockSize int
 	stats     Stats
 }
 
 // New returns an empty set.
 func New(opts Options) *Set {
-	s := &Set{tiers: make(map[tierID]map[uint64]entry), keys: make(map[uint64]uint32)}
+	s := &Set{tiers: make(map[tierID]*hashIndex)}
 	for _, m := range opts.Media {
 		s.media = append(s.media, normMedium(m))
 	}
@@ -142,7 +136,7 @@ func (s *Set) Reset(obs Observer) {
 
 func (s *Set) clear(obs Observer) {
 	clear(s.tiers)
-	clear(s.keys)
+	s.keys.reset()
 	obs.Cleared()
 }
 
@@ -177,7 +171,7 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 	}
 	t := s.tiers[id]
 	if t == nil {
-		t = make(map[uint64]entry)
+		t = new(hashIndex)
 		s.tiers[id] = t
 	}
 	bs := ev.BlockSize
@@ -204,34 +198,33 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 
 // lookup finds the key of engine hash h, preferring tier id.
 func (s *Set) lookup(id tierID, h uint64) (uint64, bool) {
-	if e, ok := s.tiers[id][h]; ok {
-		return e.key, true
+	if t := s.tiers[id]; t != nil {
+		if key, refs := t.get(h); refs > 0 {
+			return key, true
+		}
 	}
 	for other, t := range s.tiers {
 		if other == id {
 			continue
 		}
-		if e, ok := t[h]; ok {
-			return e.key, true
+		if key, refs := t.get(h); refs > 0 {
+			return key, true
 		}
 	}
 	return 0, false
 }
 
-func (s *Set) add(t map[uint64]entry, h, key uint64, obs Observer) {
-	if e, ok := t[h]; ok {
+func (s *Set) add(t *hashIndex, h, key uint64, obs Observer) {
+	if old, refs := t.get(h); refs > 0 {
 		s.stats.Duplicates++
-		if e.key != key {
+		if old != key {
 			s.stats.Conflicts++
 		}
-		e.refs++
-		t[h] = e
+		t.put(h, old, refs+min(1, ^refs)) // saturating
 		return
 	}
-	t[h] = entry{key: key, refs: 1}
-	c := s.keys[key]
-	s.keys[key] = c + 1
-	if c == 0 {
+	t.put(h, key, 1)
+	if s.keys.inc(key) {
 		obs.Added(key)
 	}
 }
@@ -246,28 +239,27 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 	s.stats.RemovedBlocks += n
 	t := s.tiers[tierID{medium, ev.GroupIdx}]
 	for _, h := range ev.BlockHashes {
-		e, ok := t[h]
-		if !ok {
+		var key uint64
+		var refs uint32
+		if t != nil {
+			key, refs = t.get(h)
+		}
+		switch {
+		case refs == 0:
 			s.stats.UnknownRemovals++
-			continue
-		}
-		if e.refs > 1 {
-			e.refs--
-			t[h] = e
-			continue
-		}
-		delete(t, h)
-		if c := s.keys[e.key]; c > 1 {
-			s.keys[e.key] = c - 1
-		} else {
-			delete(s.keys, e.key)
-			obs.Removed(e.key)
+		case refs > 1:
+			t.put(h, key, refs-1)
+		default:
+			t.del(h)
+			if s.keys.dec(key) {
+				obs.Removed(key)
+			}
 		}
 	}
 }
 
 // Len is the number of resident kvmesh keys.
-func (s *Set) Len() int { return len(s.keys) }
+func (s *Set) Len() int { return s.keys.len() }
 
 // Orphans counts stored blocks whose parent was unknown, so they were never
 // keyed.
@@ -281,14 +273,8 @@ func (s *Set) BlockSize() int { return s.blockSize }
 func (s *Set) Stats() Stats { return s.stats }
 
 // Contains reports whether key is resident.
-func (s *Set) Contains(key uint64) bool { _, ok := s.keys[key]; return ok }
+func (s *Set) Contains(key uint64) bool { return s.keys.contains(key) }
 
 // Keys yields every resident key once, in no particular order (for filter
 // rebuilds). The set must not change during the iteration.
-func (s *Set) Keys(yield func(uint64) bool) {
-	for k := range s.keys {
-		if !yield(k) {
-			return
-		}
-	}
-}
+func (s *Set) Keys(yield func(uint64) bool) { s.keys.all(yield) }

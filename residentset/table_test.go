@@ -1,0 +1,72 @@
+package residentset
+
+import (
+	"math/rand/v2"
+	"testing"
+)
+
+// The tables against Go maps under churn: values from a small range so
+// clusters form, wrap around the end and shift back on deletion; 0 included.
+func TestTablesMatchMaps(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 7))
+	var hi hashIndex
+	var kc keyCounts
+	wantHI := map[uint64][2]uint64{}
+	wantKC := map[uint64]uint32{}
+	for step := range 200000 {
+		v := uint64(r.IntN(3000))
+		if r.IntN(3) == 0 {
+			v = r.Uint64() // and some from the whole range
+		}
+		if r.IntN(2) == 0 {
+			hi.put(v, v*3, uint32(v%5+1))
+			wantHI[v] = [2]uint64{v * 3, v%5 + 1}
+			if added := kc.inc(v); added != (wantKC[v] == 0) {
+				t.Fatalf("step %d: inc(%d) added=%v with count %d", step, v, added, wantKC[v])
+			}
+			wantKC[v]++
+		} else {
+			if _, ok := wantHI[v]; ok {
+				hi.del(v)
+				delete(wantHI, v)
+			}
+			if wantKC[v] > 0 {
+				if removed := kc.dec(v); removed != (wantKC[v] == 1) {
+					t.Fatalf("step %d: dec(%d) removed=%v with count %d", step, v, removed, wantKC[v])
+				}
+				if wantKC[v]--; wantKC[v] == 0 {
+					delete(wantKC, v)
+				}
+			}
+		}
+		if step%10000 == 0 || step > 199950 {
+			if hi.len() != len(wantHI) || kc.len() != len(wantKC) {
+				t.Fatalf("step %d: lens %d/%d, want %d/%d", step, hi.len(), kc.len(), len(wantHI), len(wantKC))
+			}
+			for k, w := range wantHI {
+				if key, refs := hi.get(k); key != w[0] || uint64(refs) != w[1] {
+					t.Fatalf("step %d: get(%d) = %d,%d want %v", step, k, key, refs, w)
+				}
+			}
+			for k, c := range wantKC {
+				if got := kc.count(k); got != c {
+					t.Fatalf("step %d: count(%d) = %d want %d", step, k, got, c)
+				}
+			}
+			n := 0
+			kc.all(func(k uint64) bool {
+				if wantKC[k] == 0 {
+					t.Fatalf("step %d: all() yields absent %d", step, k)
+				}
+				n++
+				return true
+			})
+			if n != len(wantKC) {
+				t.Fatalf("step %d: all() yields %d keys, want %d", step, n, len(wantKC))
+			}
+		}
+	}
+	if _, refs := hi.get(123456789); refs != 0 {
+		t.Fatal("absent hash found")
+	}
+}
