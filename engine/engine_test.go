@@ -291,10 +291,26 @@ func TestEventsReproduceResidentSet(t *testing.T) {
 		mustAdd(t, e, id, p, maxTokens)
 		return id
 	}
-	add(prompt(100, 10), 6)
-	add(prompt(100, 10), 6) // same prompt at once: duplicate blocks
+	// The same prompt twice at once: the second hits the first's prompt
+	// blocks, but both decode the same tokens (same seed, like greedy
+	// sampling) into blocks of their own, which vLLM caches twice.
+	for range 2 {
+		id++
+		if err := e.Add(Request{ID: id, Prompt: prompt(100, 10), MaxTokens: 6, OutputSeed: 7}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	add(prompt(200, 30), 9)
 	step(3, "shared prefix")
+	dups := 0
+	for _, n := range e.Resident() {
+		if n > 1 {
+			dups++
+		}
+	}
+	if dups == 0 {
+		t.Fatal("two identical prompts computed at once left no duplicate blocks (vLLM stores both)")
+	}
 	victim := add(prompt(300, 20), 20)
 	step(2, "before abort")
 	e.Abort(victim)
@@ -327,13 +343,22 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 	}
 	rec := newRecorder()
 	live := map[uint64]bool{}
+	var prompts [][]uint32
 	var next uint64
+	maxCopies := 0
 	for i := range 3000 {
 		if rng.IntN(3) == 0 && len(live) < 30 {
 			next++
 			n := 1 + rng.IntN(40)
 			p := append(seqTokens(rng.IntN(3)*1000, rng.IntN(n+1)), seqTokens(rng.IntN(1<<20), n)...)
-			if err := e.Add(Request{ID: next, Prompt: p[:min(len(p), 50)], MaxTokens: 1 + rng.IntN(14), OutputSeed: next}); err != nil {
+			p = p[:min(len(p), 50)]
+			seed := next
+			if len(prompts) > 0 && rng.IntN(4) == 0 {
+				// A repeat with the same output: duplicate decode blocks.
+				p, seed = prompts[rng.IntN(len(prompts))], 0
+			}
+			prompts = append(prompts, p)
+			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: 1 + rng.IntN(14), OutputSeed: seed}); err != nil {
 				t.Fatal(err)
 			}
 			live[next] = true
@@ -375,7 +400,11 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 			if rec.resident[h] != n {
 				t.Fatalf("step %d: hash %x ×%d replayed, ×%d resident", i, h, rec.resident[h], n)
 			}
+			maxCopies = max(maxCopies, n)
 		}
+	}
+	if maxCopies < 2 {
+		t.Fatal("no duplicate blocks: the random workload misses vLLM's double stores")
 	}
 	run(t, e, rec, 5000)
 	if st := e.Stats(); st.UsedBlocks != 0 || st.Preemptions == 0 {
