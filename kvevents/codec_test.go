@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"os/exec"
 	"strings"
 	"testing"
 )
@@ -625,5 +626,46 @@ func assertBatch(t *testing.T, got, want *Batch) {
 	t.Helper()
 	if !batchEqual(got, want) {
 		t.Fatalf("decoded batch differs:\n got %+v\nwant %+v", *got, *want)
+	}
+}
+
+// msgspec, like Python's msgpack packer, writes every value in its smallest
+// encoding, so packb(unpackb(x)) == x holds exactly for bytes such a
+// producer emits. Checked here on AppendBatch's output for random batches in
+// every format, with the msgpack package Debian ships (skipped without it).
+func TestEncodingIsCanonicalPerPythonMsgpack(t *testing.T) {
+	py := pythonWithZMQ()
+	if py == "" {
+		t.Skip("no python3 with msgpack (apt-get install python3-msgpack python3-zmq)")
+	}
+	var in strings.Builder
+	rng := rand.New(rand.NewPCG(5, 6))
+	n := 0
+	for range 100 {
+		b := randomBatch(rng)
+		for _, f := range []Format{FormatVLLMMap, FormatVLLMArray, FormatSGLang} {
+			in.WriteString(hex.EncodeToString(AppendBatch(nil, &b, f)) + "\n")
+			n++
+		}
+	}
+	in.WriteString(hex.EncodeToString(exampleMapWire) + "\n")
+	const script = `
+import sys, msgpack
+bad = 0
+for line in sys.stdin:
+    x = bytes.fromhex(line.strip())
+    if msgpack.packb(msgpack.unpackb(x, strict_map_key=False)) != x:
+        bad += 1
+        print("not canonical:", x.hex())
+print("checked", bad)
+`
+	cmd := exec.Command(py, "-c", script)
+	cmd.Stdin = strings.NewReader(in.String())
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if !strings.HasSuffix(strings.TrimSpace(string(out)), "checked 0") {
+		t.Fatalf("python msgpack disagrees on %d payloads:\n%s", n, out)
 	}
 }

@@ -268,6 +268,10 @@ func (r *reader) uint32() (uint32, error) {
 		case c <= 0x7f:
 			r.off++
 			return uint32(c), nil
+		case c == 0xcc && r.off+2 <= len(r.buf):
+			v := r.buf[r.off+1]
+			r.off += 2
+			return uint32(v), nil
 		case c == 0xcd && r.off+3 <= len(r.buf):
 			v := binary.BigEndian.Uint16(r.buf[r.off+1:])
 			r.off += 3
