@@ -68,8 +68,8 @@ var HotParams = workload.TenantsParams{
 
 // MultiturnParams is the multiturn scenario: ShareGPT-like chats.
 var MultiturnParams = workload.MultiturnParams{
-	ConversationRate: 6, MinTurns: 3, MaxTurns: 10, SystemPrompts: 4, SystemTokens: 300,
-	UserMedian: 120, AssistantMedian: 100, MaxUser: 1500, MaxAssistant: 400, ThinkTime: 4 * time.Second,
+	ConversationRate: 8, MinTurns: 4, MaxTurns: 12, SystemPrompts: 4, SystemTokens: 400,
+	UserMedian: 200, AssistantMedian: 120, MaxUser: 2000, MaxAssistant: 400, ThinkTime: 2 * time.Second,
 }
 
 // NoCacheParams is the nocache scenario: unique summarization-like prompts.
@@ -107,7 +107,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			},
 		},
 		"multiturn": {
-			Name: "multiturn", About: "chats of 3–10 turns, 6 new per second, history resent each turn",
+			Name: "multiturn", About: "chats of 4–12 turns 1–3 s apart, 8 new per second, history resent each turn",
 			Replicas: 8, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			Policies: []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {

@@ -91,6 +91,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 
 	ports := &portPicker{}
 	engineEvents := make([]int, cfg.Replicas)
+	engineReplay := make([]int, cfg.Replicas)
 	for i := range cfg.Replicas {
 		port, err := ports.tcp()
 		if err != nil {
@@ -99,12 +100,16 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		if engineEvents[i], err = ports.tcp(); err != nil {
 			return nil, err
 		}
+		if engineReplay[i], err = ports.tcp(); err != nil {
+			return nil, err
+		}
 		url := fmt.Sprintf("http://127.0.0.1:%d", port)
 		args := []string{
 			"--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--model", cfg.Model, "--tokenizer", "builtin",
 			// vLLM's rule: a wildcard host binds; the sidecar connects.
 			"--kv-events", fmt.Sprintf("tcp://*:%d", engineEvents[i]),
+			"--kv-replay", fmt.Sprintf("tcp://*:%d", engineReplay[i]),
 			"--time-scale", strconv.FormatFloat(cfg.TimeScale, 'g', -1, 64),
 			"--log-format", "json",
 		}
@@ -172,6 +177,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 		args := []string{
 			"--engine", c.Engines[i],
 			"--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", engineEvents[i]),
+			"--kv-replay", fmt.Sprintf("tcp://127.0.0.1:%d", engineReplay[i]),
 			"--name", name,
 			"--gossip-bind", gaddr, "--gossip-advertise", gaddr, "--join", seed, "--gossip-key", cfg.GossipKey,
 			"--listen", fmt.Sprintf("127.0.0.1:%d", port),
