@@ -101,7 +101,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			// with it. Time-scale 1: 64 req/s is what this machine can send.
 			Replicas: 8, TimeScale: 1, Duration: 12 * time.Second, FleetFill: 0.25, MinKVBlocks: 512,
 			EngineArgs: []string{"--max-model-len", "8192"},
-			Policies: []string{"least-loaded", "prefix-pin", "kvaware"},
+			Policies:   []string{"least-loaded", "prefix-pin", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("hot", HotParams, seed, d)
 			},
