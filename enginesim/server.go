@@ -81,8 +81,13 @@ func New(cfg Config) (*Server, error) {
 		idPrefix:  strconv.FormatUint(rand.Uint64()>>16, 16),
 		stopped:   make(chan struct{}),
 	}
+	var publishErrors uint64 // owned by the loop goroutine
 	s.loop = newLoop(eng, cfg.TimeScale, cfg.Events, s.metrics, func(err error) {
-		cfg.Logger.Warn().Err(err).Msg("publishing KV events")
+		// A stuck publisher fails every step: log the first of each 1,000.
+		if publishErrors%1000 == 0 {
+			cfg.Logger.Warn().Err(err).Uint64("failures", publishErrors+1).Msg("publishing KV events")
+		}
+		publishErrors++
 	})
 	return s, nil
 }
