@@ -1,0 +1,247 @@
+package gateway
+
+import (
+	"crypto/subtle"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+func writeJSON(ctx *fasthttp.RequestCtx, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		ctx.Error(err.Error(), fasthttp.StatusInternalServerError)
+		return
+	}
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+type modelCard struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	OwnedBy string `json:"owned_by"`
+	Parent  string `json:"parent,omitempty"`
+}
+
+// serveModels lists the union of the models live replicas serve, plus
+// models with a fallback.
+func (g *Gateway) serveModels(ctx *fasthttp.RequestCtx) {
+	s := g.Settings()
+	snap := g.table.Snapshot()
+	seen := map[string]bool{}
+	for i := range snap.Replicas {
+		if r := &snap.Replicas[i]; r.Online {
+			for _, m := range r.Models {
+				seen[m] = true
+			}
+		}
+	}
+	for name, m := range s.Models {
+		if len(m.Fallback) > 0 {
+			seen[name] = true
+		}
+	}
+	names := make([]string, 0, len(seen))
+	for n := range seen {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	cards := make([]modelCard, 0, len(names))
+	for _, n := range names {
+		c := modelCard{ID: n, Object: "model", OwnedBy: "kvmesh"}
+		if m := s.Models[n]; m.Adapter != "" && m.Base != "" {
+			c.Parent = m.Base
+		}
+		cards = append(cards, c)
+	}
+	writeJSON(ctx, map[string]any{"object": "list", "data": cards})
+}
+
+// serveTokenize answers vLLM's /tokenize with the router's own tokenizer.
+func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
+	s := g.Settings()
+	if err := s.authorize(ctx); err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	body := ctx.PostBody()
+	var kind kind = kindCompletion
+	var probe struct {
+		Messages json.RawMessage `json:"messages"`
+	}
+	if err := json.Unmarshal(body, &probe); err == nil && !isNull(probe.Messages) {
+		kind = kindChat
+	}
+	p, err := parseRequest(body, kind)
+	if err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	if p.Model == "" {
+		p.Model = soleModel(g.table.Snapshot())
+	}
+	ms := s.Models[p.Model]
+	tk := ms.Tokenizer
+	if tk == nil {
+		tk = s.DefaultTokenizer
+	}
+	if tk == nil {
+		g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("no tokenizer for model %q", p.Model)})
+		return
+	}
+	var ids []uint32
+	switch {
+	case kind == kindChat:
+		// vLLM's chat tokenize: add_generation_prompt defaults to true,
+		// add_special_tokens to false.
+		_, ids, err = tk.EncodeChat(tokenize.Chat{
+			Messages:             p.Messages,
+			Tools:                nullToNil(p.Tools),
+			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
+			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
+			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
+		})
+	case p.promptIDs != nil:
+		ids = p.promptIDs
+	default:
+		ids, err = tk.Encode(p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens)
+	}
+	if err != nil {
+		g.fail(ctx, badRequest("cannot tokenize: %v", err))
+		return
+	}
+	if ids == nil {
+		ids = []uint32{}
+	}
+	writeJSON(ctx, struct {
+		Count  int      `json:"count"`
+		Tokens []uint32 `json:"tokens"`
+	}{len(ids), ids})
+}
+
+func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
+	snap := g.table.Snapshot()
+	live := 0
+	for i := range snap.Replicas {
+		if snap.Replicas[i].Online {
+			live++
+		}
+	}
+	if live == 0 {
+		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
+		proxy503(ctx)
+		return
+	}
+	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live})
+}
+
+func proxy503(ctx *fasthttp.RequestCtx) {
+	ctx.SetContentType("application/json")
+	ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+	ctx.SetBodyString(`{"error":{"message":"no live replica","type":"service_unavailable","code":503}}`)
+}
+
+// replicaView is one entry of /admin/replicas.
+type replicaView struct {
+	Name             string   `json:"name"`
+	Model            string   `json:"model"`
+	Models           []string `json:"models"`
+	URL              string   `json:"url"`
+	Protocol         string   `json:"protocol"`
+	Online           bool     `json:"online"`
+	Selected         bool     `json:"selected"`
+	KVEvents         bool     `json:"kv_events"`
+	Stale            bool     `json:"stale"`
+	Waiting          int      `json:"waiting"`
+	Running          int      `json:"running"`
+	KVUsage          float64  `json:"kv_usage"`
+	BlockSize        int      `json:"block_size"`
+	FilterGeneration uint64   `json:"filter_generation"`
+	FilterKeys       int      `json:"filter_keys"`
+	StateAgeMS       int64    `json:"state_age_ms"`
+	// Cluster-wide in-flight work (gossiped) and this router's own.
+	ClusterInflightRequests      int `json:"cluster_inflight_requests"`
+	ClusterInflightPrefillTokens int `json:"cluster_inflight_prefill_tokens"`
+	LocalInflightRequests        int `json:"local_inflight_requests"`
+	LocalInflightPrefillTokens   int `json:"local_inflight_prefill_tokens"`
+	// RoutingDegraded is true while the policy runs in least-load mode.
+	RoutingDegraded bool `json:"routing_degraded"`
+}
+
+func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
+	snap := g.table.Snapshot()
+	now := g.now()
+	degraded := false
+	if d, ok := g.Settings().Policy.(degrader); ok {
+		degraded = d.Degraded()
+	}
+	out := make([]replicaView, 0, len(snap.Replicas))
+	for i := range snap.Replicas {
+		r := &snap.Replicas[i]
+		l := g.inflight.get(r.Name)
+		v := replicaView{
+			Name: r.Name, Models: slices.Clone(r.Models), URL: r.URL, Protocol: r.Protocol,
+			Online: r.Online, Selected: r.Selected, KVEvents: r.KVEvents, Stale: r.Stale,
+			Waiting: r.Load.Waiting, Running: r.Load.Running, KVUsage: r.Load.KVUsage,
+			BlockSize: r.BlockSize, FilterGeneration: r.FilterGeneration, FilterKeys: r.FilterKeys,
+			ClusterInflightRequests:      r.Load.InflightRequests,
+			ClusterInflightPrefillTokens: r.Load.InflightPrefillTokens,
+			LocalInflightRequests:        int(l.requests.Load()),
+			LocalInflightPrefillTokens:   int(l.prefill.Load()),
+			RoutingDegraded:              degraded,
+		}
+		if v.Models == nil {
+			v.Models = []string{}
+		}
+		if len(r.Models) > 0 {
+			v.Model = r.Models[0]
+		}
+		if !r.UpdatedAt.IsZero() {
+			v.StateAgeMS = now.Sub(r.UpdatedAt).Milliseconds()
+		}
+		out = append(out, v)
+	}
+	writeJSON(ctx, out)
+}
+
+// serveClear clears route records, here and cluster-wide.
+func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
+	s := g.Settings()
+	if s.AdminToken != "" {
+		got := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
+		want := []byte("Bearer " + s.AdminToken)
+		if subtle.ConstantTimeCompare(got, want) != 1 {
+			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required"})
+			return
+		}
+	}
+	var req struct {
+		Replicas []string `json:"replicas"`
+	}
+	if body := ctx.PostBody(); len(body) > 0 {
+		if err := json.Unmarshal(body, &req); err != nil {
+			g.fail(ctx, badRequest(`want {} or {"replicas":["name",...]}: %v`, err))
+			return
+		}
+	}
+	names := req.Replicas
+	if g.cluster != nil {
+		g.cluster.ClearRoutes(names)
+	} else {
+		g.table.ClearRoutes(names)
+	}
+	g.ClearRecords(names)
+	scope := any("all")
+	if len(names) > 0 {
+		scope = names
+	}
+	g.log.Info().Interface("replicas", scope).Msg("route records cleared")
+	writeJSON(ctx, map[string]any{"cleared": scope})
+}

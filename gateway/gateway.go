@@ -1,0 +1,257 @@
+// Package gateway is the router's HTTP face: the OpenAI-compatible API, the
+// admin API and metrics, on fasthttp. For each request it tokenizes the
+// prompt, computes block keys, builds routing candidates from the fleet
+// snapshot plus this router's own in-flight work, asks the routing policy,
+// and hands the ordered replicas to the proxy.
+//
+// Settings that a config reload may change live behind one atomic pointer,
+// so a reload swaps them between requests and never drops one.
+package gateway
+
+import (
+	"bytes"
+	"errors"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// Settings are what a config reload may change. Build a new value and pass
+// it to Gateway.Apply; never modify one after that.
+type Settings struct {
+	Policy routing.Policy
+	// Models maps a served model name (or LoRA adapter) to how the router
+	// treats it. A model absent here still routes if replicas serve it.
+	Models map[string]Model
+	// DefaultTokenizer tokenizes models without their own (nil: such
+	// models route by load only).
+	DefaultTokenizer tokenize.Model
+	// MaxPrefixTokens caps the tokens used for matching (default 16384).
+	MaxPrefixTokens int
+	// MaxAttempts bounds the replicas tried for one request (default 3),
+	// not counting the fallback.
+	MaxAttempts int
+	// APIKeys, when not empty, are the bearer tokens clients must present;
+	// the client's Authorization is then not forwarded.
+	APIKeys map[string]bool
+	// AdminToken guards /admin/routes/clear when set.
+	AdminToken string
+	// Upstream tunes connections to replicas.
+	Upstream proxy.Options
+}
+
+// Model is per-model routing knowledge.
+type Model struct {
+	// Tokenizer for this model (nil: DefaultTokenizer).
+	Tokenizer tokenize.Model
+	// Adapter is set when the model name is a LoRA adapter: its block keys
+	// are seeded with this name. Base names the model it adapts.
+	Adapter, Base string
+	// Fallback takes requests no replica can serve (mode fallback).
+	Fallback []*proxy.Upstream
+}
+
+func (s *Settings) withDefaults() *Settings {
+	c := *s
+	if c.MaxPrefixTokens <= 0 {
+		c.MaxPrefixTokens = 16384
+	}
+	if c.MaxAttempts <= 0 {
+		c.MaxAttempts = 3
+	}
+	if c.Policy == nil {
+		c.Policy, _ = routing.New("kvaware", routing.Config{})
+	}
+	return &c
+}
+
+// Clusterer spreads what one router learns to the others (gossip); nil
+// when the router runs alone.
+type Clusterer interface {
+	ReportInflight(replica string, requests, prefillTokens int)
+	ClearRoutes(names []string)
+}
+
+// Gateway serves the router's HTTP API.
+type Gateway struct {
+	table   *fleet.Table
+	cluster Clusterer
+	log     zerolog.Logger
+
+	settings atomic.Pointer[Settings]
+	fwd      proxy.Forwarder
+	metrics  *metrics
+	inflight inflightTable
+
+	upMu      sync.Mutex
+	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
+
+	exchanges sync.Pool
+	now       func() time.Time
+}
+
+// New returns a gateway routing over table. cluster may be nil.
+func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) *Gateway {
+	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now}
+	g.fwd = proxy.Forwarder{Log: log}
+	g.inflight.init()
+	empty := map[string]*proxy.Upstream{}
+	g.upstreams.Store(&empty)
+	g.Apply(s)
+	g.metrics = newMetrics(g)
+	g.exchanges.New = func() any { return new(exchange) }
+	return g
+}
+
+// Apply swaps in new settings; requests already routed finish with the old.
+func (g *Gateway) Apply(s Settings) {
+	old := g.settings.Swap(s.withDefaults())
+	if old != nil && g.metrics != nil && old.Policy != s.Policy {
+		g.metrics.retirePolicy(old.Policy)
+	}
+}
+
+// Settings returns the settings in force.
+func (g *Gateway) Settings() *Settings { return g.settings.Load() }
+
+// SetCluster attaches the gossip node once it has started.
+func (g *Gateway) SetCluster(c Clusterer) { g.cluster = c }
+
+// ClearRecords drops the policy's own route records for names (all when
+// empty); gossip calls it when another router cleared routes.
+func (g *Gateway) ClearRecords(names []string) {
+	if c, ok := g.Settings().Policy.(interface{ ClearRecords([]string) }); ok {
+		c.ClearRecords(names)
+	}
+}
+
+// Handler is the fasthttp handler for every route.
+func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
+	path := ctx.Path()
+	post := ctx.IsPost()
+	switch {
+	case post && string(path) == "/v1/chat/completions":
+		g.serveCompletion(ctx, kindChat)
+	case post && string(path) == "/v1/completions":
+		g.serveCompletion(ctx, kindCompletion)
+	case string(path) == "/v1/models":
+		g.serveModels(ctx)
+	case post && string(path) == "/tokenize":
+		g.serveTokenize(ctx)
+	case string(path) == "/health":
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"status":"ok"}`)
+	case string(path) == "/ready":
+		g.serveReady(ctx)
+	case string(path) == "/metrics":
+		g.metrics.serve(ctx)
+	case string(path) == "/admin/replicas":
+		g.serveReplicas(ctx)
+	case post && string(path) == "/admin/routes/clear":
+		g.serveClear(ctx)
+	default:
+		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
+	}
+}
+
+// ErrorHandler answers requests fasthttp could not read, in OpenAI's shape.
+func (g *Gateway) ErrorHandler(ctx *fasthttp.RequestCtx, err error) {
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		g.metrics.errors.WithLabelValues("too_large").Inc()
+		proxy.WriteError(ctx, fasthttp.StatusRequestEntityTooLarge, "invalid_request_error", "request body over the size limit")
+		ctx.SetConnectionClose()
+		return
+	}
+	g.metrics.errors.WithLabelValues("bad_request").Inc()
+	proxy.WriteError(ctx, fasthttp.StatusBadRequest, "invalid_request_error", "cannot read request: "+err.Error())
+	ctx.SetConnectionClose()
+}
+
+func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
+	var re *requestError
+	if !errors.As(err, &re) {
+		re = &requestError{status: 500, typ: "internal_error", msg: err.Error()}
+	}
+	label := "bad_request"
+	switch re.status {
+	case 401:
+		label = "unauthorized"
+	case 404:
+		label = "unknown_model"
+	case 503:
+		label = "no_replica"
+		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
+	}
+	g.metrics.errors.WithLabelValues(label).Inc()
+	proxy.WriteError(ctx, re.status, re.typ, re.msg)
+}
+
+// authorize checks the client's bearer token against the configured keys.
+func (s *Settings) authorize(ctx *fasthttp.RequestCtx) error {
+	if len(s.APIKeys) == 0 {
+		return nil
+	}
+	tok, ok := bytes.CutPrefix(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization), []byte("Bearer "))
+	if !ok || !s.APIKeys[string(bytes.TrimSpace(tok))] {
+		return &requestError{status: 401, typ: "invalid_request_error", msg: "missing or invalid API key"}
+	}
+	return nil
+}
+
+// upstream returns the connection pool for replica r, creating it on first
+// use and replacing it when the replica's URL changed.
+func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
+	if u := (*g.upstreams.Load())[r.Name]; u != nil && u.URL == r.URL {
+		return u, nil
+	}
+	g.upMu.Lock()
+	defer g.upMu.Unlock()
+	cur := *g.upstreams.Load()
+	if u := cur[r.Name]; u != nil && u.URL == r.URL {
+		return u, nil
+	}
+	u, err := proxy.NewUpstream(r.Name, r.URL, "", g.Settings().Upstream)
+	if err != nil {
+		return nil, err
+	}
+	next := make(map[string]*proxy.Upstream, len(cur)+1)
+	for k, v := range cur {
+		next[k] = v
+	}
+	if old := next[r.Name]; old != nil {
+		old.Close()
+	}
+	next[r.Name] = u
+	g.upstreams.Store(&next)
+	return u, nil
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+// Server returns a fasthttp server for the gateway, configured for long
+// streams: no write timeout (it would cap a whole stream), request bodies
+// up to maxBody bytes, 16 KiB of headers.
+func (g *Gateway) Server(maxBody int) *fasthttp.Server {
+	return &fasthttp.Server{
+		Handler:                      g.Handler,
+		ErrorHandler:                 g.ErrorHandler,
+		Name:                         "kvmesh-router",
+		MaxRequestBodySize:           maxBody,
+		ReadBufferSize:               16 << 10,
+		ReadTimeout:                  5 * time.Minute, // reading one request, not the response
+		IdleTimeout:                  2 * time.Minute,
+		WriteTimeout:                 0,
+		CloseOnShutdown:              true,
+		NoDefaultDate:                false,
+		DisablePreParseMultipartForm: true,
+	}
+}

@@ -1,0 +1,297 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+const chatBody = `{"model":"sim","messages":[{"role":"system","content":"You are a careful assistant."},{"role":"user","content":"Say hello"}],"max_tokens":4,"unknown_field":{"kept":true}}`
+
+func TestChatAndCompletionsThroughStaticUpstream(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
+
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions"} {
+		body := chatBody
+		if path == "/v1/completions" {
+			body = `{"model":"sim","prompt":"Once upon a time there was","max_tokens":3}`
+		}
+		res := r.post(t, path, body)
+		if res.status != 200 {
+			t.Fatalf("%s: %d %s", path, res.status, res.body)
+		}
+		if res.header["x-kvmesh-replica"] != "e1" || res.header["x-kvmesh-mode"] != "static" ||
+			res.header["x-kvmesh-prompt-tokens"] == "0" || res.header["x-kvmesh-cached-tokens"] != "0" {
+			t.Fatalf("%s: headers %v", path, res.header)
+		}
+		var out struct {
+			Usage struct {
+				PromptTokens int `json:"prompt_tokens"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil {
+			t.Fatal(err)
+		}
+		// The router tokenizes exactly as the engine does.
+		if got := strconv.Itoa(out.Usage.PromptTokens); got != res.header["x-kvmesh-prompt-tokens"] {
+			t.Fatalf("%s: engine counted %s prompt tokens, router %s", path, got, res.header["x-kvmesh-prompt-tokens"])
+		}
+	}
+}
+
+func TestStreamUsageIsAskedForButNotShownUnlessRequested(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
+	stream := strings.Replace(chatBody, `"max_tokens":4`, `"max_tokens":4,"stream":true`, 1)
+	res := r.post(t, "/v1/chat/completions", stream)
+	if res.status != 200 || !strings.HasSuffix(res.body, "data: [DONE]\n\n") || strings.Contains(res.body, `"usage"`) {
+		t.Fatalf("unasked usage leaked or stream broken: %d %q", res.status, res.body)
+	}
+	asked := strings.Replace(stream, `"stream":true`, `"stream":true,"stream_options":{"include_usage":true}`, 1)
+	res = r.post(t, "/v1/chat/completions", asked)
+	if !strings.Contains(res.body, `"prompt_tokens_details"`) {
+		t.Fatalf("asked-for usage missing: %q", res.body)
+	}
+	// Both streams reported the engine's cached tokens: the second prompt
+	// repeated the first, so the engine had it cached.
+	waitFor(t, func() bool { return r.g.metrics.actualValue() > 0 })
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestBadInputGetsOpenAIErrors(t *testing.T) {
+	r := newRouter(t, Settings{}, 4096)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
+	r.table.Upsert(fleet.Info{Name: "down", Models: []string{"gone"}, URL: "http://127.0.0.1:1", KVEvents: true, BlockSize: 16}, time.Now())
+	r.table.SetLoad("down", fleet.Load{}, false, time.Now())
+	cases := []struct {
+		name, path, body string
+		status           int
+		typ              string
+	}{
+		{"malformed JSON", "/v1/chat/completions", `{"model":"sim","messages":[`, 400, "invalid_request_error"},
+		{"not an object", "/v1/chat/completions", `[1,2]`, 400, "invalid_request_error"},
+		{"model wrong type", "/v1/chat/completions", `{"model":5,"messages":[{"role":"user","content":"x"}]}`, 400, "invalid_request_error"},
+		{"stream wrong type", "/v1/chat/completions", `{"model":"sim","stream":"yes","messages":[{"role":"user","content":"x"}]}`, 400, "invalid_request_error"},
+		{"messages wrong type", "/v1/chat/completions", `{"model":"sim","messages":"hi"}`, 400, "invalid_request_error"},
+		{"empty messages", "/v1/chat/completions", `{"model":"sim","messages":[]}`, 400, "invalid_request_error"},
+		{"missing messages", "/v1/chat/completions", `{"model":"sim"}`, 400, "invalid_request_error"},
+		{"message not object", "/v1/chat/completions", `{"model":"sim","messages":[1]}`, 400, "invalid_request_error"},
+		{"invalid UTF-8", "/v1/chat/completions", "{\"model\":\"sim\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}", 400, "invalid_request_error"},
+		{"missing prompt", "/v1/completions", `{"model":"sim"}`, 400, "invalid_request_error"},
+		{"prompt wrong type", "/v1/completions", `{"model":"sim","prompt":{"a":1}}`, 400, "invalid_request_error"},
+		{"empty prompt list", "/v1/completions", `{"model":"sim","prompt":[]}`, 400, "invalid_request_error"},
+		{"negative token id", "/v1/completions", `{"model":"sim","prompt":[1,-2]}`, 400, "invalid_request_error"},
+		{"unknown model", "/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"x"}]}`, 404, "not_found_error"},
+		{"no replica", "/v1/completions", `{"model":"gone","prompt":"x"}`, 503, "service_unavailable"},
+		{"too large", "/v1/completions", `{"model":"sim","prompt":"` + strings.Repeat("x", 8192) + `"}`, 413, "invalid_request_error"},
+	}
+	for _, c := range cases {
+		res := r.post(t, c.path, c.body)
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+				Type    string `json:"type"`
+				Code    int    `json:"code"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(res.body), &e); err != nil {
+			t.Errorf("%s: body %q is not an OpenAI error: %v", c.name, res.body, err)
+			continue
+		}
+		if res.status != c.status || e.Error.Type != c.typ || e.Error.Code != c.status || e.Error.Message == "" {
+			t.Errorf("%s: got %d %+v, want %d %s", c.name, res.status, e.Error, c.status, c.typ)
+		}
+		if c.status == 503 && res.header["retry-after"] == "" {
+			t.Errorf("%s: no Retry-After", c.name)
+		}
+	}
+	// The router is still healthy after all that.
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 {
+		t.Fatalf("after bad input: %d %s", res.status, res.body)
+	}
+}
+
+func TestOneOfFourRefusingFailsNoRequest(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("dead", refusedURL(t), []string{testModel})
+	for i := range 3 {
+		r.table.AddStatic(fmt.Sprintf("e%d", i), startEngine(t, testModel), []string{testModel})
+	}
+	var failed, served atomic.Int64
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 125 {
+				body := fmt.Sprintf(`{"model":"sim","prompt":"request %d from worker %d","max_tokens":1}`, i, w)
+				if res := r.post(t, "/v1/completions", body); res.status != 200 || res.header["x-kvmesh-replica"] == "dead" {
+					failed.Add(1)
+				} else {
+					served.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if failed.Load() != 0 || served.Load() != 1000 {
+		t.Fatalf("%d failed, %d served out of 1000", failed.Load(), served.Load())
+	}
+	if r.g.metrics.retriesValue() == 0 {
+		t.Fatal("no retry counted although one replica refuses connections")
+	}
+}
+
+func TestAllReplicasDownFallbackServes(t *testing.T) {
+	fb, err := proxy.NewUpstream("backup", startEngine(t, testModel), "backup-key", proxy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t, Settings{Models: map[string]Model{testModel: {Fallback: []*proxy.Upstream{fb}}}}, 1<<20)
+	// Replicas that refuse connections: every attempt fails over to the fallback.
+	r.table.AddStatic("a", refusedURL(t), []string{testModel})
+	r.table.AddStatic("b", refusedURL(t), []string{testModel})
+	res := r.post(t, "/v1/chat/completions", chatBody)
+	if res.status != 200 || res.header["x-kvmesh-mode"] != "fallback" || res.header["x-kvmesh-replica"] != "backup" {
+		t.Fatalf("refusing replicas: %d %v %s", res.status, res.header, res.body)
+	}
+	// No replica online at all: the fallback takes the request directly.
+	r.table.RemoveStatic(nil)
+	r.table.Upsert(fleet.Info{Name: "off", Models: []string{testModel}, URL: refusedURL(t), KVEvents: true, BlockSize: 16}, time.Now())
+	r.table.SetLoad("off", fleet.Load{}, false, time.Now())
+	res = r.post(t, "/v1/completions", `{"model":"sim","prompt":"hello","max_tokens":1}`)
+	if res.status != 200 || res.header["x-kvmesh-mode"] != "fallback" {
+		t.Fatalf("offline replicas: %d %v %s", res.status, res.header, res.body)
+	}
+}
+
+// TestPrefixAwareRoutingFollowsFilters feeds the table as gossip would: three
+// sidecar replicas, one whose filter holds the prompt's leading blocks.
+func TestPrefixAwareRoutingFollowsFilters(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	for _, n := range []string{"a", "b", "c"} {
+		r.table.Upsert(fleet.Info{Name: n, Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+		r.table.SetLoad(n, fleet.Load{}, true, now)
+	}
+	prompt := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 20)
+	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
+	keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
+	f := bloom.NewFilter(1024, 0.001)
+	for _, k := range keys {
+		f.Add(k)
+	}
+	r.table.SetFilter("b", f, 1, len(keys), now)
+	res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, prompt))
+	want := strconv.Itoa(len(keys) * 16)
+	if res.status != 200 || res.header["x-kvmesh-replica"] != "b" || res.header["x-kvmesh-mode"] != "prefix" ||
+		res.header["x-kvmesh-cached-tokens"] != want || res.header["x-kvmesh-prompt-tokens"] != strconv.Itoa(len(ids)) {
+		t.Fatalf("got %d %v, want replica b, mode prefix, %s cached", res.status, res.header, want)
+	}
+	// A different salt must not match b's blocks.
+	res = r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1,"cache_salt":"tenant-2"}`, prompt))
+	if res.header["x-kvmesh-cached-tokens"] != "0" || res.header["x-kvmesh-mode"] == "prefix" {
+		t.Fatalf("salted request matched unsalted blocks: %v", res.header)
+	}
+	m := r.get(t, "/metrics")
+	for _, line := range []string{`kvmesh_router_routes_total{mode="prefix"} 1`, "kvmesh_router_prefix_hits_total 1",
+		"kvmesh_router_predicted_cached_tokens_total " + want, "kvmesh_router_degradations_total 0", "kvmesh_router_actual_cached_tokens_total"} {
+		if !strings.Contains(m.body, line) {
+			t.Errorf("metrics lack %q", line)
+		}
+	}
+}
+
+func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
+	r := newRouter(t, Settings{AdminToken: "s3cret"}, 1<<20)
+	if res := r.get(t, "/ready"); res.status != 503 {
+		t.Fatalf("ready without replicas: %d", res.status)
+	}
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel, "sim-lora"})
+	if res := r.get(t, "/ready"); res.status != 200 {
+		t.Fatalf("ready: %d", res.status)
+	}
+	if res := r.get(t, "/health"); res.status != 200 {
+		t.Fatalf("health: %d", res.status)
+	}
+	res := r.post(t, "/tokenize", `{"model":"sim","prompt":"Hello world"}`)
+	ids, _ := tokenize.Builtin{}.Encode("Hello world", true)
+	want, _ := json.Marshal(map[string]any{"count": len(ids), "tokens": ids})
+	if res.status != 200 || res.body != string(want) {
+		t.Fatalf("tokenize: %d %s, want %s", res.status, res.body, want)
+	}
+	res = r.post(t, "/tokenize", `{"model":"sim","messages":[{"role":"user","content":"hi"}]}`)
+	_, ids, _ = tokenize.Builtin{}.EncodeChat(tokenize.Chat{Messages: []byte(`[{"role":"user","content":"hi"}]`), AddGenerationPrompt: true})
+	want, _ = json.Marshal(map[string]any{"count": len(ids), "tokens": ids})
+	if res.body != string(want) {
+		t.Fatalf("tokenize chat: %s, want %s", res.body, want)
+	}
+	res = r.get(t, "/v1/models")
+	if !strings.Contains(res.body, `"id":"sim"`) || !strings.Contains(res.body, `"id":"sim-lora"`) {
+		t.Fatalf("models: %s", res.body)
+	}
+	res = r.get(t, "/admin/replicas")
+	var reps []map[string]any
+	if err := json.Unmarshal([]byte(res.body), &reps); err != nil || len(reps) != 1 {
+		t.Fatalf("replicas: %s", res.body)
+	}
+	for _, k := range []string{"name", "model", "url", "protocol", "online", "selected", "kv_events", "waiting", "running", "kv_usage", "filter_generation", "filter_keys", "state_age_ms"} {
+		if _, ok := reps[0][k]; !ok {
+			t.Errorf("/admin/replicas lacks %q", k)
+		}
+	}
+	if res := r.post(t, "/admin/routes/clear", `{}`); res.status != 401 {
+		t.Fatalf("clear without token: %d", res.status)
+	}
+	if res := r.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || res.body != `{"cleared":["e1"]}` {
+		t.Fatalf("clear: %d %s", res.status, res.body)
+	}
+	if res := r.post(t, "/admin/routes/clear", `{"replicas":"e1"}`, "Authorization", "Bearer s3cret"); res.status != 400 {
+		t.Fatalf("bad clear body: %d", res.status)
+	}
+}
+
+func TestClientAPIKeys(t *testing.T) {
+	r := newRouter(t, Settings{APIKeys: map[string]bool{"k1": true}}, 1<<20)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 401 {
+		t.Fatalf("no key: %d", res.status)
+	}
+	if res := r.post(t, "/v1/chat/completions", chatBody, "Authorization", "Bearer k1"); res.status != 200 {
+		t.Fatalf("good key: %d %s", res.status, res.body)
+	}
+}
+
+func TestLoRAAdapterRoutesOnlyToItsReplicas(t *testing.T) {
+	r := newRouter(t, Settings{Models: map[string]Model{"sql-lora": {Adapter: "sql-lora", Base: testModel}}}, 1<<20)
+	r.table.AddStatic("base-only", startEngine(t, testModel), []string{testModel})
+	r.table.AddStatic("with-lora", startEngine(t, "sql-lora"), []string{testModel, "sql-lora"})
+	for i := range 10 {
+		res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sql-lora","prompt":"select %d","max_tokens":1}`, i))
+		if res.status != 200 || res.header["x-kvmesh-replica"] != "with-lora" {
+			t.Fatalf("adapter request went to %q (%d %s)", res.header["x-kvmesh-replica"], res.status, res.body)
+		}
+	}
+}

@@ -1,0 +1,135 @@
+package gateway
+
+import (
+	"context"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/enginesim"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+const testModel = "sim"
+
+// listen serves h on loopback until the test ends and returns its base URL.
+func listen(t testing.TB, srv *fasthttp.Server) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.ShutdownWithContext(ctx)
+	})
+	return "http://" + ln.Addr().String()
+}
+
+// startEngine runs a real enginesim (no simulated delays) and returns its URL.
+func startEngine(t testing.TB, model string) string {
+	t.Helper()
+	sim, err := enginesim.New(enginesim.Config{
+		Model: model, Tokenizer: tokenize.Builtin{},
+		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go sim.Run(ctx)
+	t.Cleanup(cancel)
+	return listen(t, &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true})
+}
+
+func refusedURL(t testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	return "http://" + addr
+}
+
+type testRouter struct {
+	g     *Gateway
+	table *fleet.Table
+	url   string
+}
+
+func newRouter(t testing.TB, s Settings, maxBody int) *testRouter {
+	t.Helper()
+	if s.Policy == nil {
+		p, err := routing.New("kvaware", routing.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Policy = p
+	}
+	if s.DefaultTokenizer == nil {
+		s.DefaultTokenizer = tokenize.Builtin{}
+	}
+	s.Upstream = proxy.Options{FirstByteTimeout: 10 * time.Second, IdleTimeout: 5 * time.Second}
+	table := fleet.NewTable(fleet.TableConfig{StaleAfter: time.Hour, DropAfter: time.Hour})
+	g := New(table, nil, s, zerolog.Nop())
+	return &testRouter{g: g, table: table, url: listen(t, g.Server(maxBody))}
+}
+
+type reply struct {
+	status int
+	header map[string]string
+	body   string
+}
+
+func (r *testRouter) post(t testing.TB, path, body string, headers ...string) reply {
+	t.Helper()
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(r.url + path)
+	req.Header.SetMethod("POST")
+	req.Header.SetContentType("application/json")
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	req.SetBodyString(body)
+	if err := client.DoTimeout(req, resp, 10*time.Second); err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	return toReply(resp)
+}
+
+func (r *testRouter) get(t testing.TB, path string) reply {
+	t.Helper()
+	req := fasthttp.AcquireRequest()
+	resp := fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(r.url + path)
+	if err := client.DoTimeout(req, resp, 10*time.Second); err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	return toReply(resp)
+}
+
+var client = &fasthttp.Client{MaxConnsPerHost: 512}
+
+func toReply(resp *fasthttp.Response) reply {
+	out := reply{status: resp.StatusCode(), header: map[string]string{}, body: string(resp.Body())}
+	for k, v := range resp.Header.All() {
+		out.header[strings.ToLower(string(k))] = string(v)
+	}
+	return out
+}

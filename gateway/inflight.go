@@ -1,0 +1,99 @@
+package gateway
+
+import (
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// replicaLoad is this router's in-flight work at one replica: requests
+// dispatched and not finished, and their uncached prompt tokens until the
+// first byte comes back (the prefill the engine still has to do).
+type replicaLoad struct {
+	requests atomic.Int64
+	prefill  atomic.Int64
+	// reportedRequests/reportedPrefill are what the cluster was last told;
+	// the sidecar's sums include them, so they are subtracted before this
+	// router's exact current counts are added.
+	reportedRequests atomic.Int64
+	reportedPrefill  atomic.Int64
+}
+
+// clusterView combines the cluster-wide counts a sidecar gossiped (which
+// include this router's last report) with this router's exact counts.
+func (l *replicaLoad) clusterView(clusterRequests, clusterPrefill int) (int, int) {
+	others := max(clusterRequests-int(l.reportedRequests.Load()), 0)
+	othersPrefill := max(clusterPrefill-int(l.reportedPrefill.Load()), 0)
+	return others + int(l.requests.Load()), othersPrefill + int(l.prefill.Load())
+}
+
+type inflightTable struct {
+	mu sync.RWMutex
+	m  map[string]*replicaLoad
+}
+
+func (t *inflightTable) init() { t.m = map[string]*replicaLoad{} }
+
+func (t *inflightTable) get(name string) *replicaLoad {
+	t.mu.RLock()
+	l := t.m[name]
+	t.mu.RUnlock()
+	if l != nil {
+		return l
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if l = t.m[name]; l == nil {
+		l = &replicaLoad{}
+		t.m[name] = l
+	}
+	return l
+}
+
+// each calls f for every replica in name order.
+func (t *inflightTable) each(f func(name string, l *replicaLoad)) {
+	t.mu.RLock()
+	names := make([]string, 0, len(t.m))
+	for n := range t.m {
+		names = append(names, n)
+	}
+	t.mu.RUnlock()
+	sort.Strings(names)
+	for _, n := range names {
+		f(n, t.get(n))
+	}
+}
+
+// ReportInflight tells the cluster this router's in-flight work every
+// interval until stop closes. Without a cluster it returns at once.
+func (g *Gateway) ReportInflight(every time.Duration, stop <-chan struct{}) {
+	if g.cluster == nil {
+		return
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		g.inflight.each(func(name string, l *replicaLoad) {
+			req, pre := l.requests.Load(), l.prefill.Load()
+			if req == l.reportedRequests.Load() && pre == l.reportedPrefill.Load() && req == 0 {
+				return
+			}
+			g.cluster.ReportInflight(name, int(req), int(pre))
+			l.reportedRequests.Store(req)
+			l.reportedPrefill.Store(pre)
+		})
+	}
+}
+
+// Inflight returns this router's in-flight requests summed over replicas.
+func (g *Gateway) Inflight() int {
+	n := 0
+	g.inflight.each(func(_ string, l *replicaLoad) { n += int(l.requests.Load()) })
+	return n
+}

@@ -1,0 +1,129 @@
+package gateway
+
+import (
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/fasthttpadaptor"
+
+	"github.com/kvmesh/kvmesh/routing"
+)
+
+type metrics struct {
+	reg             *prometheus.Registry
+	routes          *prometheus.CounterVec
+	prefixHits      prometheus.Counter
+	predicted       prometheus.Counter
+	actual          prometheus.Counter
+	retries         prometheus.Counter
+	errors          *prometheus.CounterVec
+	ttft            prometheus.Histogram
+	upstreamLatency *prometheus.HistogramVec
+	handler         fasthttp.RequestHandler
+
+	mu sync.Mutex
+	// retiredDegradations keeps the count of policies replaced by a reload.
+	retiredDegradations uint64
+}
+
+type degrader interface {
+	Degradations() uint64
+	Degraded() bool
+}
+
+func newMetrics(g *Gateway) *metrics {
+	m := &metrics{reg: prometheus.NewRegistry()}
+	f := promauto{m.reg}
+	m.routes = f.counterVec("kvmesh_router_routes_total", "Requests served, by routing mode.", "mode")
+	m.prefixHits = f.counter("kvmesh_router_prefix_hits_total", "Requests routed to a replica predicted to hold part of their prefix.")
+	m.predicted = f.counter("kvmesh_router_predicted_cached_tokens_total", "Prompt tokens predicted to be cached where requests were sent.")
+	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
+	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
+	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
+	m.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
+	})
+	m.upstreamLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvmesh_router_upstream_latency_seconds", Help: "Time from dispatch to the end of the response, by replica.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 20),
+	}, []string{"replica"})
+	m.reg.MustRegister(m.ttft, m.upstreamLatency,
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "kvmesh_router_degradations_total",
+			Help: "Switches of the kvaware policy into least-load mode for imbalance.",
+		}, func() float64 {
+			m.mu.Lock()
+			n := m.retiredDegradations
+			m.mu.Unlock()
+			if d, ok := g.Settings().Policy.(degrader); ok {
+				n += d.Degradations()
+			}
+			return float64(n)
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvmesh_router_degraded", Help: "1 while the kvaware policy is in least-load mode.",
+		}, func() float64 {
+			if d, ok := g.Settings().Policy.(degrader); ok && d.Degraded() {
+				return 1
+			}
+			return 0
+		}),
+		inflightCollector{g},
+		collectors.NewGoCollector(),
+	)
+	for _, mode := range []routing.Mode{routing.ModePrefix, routing.ModeBalance, routing.ModeCold, routing.ModeStatic, routing.ModeFallback} {
+		m.routes.WithLabelValues(string(mode))
+	}
+	m.handler = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+	return m
+}
+
+func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
+
+func (m *metrics) retirePolicy(p routing.Policy) {
+	if d, ok := p.(degrader); ok {
+		m.mu.Lock()
+		m.retiredDegradations += d.Degradations()
+		m.mu.Unlock()
+	}
+}
+
+type promauto struct{ reg *prometheus.Registry }
+
+func (f promauto) counter(name, help string) prometheus.Counter {
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help})
+	f.reg.MustRegister(c)
+	return c
+}
+
+func (f promauto) counterVec(name, help, label string) *prometheus.CounterVec {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, []string{label})
+	f.reg.MustRegister(c)
+	return c
+}
+
+var (
+	inflightRequestsDesc = prometheus.NewDesc("kvmesh_router_inflight_requests",
+		"Requests this router has dispatched to a replica and not seen finish.", []string{"replica"}, nil)
+	inflightPrefillDesc = prometheus.NewDesc("kvmesh_router_inflight_prefill_tokens",
+		"Uncached prompt tokens this router dispatched to a replica that have no first token yet.", []string{"replica"}, nil)
+)
+
+// inflightCollector exports the per-replica in-flight gauges.
+type inflightCollector struct{ g *Gateway }
+
+func (c inflightCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- inflightRequestsDesc
+	ch <- inflightPrefillDesc
+}
+
+func (c inflightCollector) Collect(ch chan<- prometheus.Metric) {
+	c.g.inflight.each(func(name string, l *replicaLoad) {
+		ch <- prometheus.MustNewConstMetric(inflightRequestsDesc, prometheus.GaugeValue, float64(l.requests.Load()), name)
+		ch <- prometheus.MustNewConstMetric(inflightPrefillDesc, prometheus.GaugeValue, float64(l.prefill.Load()), name)
+	})
+}

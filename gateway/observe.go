@@ -1,0 +1,102 @@
+package gateway
+
+import (
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
+)
+
+// Attempt implements proxy.Observer: the request is dispatched to target i.
+func (ex *exchange) Attempt(i int) {
+	ex.attempts++
+	ex.firstByte = false
+	if i > 0 {
+		ex.g.metrics.retries.Inc()
+	}
+	if l := ex.info[i].load; l != nil {
+		l.requests.Add(1)
+		l.prefill.Add(int64(ex.info[i].uncached))
+	}
+}
+
+// FirstByte implements proxy.Observer: target i has started answering, so
+// its prefill is done.
+func (ex *exchange) FirstByte(i int, ttft time.Duration) {
+	ex.firstByte, ex.ttft = true, ttft
+	if l := ex.info[i].load; l != nil {
+		l.prefill.Add(-int64(ex.info[i].uncached))
+	}
+	ex.g.metrics.ttft.Observe(ttft.Seconds())
+}
+
+// Header implements proxy.Observer: the X-Kvmesh-* headers of the answer.
+func (ex *exchange) Header(i int, h *fasthttp.ResponseHeader) {
+	t := &ex.info[i]
+	h.Set("X-Kvmesh-Replica", t.name)
+	h.Set("X-Kvmesh-Mode", string(t.mode))
+	h.Set("X-Kvmesh-Prompt-Tokens", itoa(ex.promptTokens))
+	h.Set("X-Kvmesh-Cached-Tokens", itoa(t.predicted))
+}
+
+// Finish implements proxy.Observer. The last call releases ex.
+func (ex *exchange) Finish(i int, r proxy.Result) {
+	g, t := ex.g, &ex.info[i]
+	if l := t.load; l != nil {
+		if !ex.firstByte {
+			l.prefill.Add(-int64(t.uncached))
+		}
+		l.requests.Add(-1)
+	}
+	m := g.metrics
+	m.upstreamLatency.WithLabelValues(t.name).Observe(r.Elapsed.Seconds())
+	switch {
+	case r.ClientGone:
+		m.errors.WithLabelValues("client_gone").Inc()
+	case r.Err != nil && r.Retried:
+		m.errors.WithLabelValues("upstream_retried").Inc()
+	case r.Err != nil && r.Status == 0:
+		m.errors.WithLabelValues("upstream").Inc()
+	case r.Err != nil:
+		m.errors.WithLabelValues("stream").Inc()
+	case r.Status >= 500 || r.Status == 429:
+		m.errors.WithLabelValues("upstream_status").Inc()
+	}
+	if r.Retried {
+		return
+	}
+	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
+	if served {
+		m.routes.WithLabelValues(string(t.mode)).Inc()
+		if t.predicted > 0 {
+			m.prefixHits.Inc()
+		}
+		m.predicted.Add(float64(t.predicted))
+		if r.CachedTokens > 0 {
+			m.actual.Add(float64(r.CachedTokens))
+		}
+	}
+	if g.log.GetLevel() <= zerolog.DebugLevel {
+		ev := g.log.Debug().
+			Str("policy", ex.s.Policy.Name()).Str("model", ex.model).Str("path", ex.path).
+			Str("replica", t.name).Str("mode", string(t.mode)).
+			Int("prompt_tokens", ex.promptTokens).Int("predicted_cached", t.predicted).
+			Int("actual_cached", r.CachedTokens).Int("attempts", ex.attempts).Int("status", r.Status).
+			Dur("decide", ex.decideTime).Dur("ttft", ex.ttft).Dur("elapsed", r.Elapsed).
+			Bool("degraded", ex.d.Degraded).Str("reason", ex.d.Reason)
+		if ex.tokenizeErr != nil {
+			ev = ev.Str("tokenize_error", ex.tokenizeErr.Error())
+		}
+		if r.Err != nil {
+			ev = ev.AnErr("upstream_error", r.Err)
+		}
+		ev.Msg("request")
+	}
+	g.putExchange(ex)
+}
+
+var _ proxy.Observer = (*exchange)(nil)
+var _ = routing.ModePrefix

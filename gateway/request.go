@@ -1,0 +1,200 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+)
+
+// kind is which OpenAI endpoint a request came to.
+type kind uint8
+
+const (
+	kindChat kind = iota
+	kindCompletion
+)
+
+// apiRequest is the part of a chat or completions body that routing needs.
+// Everything else is forwarded untouched.
+type apiRequest struct {
+	Model                string          `json:"model"`
+	Messages             json.RawMessage `json:"messages"`
+	Prompt               json.RawMessage `json:"prompt"`
+	Tools                json.RawMessage `json:"tools"`
+	Stream               *bool           `json:"stream"`
+	StreamOptions        json.RawMessage `json:"stream_options"`
+	AddSpecialTokens     *bool           `json:"add_special_tokens"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+	ContinueFinalMessage *bool           `json:"continue_final_message"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	CacheSalt            *string         `json:"cache_salt"`
+}
+
+// requestError is a client error with the HTTP status to answer.
+type requestError struct {
+	status int
+	typ    string
+	msg    string
+}
+
+func (e *requestError) Error() string { return e.msg }
+
+func badRequest(format string, args ...any) *requestError {
+	return &requestError{status: 400, typ: "invalid_request_error", msg: fmt.Sprintf(format, args...)}
+}
+
+// parsed is a validated request.
+type parsed struct {
+	apiRequest
+	kind   kind
+	stream bool
+	// wantsUsage is true when a streaming client asked for the usage chunk.
+	wantsUsage bool
+	// promptIDs holds a completions prompt given as token ids.
+	promptIDs []uint32
+	// promptText holds a completions prompt given as text (the first one of
+	// a batch: it decides the prefix).
+	promptText string
+}
+
+// parseRequest validates body for endpoint k. Bad input yields a
+// *requestError, never a panic.
+func parseRequest(body []byte, k kind) (*parsed, error) {
+	if !utf8.Valid(body) {
+		return nil, badRequest("request body is not valid UTF-8")
+	}
+	if t := bytes.TrimLeft(body, " \t\r\n"); len(t) == 0 || t[0] != '{' {
+		return nil, badRequest("request body must be a JSON object")
+	}
+	p := &parsed{kind: k}
+	if err := json.Unmarshal(body, &p.apiRequest); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) {
+			return nil, badRequest("field %q has the wrong type: got %s, want %s", te.Field, te.Value, te.Type)
+		}
+		return nil, badRequest("malformed JSON: %v", err)
+	}
+	p.stream = p.Stream != nil && *p.Stream
+	if len(p.StreamOptions) > 0 && !isNull(p.StreamOptions) {
+		var so struct {
+			IncludeUsage *bool `json:"include_usage"`
+		}
+		if err := json.Unmarshal(p.StreamOptions, &so); err != nil {
+			return nil, badRequest("stream_options must be an object with a boolean include_usage")
+		}
+		p.wantsUsage = so.IncludeUsage != nil && *so.IncludeUsage
+	}
+	switch k {
+	case kindChat:
+		if err := checkMessages(p.Messages); err != nil {
+			return nil, err
+		}
+		if !isNull(p.Tools) && len(p.Tools) > 0 && p.Tools[0] != '[' {
+			return nil, badRequest("tools must be an array")
+		}
+	case kindCompletion:
+		if err := p.parsePrompt(); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
+func isNull(raw json.RawMessage) bool { return len(raw) == 0 || string(raw) == "null" }
+
+func checkMessages(raw json.RawMessage) error {
+	if isNull(raw) {
+		return badRequest("messages is required")
+	}
+	var msgs []json.RawMessage
+	if err := json.Unmarshal(raw, &msgs); err != nil {
+		return badRequest("messages must be an array of message objects")
+	}
+	if len(msgs) == 0 {
+		return badRequest("messages must not be empty")
+	}
+	for i, m := range msgs {
+		if len(m) == 0 || m[0] != '{' {
+			return badRequest("messages[%d] must be an object", i)
+		}
+	}
+	return nil
+}
+
+// parsePrompt accepts the prompt shapes vLLM does: a string, a list of
+// strings, a list of token ids, or a list of lists of token ids. A batch
+// routes by its first prompt.
+func (p *parsed) parsePrompt() error {
+	raw := p.Prompt
+	if isNull(raw) {
+		return badRequest("prompt is required")
+	}
+	switch raw[0] {
+	case '"':
+		return unmarshalPrompt(raw, &p.promptText)
+	case '[':
+	default:
+		return badRequest("prompt must be a string, a list of strings or a list of token ids")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(raw, &items); err != nil || len(items) == 0 {
+		return badRequest("prompt must not be an empty list")
+	}
+	switch items[0][0] {
+	case '"':
+		return unmarshalPrompt(items[0], &p.promptText)
+	case '[':
+		var ids []uint32
+		if err := json.Unmarshal(items[0], &ids); err != nil || len(ids) == 0 {
+			return badRequest("prompt[0] must be a non-empty list of token ids")
+		}
+		p.promptIDs = ids
+		return nil
+	}
+	var ids []uint32
+	if err := json.Unmarshal(raw, &ids); err != nil {
+		return badRequest("prompt must be a string, a list of strings or a list of token ids")
+	}
+	p.promptIDs = ids
+	return nil
+}
+
+func unmarshalPrompt(raw json.RawMessage, dst *string) error {
+	if err := json.Unmarshal(raw, dst); err != nil {
+		return badRequest("prompt: %v", err)
+	}
+	return nil
+}
+
+// withIncludeUsage returns body with stream_options.include_usage set to
+// true, keeping every other field. The new stream_options is appended last:
+// JSON decoders in Python and Go keep the last of duplicate keys.
+func withIncludeUsage(body []byte, streamOptions json.RawMessage) ([]byte, error) {
+	opts := map[string]json.RawMessage{}
+	if !isNull(streamOptions) {
+		if err := json.Unmarshal(streamOptions, &opts); err != nil {
+			return nil, err
+		}
+	}
+	opts["include_usage"] = json.RawMessage("true")
+	enc, err := json.Marshal(opts)
+	if err != nil {
+		return nil, err
+	}
+	end := bytes.LastIndexByte(body, '}')
+	if end < 0 {
+		return nil, errors.New("gateway: body is not an object")
+	}
+	inner := bytes.TrimSpace(body[bytes.IndexByte(body, '{')+1 : end])
+	out := make([]byte, 0, len(body)+len(enc)+20)
+	out = append(out, body[:end]...)
+	if len(inner) > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, `"stream_options":`...)
+	out = append(out, enc...)
+	out = append(out, body[end:]...)
+	return out, nil
+}

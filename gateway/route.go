@@ -1,0 +1,367 @@
+package gateway
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// defaultBlockSize keys prompts when no candidate announces one (static
+// upstreams only): it still gives consistent hashing a stable affinity key.
+const defaultBlockSize = 16
+
+// affinityBlocks is how many leading blocks place a cold prefix.
+const affinityBlocks = 4
+
+// exchange is one request's routing state, reused through a pool. It is the
+// proxy's Observer, so it also does in-flight accounting and metrics.
+type exchange struct {
+	g     *Gateway
+	s     *Settings
+	model string
+	path  string
+
+	promptTokens int
+	tokenizeErr  error
+	decideTime   time.Duration
+
+	req      routing.Request
+	d        routing.Decision
+	cands    []routing.Candidate
+	matchAll []int
+	scratch  []int
+	keys     []uint64
+	ids      []uint32
+	seed     uint64
+
+	targets []*proxy.Upstream
+	info    []targetInfo
+
+	start     time.Time
+	attempts  int
+	firstByte bool
+	ttft      time.Duration
+}
+
+// targetInfo is what the gateway knows about each target it handed the proxy.
+type targetInfo struct {
+	name      string
+	mode      routing.Mode
+	predicted int
+	uncached  int
+	fallback  bool
+	load      *replicaLoad
+}
+
+func (g *Gateway) getExchange(s *Settings) *exchange {
+	ex := g.exchanges.Get().(*exchange)
+	ex.g, ex.s = g, s
+	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
+	ex.cands, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
+	return ex
+}
+
+func (g *Gateway) putExchange(ex *exchange) {
+	ex.s, ex.ids = nil, nil
+	clear(ex.targets[:cap(ex.targets)])
+	clear(ex.info[:cap(ex.info)])
+	g.exchanges.Put(ex)
+}
+
+func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
+	s := g.Settings()
+	if err := s.authorize(ctx); err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	p, err := parseRequest(ctx.PostBody(), k)
+	if err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	snap := g.table.Snapshot()
+	if p.Model == "" {
+		if p.Model = soleModel(snap); p.Model == "" {
+			g.fail(ctx, badRequest("model is required"))
+			return
+		}
+	}
+	ex := g.getExchange(s)
+	ex.model, ex.path = p.Model, string(ctx.Path())
+	if err := ex.decide(snap, p); err != nil {
+		g.putExchange(ex)
+		g.fail(ctx, err)
+		return
+	}
+	body := ctx.PostBody()
+	strip := false
+	if p.stream && !p.wantsUsage {
+		if b, err := withIncludeUsage(body, p.StreamOptions); err == nil {
+			body, strip = b, true
+		}
+	}
+	req := proxy.Request{
+		Path:              ex.path,
+		Header:            &ctx.Request.Header,
+		Body:              body,
+		StripUsage:        strip,
+		DropAuthorization: len(s.APIKeys) > 0,
+	}
+	ex.start = g.now()
+	// ex belongs to the proxy from here: it is released on the last Finish,
+	// which may run after this handler returns.
+	g.fwd.Forward(ctx, &req, ex.targets, ex)
+}
+
+// soleModel returns the only model the fleet serves, or "".
+func soleModel(snap *fleet.Snapshot) string {
+	model := ""
+	for i := range snap.Replicas {
+		for _, m := range snap.Replicas[i].Models {
+			if model != "" && m != model {
+				return ""
+			}
+			model = m
+		}
+	}
+	return model
+}
+
+func serves(r *fleet.Replica, model string) bool {
+	return r.Serves(model) || (r.Protocol == fleet.ProtocolStatic && len(r.Models) == 0)
+}
+
+// decide builds candidates, routes, and fills the targets to try.
+func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
+	g, s := ex.g, ex.s
+	t0 := time.Now()
+	ms := s.Models[ex.model]
+	known := len(ms.Fallback) > 0
+	for i := range snap.Replicas {
+		r := &snap.Replicas[i]
+		if !serves(r, ex.model) {
+			continue
+		}
+		known = true
+		if !r.Online {
+			continue
+		}
+		ex.cands = append(ex.cands, routing.Candidate{
+			Name:        r.Name,
+			PrefixAware: r.KVEvents && r.Selected && !r.Stale && r.Filter != nil,
+			Static:      r.Protocol == fleet.ProtocolStatic,
+		})
+		// MatchedTokens temporarily holds the snapshot index.
+		ex.cands[len(ex.cands)-1].MatchedTokens = i
+	}
+	if !known {
+		return &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", ex.model)}
+	}
+	if len(ex.cands) == 0 {
+		if len(ms.Fallback) == 0 {
+			return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
+		}
+		ex.tokens(p, ms)
+		ex.d.Pick, ex.d.Order, ex.d.Mode, ex.d.Reason = -1, ex.d.Order[:0], routing.ModeFallback, "no replica online"
+		ex.addFallback(ms)
+		ex.decideTime = time.Since(t0)
+		return nil
+	}
+
+	ex.tokens(p, ms)
+	ex.match(snap)
+	ex.req.PromptTokens = ex.promptTokens
+	ex.req.Now = g.now()
+	ex.req.Keys = ex.keys
+	s.Policy.Route(&ex.req, ex.cands, &ex.d)
+	ex.decideTime = time.Since(t0)
+
+	for _, ci := range ex.d.Order {
+		if len(ex.targets) >= s.MaxAttempts {
+			break
+		}
+		c := &ex.cands[ci]
+		r := &snap.Replicas[ex.snapIndex(ci)]
+		up, err := g.upstream(r)
+		if err != nil {
+			g.log.Warn().Err(err).Str("replica", r.Name).Msg("replica has an unusable URL")
+			continue
+		}
+		matched := 0
+		if c.PrefixAware {
+			matched = c.MatchedTokens
+		}
+		mode := ex.d.Mode
+		if ci == ex.d.Pick {
+			matched = ex.d.PredictedCachedTokens
+		} else if mode == routing.ModePrefix && matched == 0 {
+			mode = routing.ModeBalance
+		}
+		if c.Static {
+			mode = routing.ModeStatic
+		}
+		ex.targets = append(ex.targets, up)
+		ex.info = append(ex.info, targetInfo{
+			name: r.Name, mode: mode, predicted: matched,
+			uncached: max(ex.promptTokens-matched, 0), load: g.inflight.get(r.Name),
+		})
+	}
+	ex.addFallback(ms)
+	if len(ex.targets) == 0 {
+		return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
+	}
+	return nil
+}
+
+func (ex *exchange) addFallback(ms Model) {
+	for _, up := range ms.Fallback {
+		ex.targets = append(ex.targets, up)
+		ex.info = append(ex.info, targetInfo{name: up.Name, mode: routing.ModeFallback, fallback: true, uncached: ex.promptTokens})
+	}
+}
+
+// snapIndex returns the snapshot index of candidate ci (kept aside by match).
+func (ex *exchange) snapIndex(ci int) int { return ex.scratch[ci] }
+
+// tokens tokenizes the prompt; a failure degrades to load-only routing.
+func (ex *exchange) tokens(p *parsed, ms Model) {
+	tk := ms.Tokenizer
+	if tk == nil {
+		tk = ex.s.DefaultTokenizer
+	}
+	var ids []uint32
+	var err error
+	switch {
+	case p.kind == kindCompletion && p.promptIDs != nil:
+		ids = p.promptIDs
+	case tk == nil:
+		err = errNoTokenizer
+	case p.kind == kindCompletion:
+		ids, err = tk.Encode(p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens)
+	default:
+		_, ids, err = tk.EncodeChat(tokenize.Chat{
+			Messages:             p.Messages,
+			Tools:                nullToNil(p.Tools),
+			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
+			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
+			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
+		})
+	}
+	if err != nil {
+		ex.tokenizeErr = err
+		ex.ids = nil
+		ex.promptTokens = 0
+		return
+	}
+	ex.ids = ids
+	ex.promptTokens = len(ids)
+	salt := ""
+	if p.CacheSalt != nil {
+		salt = *p.CacheSalt
+	}
+	ex.req.AffinityKey = 0
+	ex.seed = blockkey.Seed(ms.Adapter, salt)
+}
+
+var errNoTokenizer = fmt.Errorf("no tokenizer for this model")
+
+func nullToNil(raw []byte) []byte {
+	if isNull(raw) {
+		return nil
+	}
+	return raw
+}
+
+// match computes block keys and each candidate's matched prefix and load.
+func (ex *exchange) match(snap *fleet.Snapshot) {
+	g := ex.g
+	ex.scratch = ex.scratch[:0]
+	for i := range ex.cands {
+		ex.scratch = append(ex.scratch, ex.cands[i].MatchedTokens)
+		ex.cands[i].MatchedTokens = 0
+	}
+	bs := 0
+	for i := range ex.cands {
+		if r := &snap.Replicas[ex.scratch[i]]; ex.cands[i].PrefixAware && r.BlockSize > 0 {
+			bs = r.BlockSize
+			break
+		}
+	}
+	ex.req.BlockSize = bs
+	ex.req.AffinityKey = 0
+	ids := ex.ids
+	if len(ids) > ex.s.MaxPrefixTokens {
+		ids = ids[:ex.s.MaxPrefixTokens]
+	}
+	keyBS := bs
+	if keyBS == 0 {
+		keyBS = defaultBlockSize
+	}
+	if ex.tokenizeErr == nil {
+		ex.keys = blockkey.Append(ex.keys[:0], ex.seed, ids, keyBS)
+		if n := min(len(ex.keys), affinityBlocks); n > 0 {
+			ex.req.AffinityKey = ex.keys[n-1]
+		}
+	}
+	if bs > 0 && len(ex.keys) > 0 {
+		if cap(ex.matchAll) < len(snap.Replicas) {
+			ex.matchAll = make([]int, len(snap.Replicas))
+		}
+		ex.matchAll = ex.matchAll[:len(snap.Replicas)]
+		snap.MatchPrefix(ex.keys, ex.matchAll)
+		otherSize := false
+		for i := range ex.cands {
+			r := &snap.Replicas[ex.scratch[i]]
+			if !ex.cands[i].PrefixAware {
+				continue
+			}
+			if r.BlockSize != bs {
+				otherSize = true
+				continue
+			}
+			ex.cands[i].MatchedTokens = min(ex.matchAll[ex.scratch[i]]*bs, ex.promptTokens)
+		}
+		if otherSize {
+			ex.matchOtherSizes(snap, ids, bs)
+		}
+	} else {
+		ex.req.BlockSize = 0
+		for i := range ex.cands {
+			ex.cands[i].PrefixAware = ex.cands[i].PrefixAware && ex.tokenizeErr == nil
+		}
+	}
+	if ex.tokenizeErr != nil {
+		for i := range ex.cands {
+			ex.cands[i].PrefixAware = false
+		}
+	}
+	for i := range ex.cands {
+		r := &snap.Replicas[ex.scratch[i]]
+		c := &ex.cands[i]
+		c.Waiting, c.Running = r.Load.Waiting, r.Load.Running
+		mine := g.inflight.get(r.Name)
+		c.InflightRequests, c.PendingPrefillTokens = mine.clusterView(r.Load.InflightRequests, r.Load.InflightPrefillTokens)
+	}
+}
+
+// matchOtherSizes handles replicas whose engines use another block size
+// (rare: a mixed fleet): their keys are computed for their size.
+func (ex *exchange) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
+	var keys []uint64
+	for i := range ex.cands {
+		r := &snap.Replicas[ex.scratch[i]]
+		if !ex.cands[i].PrefixAware || r.BlockSize == done || r.BlockSize <= 0 {
+			continue
+		}
+		keys = blockkey.Append(keys[:0], ex.seed, ids, r.BlockSize)
+		snap.MatchPrefix(keys, ex.matchAll)
+		ex.cands[i].MatchedTokens = min(ex.matchAll[ex.scratch[i]]*r.BlockSize, ex.promptTokens)
+	}
+}
