@@ -146,6 +146,19 @@ func (t *HF) setAddedTokens(tokens []addedToken) error {
 }
 
 func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
+	var kind struct {
+		Type   string          `json:"type"`
+		Merges json.RawMessage `json:"merges"`
+	}
+	if err := json.Unmarshal(raw, &kind); err != nil {
+		return nil, fmt.Errorf("tokenize: model: %w", err)
+	}
+	if kind.Type == "" && kind.Merges != nil {
+		kind.Type = "BPE" // untagged, as serde reads it
+	}
+	if kind.Type != "BPE" {
+		return nil, &UnsupportedError{"model", kind.Type}
+	}
 	var j struct {
 		Type                    string            `json:"type"`
 		Dropout                 *float64          `json:"dropout"`
@@ -160,12 +173,6 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 	}
 	if err := json.Unmarshal(raw, &j); err != nil {
 		return nil, fmt.Errorf("tokenize: model: %w", err)
-	}
-	if j.Type == "" && j.Merges != nil {
-		j.Type = "BPE"
-	}
-	if j.Type != "BPE" {
-		return nil, &UnsupportedError{"model", j.Type}
 	}
 	if j.Dropout != nil && *j.Dropout > 0 {
 		return nil, &UnsupportedError{"model", "BPE with dropout (not deterministic)"}
