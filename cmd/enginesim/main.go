@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"syscall"
@@ -106,6 +107,10 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
 	engineCtx, stopEngine := context.WithCancel(context.Background())
 	engineDone := make(chan struct{})
 	go func() { srv.Run(engineCtx); close(engineDone) }()
@@ -119,8 +124,8 @@ func run(ctx context.Context, args []string) error {
 		CloseOnShutdown:    true,
 	}
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- hs.ListenAndServe(o.listen) }()
-	log.Info().Str("listen", o.listen).Str("model", o.model).Str("tokenizer", o.tokenizer).
+	go func() { serveErr <- hs.Serve(ln) }()
+	log.Info().Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
 		Int("block_size", o.blockSize).Int("kv_blocks", o.kvBlocks).Float64("time_scale", o.timeScale).
 		Str("kv_events", o.kvEvents).Interface("cost", cost).Msg("serving")
 	select {

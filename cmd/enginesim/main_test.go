@@ -171,6 +171,7 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"--time-scale", "-1"},
 		{"--kv-events", "tcp://*:1", "--kv-events-format", "nope"},
 		{"stray"},
+		{"--listen", "256.0.0.1:1"},
 	} {
 		if err := run(context.Background(), append(args, "--log-level", "error")); err == nil {
 			t.Fatalf("%v accepted", args)
