@@ -48,7 +48,7 @@ func TestClientAgainstEnginesim(t *testing.T) {
 	port := freePort(t)
 	p, err := cluster.StartProc("enginesim", filepath.Join(binDir, "enginesim"), []string{
 		"--listen", fmt.Sprintf("127.0.0.1:%d", port), "--model", "sim", "--time-scale", "0.05", "--kv-blocks", "4096",
-	}, filepath.Join(t.TempDir(), "enginesim.log"))
+	}, nil, filepath.Join(t.TempDir(), "enginesim.log"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,10 +46,14 @@ type Cluster struct {
 	Engines  []string // engine base URLs, replica i at index i
 	Sidecars []string // sidecar status base URLs
 	Names    []string // replica names as gossiped
-	cfg      Config
-	mu       sync.Mutex
-	procs    []*Proc
-	stopped  bool
+	// RunID marks every process of this cluster: its environment holds
+	// RunEnv=RunID, so leftovers can be found even after a crash.
+	RunID   string
+	cfg     Config
+	env     []string
+	mu      sync.Mutex
+	procs   []*Proc
+	stopped bool
 }
 
 // Start launches the fleet and returns once every router lists every
@@ -79,7 +83,12 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 			return nil, fmt.Errorf("cluster: %w (run make build)", err)
 		}
 	}
-	c = &Cluster{cfg: cfg}
+	id := make([]byte, 8)
+	if _, err := rand.Read(id); err != nil {
+		return nil, err
+	}
+	c = &Cluster{cfg: cfg, RunID: fmt.Sprintf("%x", id)}
+	c.env = childEnv(os.Environ(), c.RunID)
 	defer func() {
 		if err != nil {
 			c.Stop()
@@ -206,7 +215,7 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 }
 
 func (c *Cluster) start(name, bin string, args []string) error {
-	p, err := StartProc(name, filepath.Join(c.cfg.BinDir, bin), args, filepath.Join(c.cfg.OutDir, name+".log"))
+	p, err := StartProc(name, filepath.Join(c.cfg.BinDir, bin), args, c.env, filepath.Join(c.cfg.OutDir, name+".log"))
 	if err != nil {
 		return err
 	}
@@ -339,6 +348,21 @@ func (c *Cluster) Stop() (killed []string) {
 	}
 	wg.Wait()
 	return killed
+}
+
+// RunEnv is the environment variable naming a process's cluster.
+const RunEnv = "KVMESH_LOADTEST_RUN"
+
+// childEnv drops KVMESH_* variables meant for the load test itself —
+// every kvmesh binary reads its flags from them — and adds the run marker.
+func childEnv(env []string, runID string) []string {
+	out := make([]string, 0, len(env)+1)
+	for _, kv := range env {
+		if !strings.HasPrefix(kv, "KVMESH_") {
+			out = append(out, kv)
+		}
+	}
+	return append(out, RunEnv+"="+runID)
 }
 
 // portPicker hands out distinct free loopback ports. Gossip ports must be

@@ -1,11 +1,13 @@
 package cluster
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -24,8 +26,9 @@ type Proc struct {
 	stop    sync.Once
 }
 
-// StartProc starts bin with args, stdout and stderr appended to logPath.
-func StartProc(name, bin string, args []string, logPath string) (*Proc, error) {
+// StartProc starts bin with args, stdout and stderr appended to logPath,
+// and env as its environment (nil: this process's).
+func StartProc(name, bin string, args, env []string, logPath string) (*Proc, error) {
 	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
 		return nil, err
 	}
@@ -36,6 +39,7 @@ func StartProc(name, bin string, args []string, logPath string) (*Proc, error) {
 	fmt.Fprintf(logf, "# %s %s\n", bin, strings.Join(args, " "))
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Env = env
 	// Pdeathsig: if the load test itself is killed, the kernel kills the
 	// children; Setpgid: signals go to the child's whole group.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -110,4 +114,32 @@ func (p *Proc) TailLog(n int) string {
 		data = data[len(data)-n:]
 	}
 	return string(data)
+}
+
+// Leftovers lists live (non-zombie) processes whose environment contains
+// the entry marker (e.g. RunEnv+"="+RunID): what a crashed load test may
+// have left behind. Linux only; elsewhere it finds nothing.
+func Leftovers(marker string) []int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err != nil || !bytes.Contains(append(append([]byte{0}, env...), 0), []byte("\x00"+marker+"\x00")) {
+			continue
+		}
+		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil {
+			if i := bytes.LastIndexByte(stat, ')'); i > 0 && i+2 < len(stat) && stat[i+2] == 'Z' {
+				continue
+			}
+		}
+		out = append(out, pid)
+	}
+	return out
 }

@@ -52,7 +52,7 @@ func waitGroupSize(t *testing.T, pgid, n int) {
 
 func TestStopTerminatesTheWholeGroup(t *testing.T) {
 	log := filepath.Join(t.TempDir(), "p.log")
-	p, err := StartProc("pair", "/bin/sh", []string{"-c", "sleep 60 & sleep 60"}, log)
+	p, err := StartProc("pair", "/bin/sh", []string{"-c", "sleep 60 & sleep 60"}, nil, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func TestStopTerminatesTheWholeGroup(t *testing.T) {
 }
 
 func TestStopKillsWhatIgnoresSIGTERM(t *testing.T) {
-	p, err := StartProc("stubborn", "/bin/sh", []string{"-c", `trap "" TERM; sleep 60 & sleep 60; wait`}, filepath.Join(t.TempDir(), "p.log"))
+	p, err := StartProc("stubborn", "/bin/sh", []string{"-c", `trap "" TERM; sleep 60 & sleep 60; wait`}, nil, filepath.Join(t.TempDir(), "p.log"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,5 +111,27 @@ func TestPortPickerHandsOutDistinctPorts(t *testing.T) {
 			t.Fatalf("port %d handed out twice", port)
 		}
 		seen[port] = true
+	}
+}
+
+func TestLeftoversFindsMarkedProcesses(t *testing.T) {
+	marker := RunEnv + "=test-" + strconv.Itoa(os.Getpid())
+	env := childEnv(append(os.Environ(), "KVMESH_POLICY=random"), "test-"+strconv.Itoa(os.Getpid()))
+	for _, kv := range env {
+		if strings.HasPrefix(kv, "KVMESH_POLICY") {
+			t.Fatal("the load test's own KVMESH_* variables leak to children")
+		}
+	}
+	p, err := StartProc("marked", "/bin/sh", []string{"-c", "sleep 60 & sleep 60"}, env, filepath.Join(t.TempDir(), "p.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitGroupSize(t, p.Pid(), 3)
+	if n := len(Leftovers(marker)); n != 3 {
+		t.Fatalf("found %d marked processes, want 3", n)
+	}
+	p.Stop(2 * time.Second)
+	if left := Leftovers(marker); len(left) != 0 {
+		t.Fatalf("still found %v", left)
 	}
 }

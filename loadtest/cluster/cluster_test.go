@@ -1,0 +1,95 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+var binDir = filepath.Join("..", "..", "bin")
+
+func needBins(t *testing.T) {
+	t.Helper()
+	for _, n := range []string{"enginesim", "sidecar", "router"} {
+		if _, err := os.Stat(filepath.Join(binDir, n)); err != nil {
+			t.Skipf("bin/%s missing (%v): run make build first; this test starts the real binaries", n, err)
+		}
+	}
+}
+
+// TestRealClusterStartsAndLeavesNothing starts 2 replicas and 2 routers,
+// checks every router lists both replicas, and that Stop leaves no process.
+func TestRealClusterStartsAndLeavesNothing(t *testing.T) {
+	needBins(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := Start(ctx, Config{BinDir: binDir, OutDir: t.TempDir(), Replicas: 2, Routers: 2, Policy: "kvaware",
+		KVBlocks: 4096, TimeScale: 0.1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	marker := RunEnv + "=" + c.RunID
+	if n := len(Leftovers(marker)); n != 6 {
+		t.Errorf("%d marked processes running, want 6", n)
+	}
+	for _, r := range c.Routers {
+		resp, err := http.Get(r + "/admin/replicas")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var reps []Replica
+		if err := json.Unmarshal(body, &reps); err != nil {
+			t.Fatalf("%s: %v: %s", r, err, body)
+		}
+		if len(reps) != 2 {
+			t.Fatalf("%s lists %d replicas: %s", r, len(reps), body)
+		}
+	}
+	start := time.Now()
+	if killed := c.Stop(); len(killed) > 0 {
+		t.Errorf("needed SIGKILL: %v", killed)
+	}
+	t.Logf("stop took %v", time.Since(start))
+	if left := Leftovers(marker); len(left) > 0 {
+		t.Fatalf("left behind: %v", left)
+	}
+	c.Stop() // idempotent
+}
+
+// TestFailedStartCleansUp: an enginesim that refuses its flags makes Start
+// fail fast, naming the process and its log, with nothing left running.
+func TestFailedStartCleansUp(t *testing.T) {
+	needBins(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	c, err := Start(ctx, Config{BinDir: binDir, OutDir: t.TempDir(), Replicas: 3, Routers: 1, Policy: "kvaware",
+		KVBlocks: 1, TimeScale: 0.1})
+	if err == nil {
+		c.Stop()
+		t.Fatal("a cluster of 1-block engines started")
+	}
+	if !strings.Contains(err.Error(), "enginesim-") || !strings.Contains(err.Error(), ".log") {
+		t.Fatalf("error does not name the process and its log: %v", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("failing start took %v", d)
+	}
+	// Nothing of any run of this test binary's clusters may remain; the
+	// marker prefix matches every cluster, so only this test's are alive.
+	time.Sleep(100 * time.Millisecond)
+	for _, pid := range Leftovers(RunEnv + "=") {
+		if data, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline")); strings.Contains(string(data), "--kv-blocks\x001\x00") {
+			t.Fatalf("process %d of the failed cluster still runs", pid)
+		}
+	}
+}
