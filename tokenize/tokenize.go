@@ -2,9 +2,30 @@
 //
 // Routing by cached prefix only works when the router produces exactly the
 // ids the engine produced: one wrong id in the first block and nothing
-// matches. Models describes what the router and enginesim need: encode a
+// matches. Model describes what the router and enginesim need: encode a
 // completion prompt (special tokens as the engine adds them) and render plus
 // encode a chat (special tokens only from the template, as vLLM does).
+//
+// Implementations:
+//
+//   - HF (LoadDir, Load) runs a HuggingFace tokenizer.json in pure Go, the
+//     way the Rust tokenizers library does: added tokens are split out first
+//     (lstrip, rstrip, single_word, normalized), then each segment goes
+//     through the normalizer, the pre-tokenizer and the BPE model, and the
+//     post-processor adds special tokens when asked. Chats render with the
+//     model's template via package chattemplate. Anything it cannot run
+//     exactly fails at load with an *UnsupportedError. Text between special
+//     tokens is tokenized independently, so HF caches per segment: a growing
+//     multi-turn chat only tokenizes its newest turn. The split patterns of
+//     GPT-2, Llama-3 and Qwen2 run on hand-written scanners, fuzzed against
+//     regexp2 running the patterns themselves; other patterns use regexp2.
+//   - Engine asks an engine replica's vLLM /tokenize endpoint, for models
+//     whose files the router lacks.
+//   - Builtin is a tiny deterministic tokenizer for demos and tests.
+//
+// Prefix wraps any Model to stop after max_prefix_tokens ids: routing only
+// matches prefixes, and HF then stops splitting as soon as the budget is
+// spent.
 package tokenize
 
 import "encoding/json"
