@@ -38,18 +38,23 @@ type Options struct {
 
 // Stats count what the set did with the events it was given.
 type Stats struct {
-	Events          uint64 // events applied
-	StoredBlocks    uint64 // blocks of BlockStored events on counted media
-	RemovedBlocks   uint64 // blocks of BlockRemoved events on counted media
-	Orphans         uint64 // stored blocks whose parent was unknown (never keyed)
-	Unkeyed         uint64 // stored blocks without a full block of tokens and not known on another medium
-	Duplicates      uint64 // stores of an engine hash already resident (reference counted)
-	Conflicts       uint64 // duplicates whose tokens gave another key than the first store (first kept)
-	UnknownRemovals uint64 // removals of an engine hash not resident (ignored)
-	OtherMedia      uint64 // blocks on media that do not count (ignored)
-	Clears          uint64 // AllBlocksCleared events
-	Resets          uint64 // Reset calls
-	Unknown         uint64 // events of a kind this package does not know (ignored)
+	Events        uint64 // events applied
+	StoredBlocks  uint64 // blocks of BlockStored events on counted media
+	RemovedBlocks uint64 // blocks of BlockRemoved events on counted media
+	Orphans       uint64 // stored blocks whose parent was unknown (never keyed)
+	Unkeyed       uint64 // stored blocks without a full block of tokens and not known on another medium
+	// Blocks resident without a kvmesh key: their extra keys (images,
+	// embeddings) are more than their tokens, or they follow such a block
+	// in the same event (ExtraKeyed), or an earlier event's (KeylessDescendants).
+	ExtraKeyed         uint64
+	KeylessDescendants uint64
+	Duplicates         uint64 // stores of an engine hash already resident (reference counted)
+	Conflicts          uint64 // duplicates whose tokens gave another key than the first store (first kept)
+	UnknownRemovals    uint64 // removals of an engine hash not resident (ignored)
+	OtherMedia         uint64 // blocks on media that do not count (ignored)
+	Clears             uint64 // AllBlocksCleared events
+	Resets             uint64 // Reset calls
+	Unknown            uint64 // events of a kind this package does not know (ignored)
 }
 
 // tierID names one engine block namespace: the engine reference-counts
@@ -140,14 +145,21 @@ func (s *Set) clear(obs Observer) {
 	obs.Cleared()
 }
 
-// seed is key_0 of a stored prefix that starts at the beginning.
-func seed(ev *kvevents.Event) uint64 {
+// seed is key_0 of a stored prefix that starts at the beginning: the LoRA
+// adapter's name (its id when the engine sent no name) and the cache salt.
+func seed(ev *kvevents.Event, salt string) uint64 {
 	adapter := ev.LoRAName
 	if adapter == "" && ev.LoRAID != 0 {
 		adapter = strconv.FormatInt(ev.LoRAID, 10)
 	}
-	return blockkey.Seed(adapter, "")
+	return blockkey.Seed(adapter, salt)
 }
+
+// taint marks, in an entry's reference count, an engine hash that is
+// resident but has no kvmesh key: its content is more than its tokens (extra
+// keys) or its tokens were not sent. Its children are tainted too, instead
+// of passing for orphans (which would suggest lost events).
+const taint = 1 << 31
 
 func (s *Set) store(ev *kvevents.Event, obs Observer) {
 	n := uint64(len(ev.BlockHashes))
@@ -161,12 +173,24 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 		s.blockSize = ev.BlockSize
 	}
 	id := tierID{medium, ev.GroupIdx}
-	parent := seed(ev)
+	salt, keyable := ev.CacheSalt, len(ev.BlockHashes)
+	if len(ev.ExtraKeys) > 0 {
+		var extraSalt string
+		extraSalt, keyable = extraKeys(ev)
+		if salt == "" {
+			salt = extraSalt
+		}
+	}
+	parent := seed(ev, salt)
+	tainted := false
 	if ev.HasParent {
 		var ok bool
-		if parent, ok = s.lookup(id, ev.ParentHash); !ok {
+		if parent, tainted, ok = s.lookup(id, ev.ParentHash); !ok {
 			s.stats.Orphans += n
 			return
+		}
+		if tainted {
+			s.stats.KeylessDescendants += n
 		}
 	}
 	t := s.tiers[id]
@@ -181,26 +205,33 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 	tokens := ev.TokenIDs
 	for i, h := range ev.BlockHashes {
 		var key uint64
-		if bs > 0 && len(tokens) >= (i+1)*bs {
+		switch {
+		case tainted:
+		case i >= keyable:
+			tainted = true
+			s.stats.ExtraKeyed += n - uint64(i)
+		case bs > 0 && len(tokens) >= (i+1)*bs:
 			key = blockkey.Next(parent, tokens[i*bs:(i+1)*bs])
-		} else if k, ok := s.lookup(id, h); ok {
+		default:
 			// No tokens (e.g. an offload event): the same engine hash on
 			// another medium names the same block.
-			key = k
-		} else {
-			s.stats.Unkeyed += n - uint64(i)
-			return
+			var ok bool
+			if key, tainted, ok = s.lookup(id, h); !ok || tainted {
+				tainted = true
+				s.stats.Unkeyed += n - uint64(i)
+			}
 		}
-		s.add(t, h, key, obs)
+		s.add(t, h, key, tainted, obs)
 		parent = key
 	}
 }
 
-// lookup finds the key of engine hash h, preferring tier id.
-func (s *Set) lookup(id tierID, h uint64) (uint64, bool) {
+// lookup finds the key of engine hash h, preferring tier id; tainted is
+// true for a known hash without a key.
+func (s *Set) lookup(id tierID, h uint64) (key uint64, tainted, ok bool) {
 	if t := s.tiers[id]; t != nil {
 		if key, refs := t.get(h); refs > 0 {
-			return key, true
+			return key, refs&taint != 0, true
 		}
 	}
 	for other, t := range s.tiers {
@@ -208,19 +239,26 @@ func (s *Set) lookup(id tierID, h uint64) (uint64, bool) {
 			continue
 		}
 		if key, refs := t.get(h); refs > 0 {
-			return key, true
+			return key, refs&taint != 0, true
 		}
 	}
-	return 0, false
+	return 0, false, false
 }
 
-func (s *Set) add(t *hashIndex, h, key uint64, obs Observer) {
+func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) {
 	if old, refs := t.get(h); refs > 0 {
 		s.stats.Duplicates++
-		if old != key {
-			s.stats.Conflicts++
+		if old != key || (refs&taint != 0) != tainted {
+			s.stats.Conflicts++ // keep the first: its removal must match
 		}
-		t.put(h, old, refs+min(1, ^refs)) // saturating
+		if refs&^taint < taint-1 {
+			refs++
+		}
+		t.put(h, old, refs)
+		return
+	}
+	if tainted {
+		t.put(h, 0, 1|taint)
 		return
 	}
 	t.put(h, key, 1)
@@ -247,11 +285,11 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 		switch {
 		case refs == 0:
 			s.stats.UnknownRemovals++
-		case refs > 1:
+		case refs&^taint > 1:
 			t.put(h, key, refs-1)
 		default:
 			t.del(h)
-			if s.keys.dec(key) {
+			if refs&taint == 0 && s.keys.dec(key) {
 				obs.Removed(key)
 			}
 		}
