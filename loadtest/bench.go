@@ -154,6 +154,7 @@ func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Worklo
 		log.Warn().Err(err).Msg("records not written")
 	}
 	sum := report.Summarize(out.Records, cfg.TimeScale, degradations)
+	sum.MaxSendLagMs = float64(out.MaxLag) / float64(time.Millisecond)
 	ev := log.Info()
 	if out.MaxLag > 100*time.Millisecond {
 		ev = log.Warn().Str("note", "load generator fell behind schedule: CPU-starved")

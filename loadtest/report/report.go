@@ -61,6 +61,9 @@ type Summary struct {
 	Replicas  map[string]int `json:"replicas"` // requests served per replica
 	Modes     map[string]int `json:"modes"`    // requests per X-Kvmesh-Mode
 	ErrorKind map[string]int `json:"error_kinds,omitempty"`
+	// MaxSendLagMs is the worst lateness of a send behind schedule, in
+	// wall ms: large values mean the load generator was CPU-starved.
+	MaxSendLagMs float64 `json:"max_send_lag_ms"`
 }
 
 // Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
