@@ -46,38 +46,61 @@ func longChat(chars, perMessage int) json.RawMessage {
 
 // BenchmarkRenderLlama3_32k renders a ~32k-token, 200-turn chat with the
 // Llama-3 template: the whole cost the router pays per chat request before
-// tokenizing (JSON decode into ordered values + template execution).
+// tokenizing (JSON → ordered values, then template execution).
+//
+//   - cached: the earlier turns were seen before (a growing conversation),
+//     so their decoded values come from the shared cache;
+//   - cold: no cache, every message decoded.
 func BenchmarkRenderLlama3_32k(b *testing.B) {
 	tmpl, err := Compile(llama3Template)
 	if err != nil {
 		b.Fatal(err)
 	}
 	in := Input{Messages: longChat(128<<10, 640), AddGenerationPrompt: true, BOSToken: "<|begin_of_text|>", EOSToken: "<|eot_id|>"}
-	out, err := tmpl.Render(in)
-	if err != nil {
-		b.Fatal(err)
+	for _, mode := range []string{"cached", "cold"} {
+		b.Run(mode, func(b *testing.B) {
+			t := *tmpl
+			if mode == "cold" {
+				t.values = nil
+			}
+			out, err := t.Render(in)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(len(out)))
+			b.ReportAllocs()
+			cpu0 := processCPU()
+			for b.Loop() {
+				if _, err := t.Render(in); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
+		})
 	}
-	b.SetBytes(int64(len(out)))
-	b.ReportAllocs()
-	cpu0 := processCPU()
-	for b.Loop() {
-		if _, err := tmpl.Render(in); err != nil {
-			b.Fatal(err)
-		}
-	}
-	b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
 }
 
 // BenchmarkDecodeMessages_32k is the JSON → ordered values part alone.
 func BenchmarkDecodeMessages_32k(b *testing.B) {
 	raw := longChat(128<<10, 640)
-	b.SetBytes(int64(len(raw)))
-	b.ReportAllocs()
-	cpu0 := processCPU()
-	for b.Loop() {
-		if _, err := decodeMessages(raw); err != nil {
-			b.Fatal(err)
-		}
+	decoders := []struct {
+		name string
+		fn   func() error
+	}{
+		{"cold", func() error { _, err := decodeJSON(string(raw)); return err }},
+		{"cached", func() error { _, err := sharedValues.decodeArray(raw); return err }},
 	}
-	b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
+	for _, d := range decoders {
+		b.Run(d.name, func(b *testing.B) {
+			b.SetBytes(int64(len(raw)))
+			b.ReportAllocs()
+			cpu0 := processCPU()
+			for b.Loop() {
+				if err := d.fn(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(processCPU()-cpu0)/float64(b.N), "cpu-ns/op")
+		})
+	}
 }

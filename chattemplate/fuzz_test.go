@@ -148,7 +148,7 @@ func FuzzRender(f *testing.F) {
 func FuzzDecodeJSON(f *testing.F) {
 	for _, s := range []string{
 		`{"a":1,"b":[true,false,null],"c":{"d":-1.5e3}}`, `"\ud83d\ude00\ud800x\u00e9"`, `[1,]`, `01`, `-`, `1.`,
-		`{"a" 1}`, "\"\xff\xfe\"", `1e999`, `123456789012345678901234`, `"\/\b\f\n\r\t"`, ` [ ] `, `{"a":1,"a":2}`,
+		`{"a" 1}`, "\"\xff\xfe\"", `1e999`, `[1, "a\\\"b", {"x":[2]}, true, null]`, `[1 2]`, `["\\\\"]`, `[{"a":1},]`, `123456789012345678901234`, `"\/\b\f\n\r\t"`, ` [ ] `, `{"a":1,"a":2}`,
 	} {
 		f.Add([]byte(s))
 	}
@@ -174,8 +174,22 @@ func FuzzDecodeJSON(f *testing.F) {
 				t.Fatalf("value differs for %q: %s", data, why)
 			}
 		}
+		// The element-wise cached path must agree with the whole decode,
+		// on a first (miss) and a second (hit) pass.
+		for pass := range 2 {
+			cached, cerr := fuzzCache.decodeArray(data)
+			if (cerr == nil) != (err == nil) {
+				t.Fatalf("pass %d: cached path validity differs for %q: %v vs %v", pass, data, cerr, err)
+			}
+			if err == nil && !cached.Equals(got) {
+				t.Fatalf("pass %d: cached path value differs for %q", pass, data)
+			}
+		}
 	})
 }
+
+// fuzzCache caches every element, however small, and evicts often.
+var fuzzCache = newValueCache(4<<10, 0)
 
 func nesting(data []byte) int {
 	n := 0

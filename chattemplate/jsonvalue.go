@@ -25,9 +25,15 @@ const maxJSONDepth = 1000
 // substrings of src, so src must not be mutated afterwards (callers pass a
 // fresh string copy of the request bytes).
 func decodeJSON(src string) (jinja.Value, error) {
+	return decodeJSONAt(src, 0)
+}
+
+// decodeJSONAt decodes a value found at nesting depth (so an array element
+// decoded alone hits the same depth limit as inside its array).
+func decodeJSONAt(src string, depth int) (jinja.Value, error) {
 	p := jsonParser{src: src}
 	p.skipSpace()
-	v, err := p.value(0)
+	v, err := p.value(depth)
 	if err != nil {
 		return jinja.Undefined(), err
 	}
@@ -37,6 +43,15 @@ func decodeJSON(src string) (jinja.Value, error) {
 	}
 	return v, nil
 }
+
+// plainASCII marks bytes a JSON string can hold as they are: printable
+// ASCII other than '"' and '\\'.
+var plainASCII = func() (t [256]bool) {
+	for c := 0x20; c < utf8.RuneSelf; c++ {
+		t[c] = c != '"' && c != '\\'
+	}
+	return t
+}()
 
 type jsonParser struct {
 	src string
@@ -247,7 +262,7 @@ func (p *jsonParser) str() (string, error) {
 	copied := false // b holds the decoded prefix
 	for i < len(src) {
 		c := src[i]
-		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+		if plainASCII[c] {
 			i++
 			continue
 		}
@@ -294,19 +309,25 @@ func (p *jsonParser) str() (string, error) {
 }
 
 // rawStringEnd returns the offset of the closing quote of the string that
-// contains offset i (or len(src) if there is none).
+// contains offset i (or len(src) if there is none). It jumps from quote to
+// quote with IndexByte; a quote preceded by an odd run of backslashes is
+// escaped.
 func rawStringEnd(src string, i int) int {
-	for i < len(src) {
-		switch src[i] {
-		case '\\':
-			i += 2
-		case '"':
-			return i
-		default:
-			i++
+	for {
+		j := strings.IndexByte(src[i:], '"')
+		if j < 0 {
+			return len(src)
 		}
+		j += i
+		k := j
+		for k > i && src[k-1] == '\\' {
+			k--
+		}
+		if (j-k)%2 == 0 {
+			return j
+		}
+		i = j + 1
 	}
-	return len(src)
 }
 
 func (p *jsonParser) escape(b *strings.Builder) error {

@@ -19,6 +19,9 @@
 //     (insertion key order, ", "/": " separators, indent=, sort_keys=,
 //     non-ASCII and U+2028 kept, Python's whitespace set), and every printed
 //     value goes through Python's str() (1.0 prints "1.0", None "None");
+//   - decoded messages (and tools arrays) are kept in a process-wide LRU
+//     keyed by their exact JSON bytes (64 MiB), so a growing conversation
+//     decodes only its new turns;
 //   - raise_exception yields a *TemplateError carrying the template's message;
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does.
@@ -36,6 +39,7 @@ package chattemplate
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 	"time"
 
@@ -47,6 +51,9 @@ import (
 // Template is a compiled chat template. It is safe for concurrent Render.
 type Template struct {
 	tmpl *jinja.Template
+	// values decodes request JSON; nil (no cache) for templates that could
+	// mutate their input.
+	values *valueCache
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -108,7 +115,11 @@ func Compile(src string) (t *Template, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	return &Template{tmpl: jt}, nil
+	t = &Template{tmpl: jt}
+	if !mayMutateInput(pre) {
+		t.values = sharedValues
+	}
+	return t, nil
 }
 
 // Variables every template may use; Kwargs cannot replace them.
@@ -150,7 +161,7 @@ func (t *Template) Render(in Input) (out string, err error) {
 	if in.ContinueFinalMessage && in.AddGenerationPrompt {
 		return "", &InputError{Field: "request", Reason: "continue_final_message and add_generation_prompt are not compatible"}
 	}
-	vars, messages, err := buildVars(in)
+	vars, messages, err := t.buildVars(in)
 	if err != nil {
 		return "", err
 	}
@@ -183,7 +194,7 @@ func (t *Template) execute(vars map[string]jinja.Value) (out string, err error) 
 	return out, nil
 }
 
-func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
+func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 	vars := make(map[string]jinja.Value, 12)
 	vars["bos_token"] = jinja.NewString(in.BOSToken)
 	vars["eos_token"] = jinja.NewString(in.EOSToken)
@@ -201,7 +212,7 @@ func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 		}
 	}
 
-	msgs, err := decodeMessages(in.Messages)
+	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -209,7 +220,13 @@ func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 
 	vars["tools"] = jinja.None()
 	if !isNull(in.Tools) {
-		tools, err := decodeJSON(string(in.Tools))
+		var tools jinja.Value
+		var err error
+		if t.values != nil {
+			tools, err = t.values.decode(in.Tools, 0)
+		} else {
+			tools, err = decodeJSON(string(in.Tools))
+		}
 		if err != nil {
 			return nil, nil, &InputError{Field: "tools", Reason: err.Error()}
 		}
@@ -228,11 +245,17 @@ func buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 	return vars, msgs.AsList(), nil
 }
 
-func decodeMessages(raw json.RawMessage) (jinja.Value, error) {
+func (t *Template) decodeMessages(raw json.RawMessage) (jinja.Value, error) {
 	if len(raw) == 0 {
 		return jinja.Undefined(), &InputError{Field: "messages", Reason: "missing"}
 	}
-	v, err := decodeJSON(string(raw))
+	var v jinja.Value
+	var err error
+	if t.values != nil {
+		v, err = t.values.decodeArray(raw)
+	} else {
+		v, err = decodeJSON(string(raw))
+	}
 	if err != nil {
 		return jinja.Undefined(), &InputError{Field: "messages", Reason: err.Error()}
 	}
@@ -249,6 +272,32 @@ func decodeMessages(raw json.RawMessage) (jinja.Value, error) {
 		}
 	}
 	return v, nil
+}
+
+var (
+	mutatingCall  = regexp.MustCompile(`\.\s*(append|update|pop|popitem|extend|insert|clear|remove|setdefault|sort|reverse)\s*\(`)
+	attrAssign    = regexp.MustCompile(`\bset\s+([A-Za-z_]\w*)\s*\.`)
+	namespaceVars = regexp.MustCompile(`\bset\s+([A-Za-z_]\w*)\s*=\s*namespace\s*\(`)
+)
+
+// mayMutateInput reports whether a template might change the values it is
+// given (a mutating method call, or {% set x.attr = ... %} on anything but a
+// namespace). jinja2's immutable sandbox forbids both, so such templates do
+// not work under transformers; they just must not poison the shared cache.
+func mayMutateInput(src string) bool {
+	if mutatingCall.MatchString(src) {
+		return true
+	}
+	namespaces := map[string]bool{}
+	for _, m := range namespaceVars.FindAllStringSubmatch(src, -1) {
+		namespaces[m[1]] = true
+	}
+	for _, m := range attrAssign.FindAllStringSubmatch(src, -1) {
+		if !namespaces[m[1]] {
+			return true
+		}
+	}
+	return false
 }
 
 func isNull(raw json.RawMessage) bool {

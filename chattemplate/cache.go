@@ -1,0 +1,215 @@
+package chattemplate
+
+import (
+	"bytes"
+	"sync"
+
+	"github.com/ardanlabs/jinja"
+	"github.com/cespare/xxhash/v2"
+)
+
+// A growing multi-turn chat re-sends every earlier message on each request.
+// Decoding those ~130 KB of JSON into template values was about a third of
+// a 32k-token render, so decoded messages (and whole tools arrays) are kept
+// in one process-wide LRU keyed by their exact JSON bytes. Decoded values do
+// not depend on the template, so all templates share it.
+//
+// Sharing is safe because rendering never changes the values: transformers
+// renders in jinja2's ImmutableSandboxedEnvironment, so templates that mutate
+// their input (list.append, dict.update, ...) fail there; Compile marks such
+// templates and they bypass the cache anyway.
+const (
+	valueCacheBytes  = 64 << 20 // bound on the cached JSON bytes
+	minCachedElement = 256      // smaller values decode faster than they hash
+)
+
+var sharedValues = newValueCache(valueCacheBytes, minCachedElement)
+
+type cacheEntry struct {
+	key        uint64
+	raw        string // exact JSON bytes, compared on every hit
+	val        jinja.Value
+	prev, next *cacheEntry
+}
+
+type valueCache struct {
+	mu         sync.Mutex
+	maxBytes   int
+	minElement int // values shorter than this are decoded, not cached
+	bytes    int
+	byKey    map[uint64]*cacheEntry
+	head     cacheEntry // sentinel: head.next is the most recently used
+}
+
+func newValueCache(maxBytes, minElement int) *valueCache {
+	c := &valueCache{maxBytes: maxBytes, minElement: minElement, byKey: make(map[uint64]*cacheEntry)}
+	c.head.next, c.head.prev = &c.head, &c.head
+	return c
+}
+
+// decode returns the value of the JSON text raw (found at nesting depth),
+// from the cache when the same bytes were decoded before.
+func (c *valueCache) decode(raw []byte, depth int) (jinja.Value, error) {
+	if len(raw) < c.minElement {
+		return decodeJSONAt(string(raw), depth)
+	}
+	key := xxhash.Sum64(raw)
+	c.mu.Lock()
+	if e := c.byKey[key]; e != nil && e.raw == string(raw) {
+		c.unlink(e)
+		c.pushFront(e)
+		c.mu.Unlock()
+		return e.val, nil
+	}
+	c.mu.Unlock()
+
+	// Decode outside the lock; strings in the value alias this copy, so
+	// keeping it as the entry's key costs little extra memory.
+	text := string(raw)
+	v, err := decodeJSONAt(text, depth)
+	if err != nil || len(text) > c.maxBytes/4 {
+		return v, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old := c.byKey[key]; old != nil {
+		c.unlink(old)
+		c.bytes -= len(old.raw)
+	}
+	e := &cacheEntry{key: key, raw: text, val: v}
+	c.byKey[key] = e
+	c.pushFront(e)
+	c.bytes += len(text)
+	for c.bytes > c.maxBytes {
+		last := c.head.prev
+		c.unlink(last)
+		delete(c.byKey, last.key)
+		c.bytes -= len(last.raw)
+	}
+	return v, nil
+}
+
+func (c *valueCache) unlink(e *cacheEntry) {
+	e.prev.next = e.next
+	e.next.prev = e.prev
+}
+
+func (c *valueCache) pushFront(e *cacheEntry) {
+	e.prev = &c.head
+	e.next = c.head.next
+	c.head.next.prev = e
+	c.head.next = e
+}
+
+// decodeArray decodes a JSON array element by element, each through the
+// cache. It accepts exactly what decodeJSON accepts.
+func (c *valueCache) decodeArray(raw []byte) (jinja.Value, error) {
+	i := skipJSONSpace(raw, 0)
+	if i >= len(raw) || raw[i] != '[' {
+		// Not an array: let the full decoder produce the value or error.
+		return decodeJSON(string(raw))
+	}
+	i = skipJSONSpace(raw, i+1)
+	var items []jinja.Value
+	if i < len(raw) && raw[i] == ']' {
+		if skipJSONSpace(raw, i+1) != len(raw) {
+			return decodeJSON(string(raw))
+		}
+		return jinja.NewList(items), nil
+	}
+	for {
+		end, ok := scanJSONValue(raw, i)
+		if !ok {
+			return decodeJSON(string(raw)) // reports the error with its offset
+		}
+		v, err := c.decode(raw[i:end], 1)
+		if err != nil {
+			return decodeJSON(string(raw))
+		}
+		items = append(items, v)
+		i = skipJSONSpace(raw, end)
+		if i >= len(raw) {
+			return decodeJSON(string(raw))
+		}
+		switch raw[i] {
+		case ',':
+			i = skipJSONSpace(raw, i+1)
+		case ']':
+			if skipJSONSpace(raw, i+1) != len(raw) {
+				return decodeJSON(string(raw))
+			}
+			return jinja.NewList(items), nil
+		default:
+			return decodeJSON(string(raw))
+		}
+	}
+}
+
+func skipJSONSpace(raw []byte, i int) int {
+	for i < len(raw) && (raw[i] == ' ' || raw[i] == '\t' || raw[i] == '\n' || raw[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// scanJSONValue finds the end of the JSON value starting at i without
+// decoding it: strings are skipped escape-aware and brackets counted. It
+// only delimits; the element's own decode validates it. ok is false when
+// no end is found.
+func scanJSONValue(raw []byte, i int) (end int, ok bool) {
+	depth := 0
+	for i < len(raw) {
+		switch c := raw[i]; c {
+		case '"':
+			// Jump from quote to quote; one preceded by an odd run of
+			// backslashes is escaped.
+			i++
+			for {
+				j := bytes.IndexByte(raw[i:], '"')
+				if j < 0 {
+					return 0, false
+				}
+				j += i
+				k := j
+				for k > i && raw[k-1] == '\\' {
+					k--
+				}
+				i = j + 1
+				if (j-k)%2 == 0 {
+					break
+				}
+			}
+			if depth == 0 {
+				return i, true
+			}
+		case '{', '[':
+			depth++
+			i++
+		case '}', ']':
+			if depth == 0 {
+				return i, i > 0
+			}
+			depth--
+			i++
+			if depth == 0 {
+				return i, true
+			}
+		case ',':
+			if depth == 0 {
+				return i, true
+			}
+			i++
+		case ' ', '\t', '\n', '\r':
+			if depth == 0 {
+				return i, true
+			}
+			i++
+		default:
+			i++
+		}
+	}
+	if depth == 0 {
+		return i, true
+	}
+	return 0, false
+}
