@@ -36,9 +36,9 @@ type valueCache struct {
 	mu         sync.Mutex
 	maxBytes   int
 	minElement int // values shorter than this are decoded, not cached
-	bytes    int
-	byKey    map[uint64]*cacheEntry
-	head     cacheEntry // sentinel: head.next is the most recently used
+	bytes      int
+	byKey      map[uint64]*cacheEntry
+	head       cacheEntry // sentinel: head.next is the most recently used
 }
 
 func newValueCache(maxBytes, minElement int) *valueCache {
