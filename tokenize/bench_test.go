@@ -51,9 +51,9 @@ func prose(tb testing.TB) string {
 }
 
 // BenchmarkEncodeProse measures encoding English prose on one goroutine.
-// "cold" starts every iteration with empty piece and segment caches;
-// "warm-pieces" keeps the per-piece cache across iterations (the segment
-// cache stays off in both, so every byte is split and looked up).
+// "cold" starts every iteration with every cache empty (as a freshly
+// loaded tokenizer); "warm-pieces" keeps the piece caches across
+// iterations. The segment cache stays off in both, so every byte is split.
 func BenchmarkEncodeProse(b *testing.B) {
 	text := prose(b)
 	for _, model := range []string{"llama3", "qwen2.5", "gpt2", "llama2"} {
@@ -75,7 +75,7 @@ func BenchmarkEncodeProse(b *testing.B) {
 				cpu := processCPU()
 				for b.Loop() {
 					if mode != "warm-pieces" {
-						tok.model.cache = newPieceCache(1 << 14)
+						tok.resetCaches()
 					}
 					var err error
 					if dst, err = tok.AppendEncode(dst[:0], text, false); err != nil {

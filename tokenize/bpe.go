@@ -72,6 +72,36 @@ type mergeEntry struct {
 type bpeScratch struct {
 	syms []symbol
 	heap []mergeEntry
+	hot  *hotCache
+}
+
+// hotCache is a small direct-mapped cache of recent pieces and their ids,
+// owned by one pooled encoder (so no locks). Prose reuses a few thousand
+// pieces; finding them here avoids the large vocabulary map and its cache
+// misses. Keys are copied inline, so no caller text is kept alive.
+type hotCache [hotEntries]hotEntry
+
+const (
+	hotEntries = 2048
+	hotKeyLen  = 20
+	hotIDs     = 3
+)
+
+type hotEntry struct {
+	key [hotKeyLen]byte
+	n   uint8 // key length; 0: empty
+	cnt uint8
+	ids [hotIDs]uint32
+}
+
+// hotHash is FNV-1a, fast enough for the short pieces the cache holds.
+func hotHash(s string) uint32 {
+	h := uint32(2166136261)
+	for i := 0; i < len(s); i++ {
+		h ^= uint32(s[i])
+		h *= 16777619
+	}
+	return h
 }
 
 func pairKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
@@ -81,6 +111,26 @@ const maxCachedPiece = 256
 
 // appendPiece appends the ids of one pre-tokenized piece.
 func (m *bpeModel) appendPiece(dst []uint32, piece string, sc *bpeScratch) []uint32 {
+	if piece == "" || len(piece) > hotKeyLen {
+		return m.appendPieceSlow(dst, piece, sc)
+	}
+	if sc.hot == nil {
+		sc.hot = new(hotCache)
+	}
+	e := &sc.hot[hotHash(piece)%hotEntries]
+	if int(e.n) == len(piece) && string(e.key[:e.n]) == piece {
+		return append(dst, e.ids[:e.cnt]...)
+	}
+	start := len(dst)
+	dst = m.appendPieceSlow(dst, piece, sc)
+	if ids := dst[start:]; len(ids) <= hotIDs {
+		e.n = uint8(copy(e.key[:], piece))
+		e.cnt = uint8(copy(e.ids[:], ids))
+	}
+	return dst
+}
+
+func (m *bpeModel) appendPieceSlow(dst []uint32, piece string, sc *bpeScratch) []uint32 {
 	if piece == "" {
 		return dst
 	}

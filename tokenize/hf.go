@@ -104,12 +104,25 @@ func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
 	if o.segmentCacheBytes > 0 {
 		t.segments = newSegmentCache(o.segmentCacheBytes)
 	}
-	t.encoders.New = func() any { return &encoder{t: t} }
+	t.encoders.New = t.newEncoder
 	t.chatErr = errNoChatTemplate
 	if o.chatTemplate != nil {
 		t.chat, t.chatErr = compileChatTemplate(*o.chatTemplate)
 	}
 	return t, nil
+}
+
+func (t *HF) newEncoder() any { return &encoder{t: t} }
+
+// resetCaches empties every cache (benchmarks of cold encoding).
+func (t *HF) resetCaches() {
+	if t.model.cache != nil {
+		t.model.cache = newPieceCache(t.model.cache.limit * len(t.model.cache.shards))
+	}
+	if t.segments != nil {
+		t.segments = newSegmentCache(t.segments.shards[0].max * segmentShards)
+	}
+	t.encoders = sync.Pool{New: t.newEncoder}
 }
 
 // mergeAdded adds the tokens of tokenizer_config.json's added_tokens_decoder
