@@ -130,7 +130,8 @@ func (f *Filter) Copy() *Filter {
 
 // Add inserts key.
 func (f *Filter) Add(key uint64) {
-	p := NewProbe(key)
+	var p Probe
+	p.init(key, 0, f.k)
 	f.AddProbe(&p)
 }
 
@@ -138,10 +139,7 @@ func (f *Filter) Add(key uint64) {
 // (which lets a caller track the fill ratio without counting).
 func (f *Filter) AddProbe(p *Probe) (newBits int) {
 	blk := f.block(p)
-	var masks [blockWords]uint64
-	for _, q := range p.pos[:f.k] {
-		masks[(q>>6)&7] |= 1 << (q & 63)
-	}
+	masks := f.masks(p)
 	for w, m := range masks {
 		if m != 0 && atomic.LoadUint64(&blk[w])&m != m {
 			old := atomic.OrUint64(&blk[w], m)
@@ -151,9 +149,34 @@ func (f *Filter) AddProbe(p *Probe) (newBits int) {
 	return newBits
 }
 
+// addUnpublished is AddProbe for a filter no other goroutine can see yet
+// (a rebuild in progress): plain writes.
+func (f *Filter) addUnpublished(p *Probe) (newBits int) {
+	blk := f.block(p)
+	masks := f.masks(p)
+	for w, m := range masks {
+		newBits += bits.OnesCount64(m &^ blk[w])
+		blk[w] |= m
+	}
+	return newBits
+}
+
+// masks returns p's per-word bit masks for f's k.
+func (f *Filter) masks(p *Probe) [blockWords]uint64 {
+	if p.maskK == f.k {
+		return p.masks
+	}
+	var masks [blockWords]uint64
+	for _, q := range p.pos[:f.k] {
+		masks[(q>>6)&7] |= 1 << (q & 63)
+	}
+	return masks
+}
+
 // Test reports whether key may be in the filter.
 func (f *Filter) Test(key uint64) bool {
-	p := NewProbe(key)
+	var p Probe
+	p.init(key, 0, f.k)
 	return f.TestProbe(&p)
 }
 

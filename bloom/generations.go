@@ -88,8 +88,9 @@ func NewGenerations(cfg GenerationConfig, epoch uint64, now time.Time) *Generati
 // Add records that key entered the exact set: it is set in the filter at
 // once and queued for the next delta.
 func (g *Generations) Add(key uint64) {
-	p := NewProbe(key)
+	var p Probe
 	g.mu.Lock()
+	p.init(key, 0, g.filter.k)
 	g.ones += g.filter.AddProbe(&p)
 	g.pending = append(g.pending, key)
 	g.live++
@@ -151,9 +152,10 @@ func (g *Generations) Rebuild(now time.Time, keys iter.Seq[uint64]) {
 	f := NewFilter(uint(capacity), g.cfg.FPRate)
 	ones, n := 0, 0
 	if keys != nil {
+		var p Probe
 		for key := range keys {
-			p := NewProbe(key)
-			ones += f.AddProbe(&p)
+			p.init(key, 0, f.k)
+			ones += f.addUnpublished(&p)
 			n++
 		}
 	}
