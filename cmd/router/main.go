@@ -1,0 +1,186 @@
+// Command router is kvmesh's OpenAI-compatible router: it routes each
+// request to the replica that holds its prefix in KV cache, unless that
+// replica's queue costs more than the prefill it saves. Run any number;
+// they share what they learn over gossip.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvmesh/kvmesh/flagenv"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/gateway"
+	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/routerconfig"
+	"github.com/kvmesh/kvmesh/routing"
+)
+
+type options struct {
+	listen, name                      string
+	gossipBind, gossipAdvertise, join string
+	gossipKey, configPath, adminToken string
+	maxBodyBytes                      int
+	drainTimeout                      time.Duration
+	flags                             routerconfig.Flags
+	log                               logging.Options
+}
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "router:", err)
+		os.Exit(1)
+	}
+}
+
+func parse(args []string) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("router", flag.ContinueOnError)
+	fs.StringVar(&o.listen, "listen", "127.0.0.1:8080", "HTTP listen address (OpenAI API, admin, metrics)")
+	fs.StringVar(&o.name, "name", "", "router name in the cluster (default: host name and listen port)")
+	fs.StringVar(&o.gossipBind, "gossip-bind", "", "gossip listen host:port (empty with no --join: no gossip, static upstreams only)")
+	fs.StringVar(&o.gossipAdvertise, "gossip-advertise", "", "gossip host:port others reach this router at")
+	fs.StringVar(&o.join, "join", "", "comma list of gossip host:port to join")
+	fs.StringVar(&o.gossipKey, "gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip")
+	fs.StringVar(&o.flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
+	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
+	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change")
+	fs.StringVar(&o.adminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
+	fs.IntVar(&o.maxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
+	fs.Var(&o.flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
+	fs.Var(&o.flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
+	fs.IntVar(&o.flags.MaxPrefixTokens, "max-prefix-tokens", 16384, "prompt tokens used for prefix matching")
+	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
+	o.log.Register(fs)
+	if err := flagenv.Parse(fs, args); err != nil {
+		return nil, err
+	}
+	if o.maxBodyBytes <= 0 {
+		return nil, fmt.Errorf("--max-body-bytes must be positive")
+	}
+	return o, nil
+}
+
+func run(args []string) error {
+	o, err := parse(args)
+	if err != nil {
+		if err == flag.ErrHelp {
+			return nil
+		}
+		return err
+	}
+	log, err := o.log.Logger(nil, "router")
+	if err != nil {
+		return err
+	}
+	base, err := routerconfig.FromFlags(o.flags)
+	if err != nil {
+		return err
+	}
+	table := fleet.NewTable(fleet.TableConfig{})
+	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken}
+	cfg := base
+	if o.configPath != "" {
+		file, err := routerconfig.Load(o.configPath)
+		if err != nil {
+			return err
+		}
+		cfg = routerconfig.Overlay(base, file)
+	}
+	settings, err := builder.Build(cfg)
+	if err != nil {
+		return err
+	}
+	g := gateway.New(table, nil, settings, log)
+	reloader := &routerconfig.Reloader{Base: base, Path: o.configPath, Builder: builder, Gateway: g, Log: log}
+	if err := builder.Apply(g, cfg); err != nil {
+		return err
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	var node *gossip.RouterNode
+	if o.gossipBind != "" || o.join != "" {
+		if node, err = startGossip(o, table, g, log); err != nil {
+			return err
+		}
+		g.SetCluster(node)
+		go g.ReportInflight(100*time.Millisecond, ctx.Done())
+	}
+	if o.configPath != "" {
+		if err := routerconfig.Watch(ctx, o.configPath, 200*time.Millisecond, func() { _ = reloader.Reload() }); err != nil {
+			log.Warn().Err(err).Msg("config file not watched: changes need a restart")
+		}
+	}
+
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	srv := g.Server(o.maxBodyBytes)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	log.Info().Str("listen", ln.Addr().String()).Str("policy", g.Settings().Policy.Name()).
+		Bool("gossip", node != nil).Msg("router ready")
+
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info().Int("inflight", g.Inflight()).Dur("drain_timeout", o.drainTimeout).Msg("shutting down: draining")
+	drainCtx, cancel := context.WithTimeout(context.Background(), o.drainTimeout)
+	defer cancel()
+	if err := srv.ShutdownWithContext(drainCtx); err != nil {
+		log.Warn().Err(err).Int("inflight", g.Inflight()).Msg("drain timed out")
+	}
+	if node != nil {
+		if err := node.Leave(2 * time.Second); err != nil {
+			log.Warn().Err(err).Msg("leaving the cluster")
+		}
+	}
+	log.Info().Msg("stopped")
+	return nil
+}
+
+func startGossip(o *options, table *fleet.Table, g *gateway.Gateway, log zerolog.Logger) (*gossip.RouterNode, error) {
+	key, err := gossip.ParseKey(o.gossipKey)
+	if err != nil {
+		return nil, err
+	}
+	name := o.name
+	if name == "" {
+		host, _ := os.Hostname()
+		_, port, _ := net.SplitHostPort(o.listen)
+		name = host + ":" + port
+	}
+	var join []string
+	for _, j := range strings.Split(o.join, ",") {
+		if j = strings.TrimSpace(j); j != "" {
+			join = append(join, j)
+		}
+	}
+	bind := o.gossipBind
+	if bind == "" {
+		bind = "127.0.0.1:0"
+	}
+	return gossip.StartRouter(gossip.RouterConfig{
+		Config: gossip.Config{
+			Name: name, BindAddr: bind, AdvertiseAddr: o.gossipAdvertise, Join: join, Key: key,
+			Logger: log.With().Str("component", "gossip").Logger(),
+		},
+		OnClearRoutes: g.ClearRecords,
+	}, table)
+}

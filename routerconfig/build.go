@@ -1,0 +1,184 @@
+package routerconfig
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/gateway"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// Builder turns configurations into gateway settings. It keeps what is
+// costly or stateful across reloads: loaded tokenizers (by spec) and the
+// routing policy (while its name and parameters stay the same, so its
+// speculative records and degradation count survive a reload).
+type Builder struct {
+	Table *fleet.Table
+	// AdminToken comes from the flag only (never from a watched file).
+	AdminToken string
+
+	mu         sync.Mutex
+	tokenizers map[string]tokenize.Model
+	policy     routing.Policy
+	policyKey  string
+}
+
+// Build validates c and returns the settings it describes. Nothing is
+// applied, so a bad configuration leaves the running one untouched.
+func (b *Builder) Build(c *Config) (gateway.Settings, error) {
+	if err := c.Validate(); err != nil {
+		return gateway.Settings{}, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.tokenizers == nil {
+		b.tokenizers = map[string]tokenize.Model{}
+	}
+	var errs []error
+	s := gateway.Settings{
+		MaxPrefixTokens: c.MaxPrefixTokens,
+		MaxAttempts:     c.MaxAttempts,
+		AdminToken:      b.AdminToken,
+		Models:          map[string]gateway.Model{},
+		Upstream: proxy.Options{
+			DialTimeout: c.Upstream.DialTimeout, FirstByteTimeout: c.Upstream.FirstByteTimeout,
+			IdleTimeout: c.Upstream.IdleTimeout, MaxConns: c.Upstream.MaxConns,
+		},
+	}
+	policy := c.Policy
+	if policy == "" {
+		policy = "kvaware"
+	}
+	key := fmt.Sprintf("%s %+v", policy, c.Routing)
+	if b.policy == nil || key != b.policyKey {
+		p, err := routing.New(policy, c.Routing.config())
+		if err != nil {
+			errs = append(errs, err)
+		} else {
+			b.policy, b.policyKey = p, key
+		}
+	}
+	s.Policy = b.policy
+
+	if c.DefaultTokenizer != "" {
+		tk, err := b.tokenizer(c.DefaultTokenizer, "")
+		errs = append(errs, err)
+		s.DefaultTokenizer = tk
+	}
+	byName := map[string]Model{}
+	for _, m := range c.Models {
+		byName[m.Name] = m
+	}
+	for _, m := range c.Models {
+		gm := gateway.Model{Base: m.AdapterOf}
+		if m.AdapterOf != "" {
+			gm.Adapter = m.Name
+		}
+		spec := m.Tokenizer
+		if spec == "" && m.AdapterOf != "" {
+			spec = byName[m.AdapterOf].Tokenizer
+		}
+		if spec != "" {
+			tk, err := b.tokenizer(spec, m.Name)
+			errs = append(errs, err)
+			gm.Tokenizer = tk
+		}
+		for i, f := range m.Fallback {
+			name := f.Name
+			if name == "" {
+				name = fmt.Sprintf("fallback-%s-%d", m.Name, i)
+			}
+			key := ""
+			if f.APIKeyEnv != "" {
+				key = os.Getenv(f.APIKeyEnv)
+				if key == "" {
+					errs = append(errs, fmt.Errorf("config: model %q fallback %q: environment variable %s is empty", m.Name, name, f.APIKeyEnv))
+				}
+			}
+			up, err := proxy.NewUpstream(name, f.URL, key, s.Upstream)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			gm.Fallback = append(gm.Fallback, up)
+		}
+		s.Models[m.Name] = gm
+	}
+	keys := append([]string(nil), c.APIKeys...)
+	if c.APIKeysEnv != "" {
+		env := os.Getenv(c.APIKeysEnv)
+		if env == "" {
+			errs = append(errs, fmt.Errorf("config: api_keys_env %s is empty", c.APIKeysEnv))
+		}
+		for _, k := range strings.Split(env, ",") {
+			if k = strings.TrimSpace(k); k != "" {
+				keys = append(keys, k)
+			}
+		}
+	}
+	if len(keys) > 0 {
+		s.APIKeys = map[string]bool{}
+		for _, k := range keys {
+			s.APIKeys[k] = true
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return gateway.Settings{}, err
+	}
+	return s, nil
+}
+
+// tokenizer returns the model for spec, loading it once.
+func (b *Builder) tokenizer(spec, model string) (tokenize.Model, error) {
+	cacheKey := spec
+	if spec == "engine" {
+		cacheKey = "engine\x00" + model
+	}
+	if tk := b.tokenizers[cacheKey]; tk != nil {
+		return tk, nil
+	}
+	var tk tokenize.Model
+	switch spec {
+	case "builtin":
+		tk = tokenize.Builtin{}
+	case "engine":
+		if b.Table == nil {
+			return nil, errors.New("config: tokenizer engine needs the replica table")
+		}
+		tk = gateway.EngineTokenizer(b.Table, model)
+	default:
+		hf, err := tokenize.LoadDir(spec)
+		if err != nil {
+			return nil, fmt.Errorf("config: tokenizer %q: %w", spec, err)
+		}
+		tk = hf
+	}
+	b.tokenizers[cacheKey] = tk
+	return tk, nil
+}
+
+// Apply installs c: the gateway's settings swap atomically, static upstreams
+// and the selection are synced into the table. On error nothing changes.
+func (b *Builder) Apply(g *gateway.Gateway, c *Config) error {
+	s, err := b.Build(c)
+	if err != nil {
+		return err
+	}
+	if err := b.Table.Select(c.Selection); err != nil {
+		return err
+	}
+	keep := map[string]bool{}
+	for _, st := range c.StaticUpstreams {
+		b.Table.AddStatic(st.Name, st.URL, st.Models)
+		keep[st.Name] = true
+	}
+	b.Table.RemoveStatic(keep)
+	g.Apply(s)
+	return nil
+}

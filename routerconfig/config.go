@@ -1,0 +1,244 @@
+// Package routerconfig is the router's configuration: the YAML file (models,
+// tokenizers, the replica selection for prefix matching, routing weights
+// and thresholds, fallbacks, static upstreams, client API keys), its merge
+// with command-line flags, validation, turning it into the gateway's
+// settings, and reloading it when the file changes.
+package routerconfig
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/routing"
+)
+
+// Config is the whole router configuration. The YAML keys are the yaml tags.
+type Config struct {
+	// Policy is the routing policy (routing.Names); default kvaware.
+	Policy string `yaml:"policy"`
+	// Routing holds the cost model and thresholds; zero fields take
+	// routing's defaults.
+	Routing Routing `yaml:"routing"`
+	// MaxPrefixTokens caps the prompt tokens used for matching.
+	MaxPrefixTokens int `yaml:"max_prefix_tokens"`
+	// MaxAttempts bounds the replicas tried per request before the fallback.
+	MaxAttempts int `yaml:"max_attempts"`
+	// DefaultTokenizer tokenizes models without their own: builtin, engine
+	// or a HuggingFace model directory; empty routes them by load only.
+	DefaultTokenizer string  `yaml:"default_tokenizer"`
+	Models           []Model `yaml:"models"`
+	// Selection names the 2–50 replicas taking part in prefix matching;
+	// empty means all. The others still receive traffic by load.
+	Selection       []string `yaml:"selection"`
+	StaticUpstreams []Static `yaml:"static_upstreams"`
+	// APIKeys, when set, are the bearer tokens clients must present.
+	// APIKeysEnv names an environment variable with more, comma-separated.
+	APIKeys    []string `yaml:"api_keys"`
+	APIKeysEnv string   `yaml:"api_keys_env"`
+	// Upstream timeouts.
+	Upstream Upstream `yaml:"upstream"`
+}
+
+// Routing mirrors routing.Config.
+type Routing struct {
+	PrefillPerToken   time.Duration `yaml:"prefill_per_token"`
+	PerRunning        time.Duration `yaml:"per_running"`
+	TokensPerWaiting  int           `yaml:"tokens_per_waiting"`
+	LoadBound         float64       `yaml:"load_bound"`
+	ColdSlack         time.Duration `yaml:"cold_slack"`
+	ImbalanceEnter    float64       `yaml:"imbalance_enter"`
+	ImbalanceExit     float64       `yaml:"imbalance_exit"`
+	ImbalanceMinQueue time.Duration `yaml:"imbalance_min_queue"`
+	SpeculativeTTL    time.Duration `yaml:"speculative_ttl"`
+}
+
+func (r Routing) config() routing.Config {
+	return routing.Config{
+		PrefillPerToken: r.PrefillPerToken, PerRunning: r.PerRunning, TokensPerWaiting: r.TokensPerWaiting,
+		LoadBound: r.LoadBound, ColdSlack: r.ColdSlack, ImbalanceEnter: r.ImbalanceEnter,
+		ImbalanceExit: r.ImbalanceExit, ImbalanceMinQueue: r.ImbalanceMinQueue, SpeculativeTTL: r.SpeculativeTTL,
+	}
+}
+
+// Model is one served model name (or LoRA adapter).
+type Model struct {
+	Name string `yaml:"name"`
+	// Tokenizer: builtin, engine, or a HuggingFace model directory. An
+	// adapter without one uses its base model's.
+	Tokenizer string `yaml:"tokenizer"`
+	// AdapterOf names the base model when Name is a LoRA adapter; its block
+	// keys are then seeded with the adapter name.
+	AdapterOf string `yaml:"adapter_of"`
+	// Fallback serves the model when no replica can: a backup pool or an
+	// upstream with its own API key.
+	Fallback []Endpoint `yaml:"fallback"`
+}
+
+// Endpoint is a fallback upstream.
+type Endpoint struct {
+	Name string `yaml:"name"`
+	URL  string `yaml:"url"`
+	// APIKeyEnv names the environment variable holding its API key.
+	APIKeyEnv string `yaml:"api_key_env"`
+}
+
+// Static is an upstream without a sidecar, load-balanced only.
+type Static struct {
+	Name string `yaml:"name"`
+	URL  string `yaml:"url"`
+	// Models it serves; empty: learned from its /v1/models, and until then
+	// any model.
+	Models []string `yaml:"models"`
+}
+
+// Upstream holds connection timeouts.
+type Upstream struct {
+	DialTimeout      time.Duration `yaml:"dial_timeout"`
+	FirstByteTimeout time.Duration `yaml:"first_byte_timeout"`
+	IdleTimeout      time.Duration `yaml:"idle_timeout"`
+	MaxConns         int           `yaml:"max_conns"`
+}
+
+// Parse decodes and validates YAML. Unknown keys are errors, so a typo does
+// not silently leave a setting at its default.
+func Parse(data []byte) (*Config, error) {
+	var c Config
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	if err := dec.Decode(&c); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+// Load reads and parses the file at path.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	c, err := Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Validate checks what can be checked without building anything.
+func (c *Config) Validate() error {
+	var errs []error
+	if c.Policy != "" {
+		if _, err := routing.New(c.Policy, c.Routing.config()); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if c.MaxPrefixTokens < 0 || c.MaxAttempts < 0 {
+		errs = append(errs, errors.New("config: max_prefix_tokens and max_attempts must not be negative"))
+	}
+	if n := len(c.Selection); n > 0 && (n < fleet.MinSelected || n > fleet.MaxSelected) {
+		errs = append(errs, fmt.Errorf("config: selection names %d replicas, want %d..%d", n, fleet.MinSelected, fleet.MaxSelected))
+	}
+	names := map[string]bool{}
+	for i, m := range c.Models {
+		if m.Name == "" {
+			errs = append(errs, fmt.Errorf("config: models[%d] has no name", i))
+		}
+		if names[m.Name] {
+			errs = append(errs, fmt.Errorf("config: model %q listed twice", m.Name))
+		}
+		names[m.Name] = true
+		for j, f := range m.Fallback {
+			if !strings.HasPrefix(f.URL, "http://") && !strings.HasPrefix(f.URL, "https://") {
+				errs = append(errs, fmt.Errorf("config: model %q fallback[%d]: url %q must be http(s)", m.Name, j, f.URL))
+			}
+		}
+	}
+	statics := map[string]bool{}
+	for i, s := range c.StaticUpstreams {
+		if s.Name == "" || statics[s.Name] {
+			errs = append(errs, fmt.Errorf("config: static_upstreams[%d]: name missing or repeated", i))
+		}
+		statics[s.Name] = true
+		if !strings.HasPrefix(s.URL, "http://") && !strings.HasPrefix(s.URL, "https://") {
+			errs = append(errs, fmt.Errorf("config: static upstream %q: url %q must be http(s)", s.Name, s.URL))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Overlay returns base with everything file sets on top: scalars it sets
+// win, models and static upstreams are merged by name (file wins), lists
+// it sets replace.
+func Overlay(base, file *Config) *Config {
+	out := *base
+	if file == nil {
+		return &out
+	}
+	if file.Policy != "" {
+		out.Policy = file.Policy
+	}
+	if file.Routing != (Routing{}) {
+		out.Routing = file.Routing
+	}
+	if file.MaxPrefixTokens > 0 {
+		out.MaxPrefixTokens = file.MaxPrefixTokens
+	}
+	if file.MaxAttempts > 0 {
+		out.MaxAttempts = file.MaxAttempts
+	}
+	if file.DefaultTokenizer != "" {
+		out.DefaultTokenizer = file.DefaultTokenizer
+	}
+	if file.Upstream != (Upstream{}) {
+		out.Upstream = file.Upstream
+	}
+	if len(file.Selection) > 0 {
+		out.Selection = file.Selection
+	}
+	out.APIKeys = append(append([]string(nil), base.APIKeys...), file.APIKeys...)
+	if file.APIKeysEnv != "" {
+		out.APIKeysEnv = file.APIKeysEnv
+	}
+	out.Models = mergeByName(base.Models, file.Models, func(m Model) string { return m.Name }, func(b, o Model) Model {
+		if o.Tokenizer == "" {
+			o.Tokenizer = b.Tokenizer
+		}
+		if o.AdapterOf == "" {
+			o.AdapterOf = b.AdapterOf
+		}
+		if len(o.Fallback) == 0 {
+			o.Fallback = b.Fallback
+		}
+		return o
+	})
+	out.StaticUpstreams = mergeByName(base.StaticUpstreams, file.StaticUpstreams, func(s Static) string { return s.Name },
+		func(_, o Static) Static { return o })
+	return &out
+}
+
+func mergeByName[T any](base, over []T, name func(T) string, merge func(base, over T) T) []T {
+	out := append([]T(nil), base...)
+	for _, o := range over {
+		replaced := false
+		for i := range out {
+			if name(out[i]) == name(o) {
+				out[i], replaced = merge(out[i], o), true
+			}
+		}
+		if !replaced {
+			out = append(out, o)
+		}
+	}
+	return out
+}

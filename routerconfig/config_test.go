@@ -1,0 +1,231 @@
+package routerconfig
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/enginesim"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/gateway"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+const sample = `
+policy: chwbl
+routing:
+  prefill_per_token: 40us
+  imbalance_enter: 5
+max_prefix_tokens: 8192
+default_tokenizer: builtin
+models:
+  - name: llama
+    tokenizer: builtin
+    fallback:
+      - name: cloud
+        url: https://api.example.com
+        api_key_env: KVMESH_TEST_FALLBACK_KEY
+  - name: llama-sql
+    adapter_of: llama
+selection: [a, b, c]
+static_upstreams:
+  - {name: s1, url: "http://127.0.0.1:9", models: [llama]}
+api_keys: [k1]
+upstream:
+  first_byte_timeout: 5m
+`
+
+func TestParseBuildAndOverlay(t *testing.T) {
+	t.Setenv("KVMESH_TEST_FALLBACK_KEY", "sk-test")
+	c, err := Parse([]byte(sample))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Routing.PrefillPerToken != 40*time.Microsecond || c.Upstream.FirstByteTimeout != 5*time.Minute || len(c.Selection) != 3 {
+		t.Fatalf("parsed %+v", c)
+	}
+	base, err := FromFlags(Flags{Policy: "kvaware", Tokenizers: List{"llama=engine", "other=builtin"}, Statics: List{"s0=http://127.0.0.1:8"}, MaxPrefixTokens: 16384})
+	if err != nil {
+		t.Fatal(err)
+	}
+	merged := Overlay(base, c)
+	if merged.Policy != "chwbl" || merged.MaxPrefixTokens != 8192 || len(merged.Models) != 3 || len(merged.StaticUpstreams) != 2 {
+		t.Fatalf("overlay %+v", merged)
+	}
+	if merged.Models[0].Tokenizer != "builtin" {
+		t.Fatalf("file's tokenizer should win: %+v", merged.Models[0])
+	}
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{}), AdminToken: "adm"}
+	s, err := b.Build(merged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Policy.Name() != "chwbl" || s.AdminToken != "adm" || !s.APIKeys["k1"] || s.DefaultTokenizer == nil {
+		t.Fatalf("settings %+v", s)
+	}
+	lora := s.Models["llama-sql"]
+	if lora.Adapter != "llama-sql" || lora.Base != "llama" || lora.Tokenizer == nil {
+		t.Fatalf("adapter %+v", lora)
+	}
+	if fb := s.Models["llama"].Fallback; len(fb) != 1 || fb[0].Name != "cloud" {
+		t.Fatalf("fallback %+v", fb)
+	}
+	// Same policy and parameters: the policy (and its state) survives a rebuild.
+	s2, _ := b.Build(merged)
+	if s2.Policy != s.Policy {
+		t.Fatal("policy rebuilt although unchanged")
+	}
+}
+
+func TestInvalidConfigsAreRejected(t *testing.T) {
+	cases := map[string]string{
+		"unknown key":   "polciy: kvaware\n",
+		"bad policy":    "policy: fastest\n",
+		"selection":     "selection: [only-one]\n",
+		"bad duration":  "routing: {cold_slack: soon}\n",
+		"fallback url":  "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
+		"static twice":  "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
+		"no model name": "models: [{tokenizer: builtin}]\n",
+		"not yaml":      "{{{",
+	}
+	for name, doc := range cases {
+		if _, err := Parse([]byte(doc)); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	if _, err := Parse(nil); err != nil {
+		t.Errorf("empty file: %v", err)
+	}
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	if _, err := b.Build(&Config{Models: []Model{{Name: "m", Tokenizer: "/no/such/dir"}}}); err == nil {
+		t.Error("missing tokenizer dir accepted")
+	}
+	if _, err := b.Build(&Config{Models: []Model{{Name: "m", Fallback: []Endpoint{{URL: "http://x", APIKeyEnv: "KVMESH_TEST_UNSET_VAR"}}}}}); err == nil {
+		t.Error("fallback with an empty key variable accepted")
+	}
+}
+
+func startEngine(t *testing.T) string {
+	sim, err := enginesim.New(enginesim.Config{
+		Model: "sim", Tokenizer: tokenize.Builtin{},
+		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go sim.Run(ctx)
+	return serve(t, &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true})
+}
+
+func serve(t *testing.T, srv *fasthttp.Server) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.ShutdownWithContext(ctx)
+	})
+	return "http://" + ln.Addr().String()
+}
+
+// TestReloadUnderLoadDropsNothing rewrites the config file (policy, static
+// upstream set, an invalid version in between) while clients keep sending.
+func TestReloadUnderLoadDropsNothing(t *testing.T) {
+	engines := []string{startEngine(t), startEngine(t), startEngine(t)}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "router.yaml")
+	write := func(i int) {
+		doc := fmt.Sprintf("policy: %s\ndefault_tokenizer: builtin\nstatic_upstreams:\n  - {name: s%d, url: %q, models: [sim]}\n  - {name: s%d, url: %q, models: [sim]}\n",
+			[]string{"kvaware", "round-robin", "least-loaded"}[i%3], i%3, engines[i%3], (i+1)%3, engines[(i+1)%3])
+		if i%5 == 4 {
+			doc = "policy: nonsense\n" // invalid: logged, old config kept
+		}
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(doc), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil { // atomic replace, as ConfigMaps do
+			t.Fatal(err)
+		}
+	}
+	write(0)
+	table := fleet.NewTable(fleet.TableConfig{})
+	b := &Builder{Table: table}
+	base := &Config{}
+	var reloads atomic.Int64
+	r := &Reloader{Base: base, Path: path, Builder: b, Log: zerolog.Nop()}
+	cfg, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := b.Build(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Gateway = gateway.New(table, nil, s, zerolog.Nop())
+	if err := b.Apply(r.Gateway, cfg); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := Watch(ctx, path, 10*time.Millisecond, func() { _ = r.Reload(); reloads.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	url := serve(t, r.Gateway.Server(1<<20))
+
+	var failed, ok atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	client := &fasthttp.Client{}
+	for w := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				req := fasthttp.AcquireRequest()
+				resp := fasthttp.AcquireResponse()
+				req.SetRequestURI(url + "/v1/completions")
+				req.Header.SetMethod("POST")
+				req.SetBodyString(fmt.Sprintf(`{"model":"sim","prompt":"worker %d request %d","max_tokens":2}`, w, i))
+				if err := client.DoTimeout(req, resp, 5*time.Second); err != nil || resp.StatusCode() != 200 {
+					failed.Add(1)
+					t.Logf("failed: %v %d %s", err, resp.StatusCode(), resp.Body())
+				} else {
+					ok.Add(1)
+				}
+				fasthttp.ReleaseRequest(req)
+				fasthttp.ReleaseResponse(resp)
+			}
+		}()
+	}
+	for i := 1; i <= 30; i++ {
+		write(i)
+		time.Sleep(40 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if failed.Load() != 0 || ok.Load() < 100 || reloads.Load() < 5 {
+		t.Fatalf("%d failed, %d ok, %d reloads", failed.Load(), ok.Load(), reloads.Load())
+	}
+	t.Logf("%d requests, 0 failed, across %d reloads", ok.Load(), reloads.Load())
+}
