@@ -73,7 +73,9 @@ type Input struct {
 	// ContinueFinalMessage ends the prompt right after the final message's
 	// content so the model continues it. It excludes AddGenerationPrompt.
 	ContinueFinalMessage bool
-	// BOSToken and EOSToken are the tokenizer's special token strings.
+	// BOSToken and EOSToken are the tokenizer's special token strings; empty
+	// means the tokenizer has none and the variable stays undefined. Other
+	// special tokens (unk_token, pad_token, ...) can be passed in Kwargs.
 	BOSToken, EOSToken string
 }
 
@@ -196,8 +198,14 @@ func (t *Template) execute(vars map[string]jinja.Value) (out string, err error) 
 
 func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
 	vars := make(map[string]jinja.Value, 12)
-	vars["bos_token"] = jinja.NewString(in.BOSToken)
-	vars["eos_token"] = jinja.NewString(in.EOSToken)
+	// transformers passes only the special tokens a tokenizer has (Qwen has
+	// no BOS), so an empty one stays undefined ("is defined" is false).
+	if in.BOSToken != "" {
+		vars["bos_token"] = jinja.NewString(in.BOSToken)
+	}
+	if in.EOSToken != "" {
+		vars["eos_token"] = jinja.NewString(in.EOSToken)
+	}
 	if !isNull(in.Kwargs) {
 		kw, err := decodeJSON(string(in.Kwargs))
 		if err != nil {

@@ -211,6 +211,15 @@ func TestKwargsAndSpecialTokens(t *testing.T) {
 	if want := "<s>|<E>|False|1|True"; got != want {
 		t.Errorf("got %q want %q", got, want)
 	}
+	// No BOS (Qwen): transformers leaves bos_token undefined.
+	tmpl, err = Compile(`{{ bos_token is defined }}|{{ eos_token }}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err = tmpl.Render(Input{Messages: json.RawMessage(`[]`), EOSToken: "<|im_end|>"})
+	if err != nil || got != "False|<|im_end|>" {
+		t.Errorf("got %q, %v; want \"False|<|im_end|>\"", got, err)
+	}
 }
 
 // Llama-3-8B-Instruct's template (as in tokenizer_config.json).
