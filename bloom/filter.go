@@ -239,32 +239,35 @@ func NewProbe(key uint64) Probe {
 }
 
 // init computes the first k positions (k may be 0) and, if maskK > 0, the
-// per-word masks of the first maskK positions.
+// per-word masks of the first maskK positions. Position i is bits 9(i%7)..
+// of mix64(key + (i/7)·φ): 7 slices of 9 bits per remix.
 func (p *Probe) init(key uint64, k, maskK uint) {
 	p.h = key
-	g := mix64(key)
+	g, left, round := mix64(key), 7, uint64(0)
 	for i := range k {
-		if i > 0 && i%7 == 0 { // 7 slices of 9 bits used up: remix the key
-			g = mix64(key + uint64(i/7)*0x9e3779b97f4a7c15)
+		if left == 0 {
+			round++
+			g, left = mix64(key+round*0x9e3779b97f4a7c15), 7
 		}
 		p.pos[i] = uint16(g & (blockBits - 1))
 		g >>= 9
+		left--
 	}
 	p.maskK = maskK
 	if maskK == 0 {
 		return
 	}
-	// The same positions as above, straight into masks.
-	var masks [blockWords]uint64
-	g = mix64(key)
-	for i := range maskK {
-		if i > 0 && i%7 == 0 {
-			g = mix64(key + uint64(i/7)*0x9e3779b97f4a7c15)
+	p.masks = [blockWords]uint64{}
+	g, left, round = mix64(key), 7, 0
+	for range maskK {
+		if left == 0 {
+			round++
+			g, left = mix64(key+round*0x9e3779b97f4a7c15), 7
 		}
-		masks[(g>>6)&7] |= 1 << (g & 63)
+		p.masks[(g>>6)&7] |= 1 << (g & 63)
 		g >>= 9
+		left--
 	}
-	p.masks = masks
 }
 
 // mix64 is splitmix64's finalizer: a second, independent-looking hash of key.
@@ -319,7 +322,24 @@ func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
 		p.init(key, kpos, kmask)
 		for x := 0; x < n; {
 			i := live[x]
-			if filters[i].TestProbe(&p) {
+			f := filters[i]
+			var hit bool
+			if f.k == kmask { // TestProbe's mask path, inlined: this loop is the router's hottest
+				hi, _ := bits.Mul64(p.h, f.blocks)
+				blk := (*[blockWords]uint64)(f.words[hi*blockWords : hi*blockWords+blockWords])
+				miss := p.masks[0]&^atomic.LoadUint64(&blk[0]) |
+					p.masks[1]&^atomic.LoadUint64(&blk[1]) |
+					p.masks[2]&^atomic.LoadUint64(&blk[2]) |
+					p.masks[3]&^atomic.LoadUint64(&blk[3]) |
+					p.masks[4]&^atomic.LoadUint64(&blk[4]) |
+					p.masks[5]&^atomic.LoadUint64(&blk[5]) |
+					p.masks[6]&^atomic.LoadUint64(&blk[6]) |
+					p.masks[7]&^atomic.LoadUint64(&blk[7])
+				hit = miss == 0
+			} else {
+				hit = f.TestProbe(&p)
+			}
+			if hit {
 				x++
 				continue
 			}
