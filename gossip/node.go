@@ -308,6 +308,7 @@ type node struct {
 
 	metaMu sync.Mutex
 	down   atomic.Bool // left or shut down
+	addr   string
 
 	sendBuf sync.Pool
 }
@@ -328,6 +329,9 @@ func start(cfg Config, meta Meta) (*node, error) {
 		return nil, fmt.Errorf("gossip: start member: %w", err)
 	}
 	n.ml = ml
+	// Cached: memberlist's LocalNode is mutated in place by UpdateNode.
+	ln := ml.LocalNode()
+	n.addr = net.JoinHostPort(ln.Addr.String(), strconv.Itoa(int(ln.Port)))
 	if len(cfg.Join) > 0 {
 		if _, err := ml.Join(cfg.Join); err != nil {
 			// Not fatal: peers that come up later join us.
@@ -387,10 +391,7 @@ func (n *node) send(to *memberlist.Node, m *Message, reliable bool) error {
 }
 
 // Addr is the address other members reach this one at (host:port).
-func (n *node) Addr() string {
-	ln := n.ml.LocalNode()
-	return net.JoinHostPort(ln.Addr.String(), strconv.Itoa(int(ln.Port)))
-}
+func (n *node) Addr() string { return n.addr }
 
 // Members counts live members, this one included.
 func (n *node) Members() int { return n.ml.NumMembers() }

@@ -65,8 +65,9 @@ type Sidecar struct {
 	resets  uint64
 	reasons []string
 
-	node *gossip.SidecarNode
-	sub  *kvevents.Subscriber
+	// Set once Run has started them; read by Status from any goroutine.
+	node atomic.Pointer[gossip.SidecarNode]
+	sub  atomic.Pointer[kvevents.Subscriber]
 
 	healthy    atomic.Bool
 	metricsOK  atomic.Bool
@@ -173,7 +174,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	s.node = node
+	s.node.Store(node)
 	s.pushLoad()
 
 	var wg sync.WaitGroup
@@ -185,14 +186,15 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		if ep == "" {
 			ep, bind = s.cfg.KVEventsBind, true
 		}
-		s.sub = kvevents.NewSubscriber(kvevents.SubscriberConfig{
+		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Endpoint: ep, Bind: bind, ReplayEndpoint: s.cfg.KVReplay, Topic: s.cfg.KVTopic,
 			Logger: s.log.With().Str("part", "kvevents").Logger(),
 		}, s)
+		s.sub.Store(sub)
 		wg.Add(2)
 		go func() {
 			defer wg.Done()
-			if err := s.sub.Run(ctx); err != nil {
+			if err := sub.Run(ctx); err != nil {
 				errc <- err
 			}
 		}()
@@ -264,8 +266,8 @@ func (s *Sidecar) HandleReset(reason string) {
 	g := s.gens
 	s.mu.Unlock()
 	s.log.Warn().Str("reason", reason).Msg("KV event stream reset: resident set cleared, new filter epoch")
-	if s.node != nil {
-		s.node.SetFilter(g)
+	if n := s.node.Load(); n != nil {
+		n.SetFilter(g)
 	}
 }
 
@@ -411,18 +413,20 @@ func (s *Sidecar) refreshModels(ctx context.Context) bool {
 
 // announce puts the current models and block size in the node metadata.
 func (s *Sidecar) announce() {
-	if s.node == nil {
+	n := s.node.Load()
+	if n == nil {
 		return
 	}
-	if err := s.node.SetModels(*s.models.Load(), int(s.blockSize.Load())); err != nil {
+	if err := n.SetModels(*s.models.Load(), int(s.blockSize.Load())); err != nil {
 		s.log.Warn().Err(err).Msg("metadata update")
 	}
 }
 
 func (s *Sidecar) pushLoad() {
-	if s.node == nil {
+	n := s.node.Load()
+	if n == nil {
 		return
 	}
 	m := s.load.Load()
-	s.node.SetEngineLoad(gossip.EngineLoad{Healthy: s.healthy.Load(), Waiting: m.Waiting, Running: m.Running, KVUsage: m.KVUsage})
+	n.SetEngineLoad(gossip.EngineLoad{Healthy: s.healthy.Load(), Waiting: m.Waiting, Running: m.Running, KVUsage: m.KVUsage})
 }

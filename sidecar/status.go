@@ -86,16 +86,16 @@ func (s *Sidecar) Status() Status {
 	s.mu.Unlock()
 	st.FilterEpoch, st.FilterGeneration, st.FilterSeq, st.FilterKeys = gs.Epoch, gs.Generation, gs.Seq, gs.Keys
 	st.FilterFillRatio, st.FilterBits = gs.FillRatio, gs.M
-	if s.sub != nil {
-		ks := s.sub.Stats()
+	if sub := s.sub.Load(); sub != nil {
+		ks := sub.Stats()
 		st.LastSeq, st.BatchesReceived, st.Gaps, st.Replayed = ks.LastSeq, ks.Batches, ks.Gaps, ks.Replayed
 		st.DecodeErrors, st.Malformed, st.Connected = ks.DecodeErrors, ks.Malformed, ks.Connected
 	}
-	if s.node != nil {
-		st.Gossip = s.node.Addr()
-		st.Routers = s.node.Routers()
-		st.Cluster = s.node.Stats()
-		st.InflightRequests, st.InflightPrefillTokens = s.node.Inflight()
+	if n := s.node.Load(); n != nil {
+		st.Gossip = n.Addr()
+		st.Routers = n.Routers()
+		st.Cluster = n.Stats()
+		st.InflightRequests, st.InflightPrefillTokens = n.Inflight()
 	}
 	return st
 }
