@@ -421,3 +421,113 @@ func trimFilter(args []jinja.Value, kwargs map[string]jinja.Value) (jinja.Value,
 	}
 	return jinja.NewString(strings.TrimFunc(s, pyIsSpace)), nil
 }
+
+// listFilter is jinja2's list: Python's list(x) — a dict gives its keys, a
+// string its characters.
+func listFilter(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+	if len(args) == 0 {
+		return jinja.Undefined(), fmt.Errorf("list: missing value")
+	}
+	v := args[0]
+	switch {
+	case v.IsList():
+		return jinja.NewList(append([]jinja.Value(nil), v.AsList().Items...)), nil
+	case v.IsDict():
+		keys := v.AsDict().Keys
+		items := make([]jinja.Value, len(keys))
+		for i, k := range keys {
+			items[i] = jinja.NewString(k)
+		}
+		return jinja.NewList(items), nil
+	case v.IsString():
+		var items []jinja.Value
+		for _, r := range v.AsString() {
+			items = append(items, jinja.NewString(string(r)))
+		}
+		return jinja.NewList(items), nil
+	case v.IsUndefined():
+		return jinja.NewList(nil), nil
+	}
+	return jinja.Undefined(), fmt.Errorf("TypeError: object is not iterable")
+}
+
+// formatFilter is jinja2's format: str(value) % args, for the conversions
+// chat templates use (%s %r %d %i %f %x %%, with width and precision).
+func formatFilter(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+	if len(args) == 0 {
+		return jinja.Undefined(), fmt.Errorf("format: missing value")
+	}
+	format, rest := pyStr(args[0]), args[1:]
+	var b strings.Builder
+	for i := 0; i < len(format); i++ {
+		c := format[i]
+		if c != '%' {
+			b.WriteByte(c)
+			continue
+		}
+		j := i + 1
+		for j < len(format) && strings.IndexByte("-+ 0#", format[j]) >= 0 {
+			j++
+		}
+		for j < len(format) && (format[j] >= '0' && format[j] <= '9' || format[j] == '.') {
+			j++
+		}
+		if j >= len(format) {
+			return jinja.Undefined(), fmt.Errorf("ValueError: incomplete format")
+		}
+		spec, conv := format[i+1:j], format[j]
+		i = j
+		if conv == '%' {
+			b.WriteByte('%')
+			continue
+		}
+		if len(rest) == 0 {
+			return jinja.Undefined(), fmt.Errorf("TypeError: not enough arguments for format string")
+		}
+		arg := rest[0]
+		rest = rest[1:]
+		switch conv {
+		case 's':
+			fmt.Fprintf(&b, "%"+spec+"s", pyStr(arg))
+		case 'r':
+			var r strings.Builder
+			pyRepr(&r, arg, 0)
+			fmt.Fprintf(&b, "%"+spec+"s", r.String())
+		case 'd', 'i', 'x', 'X', 'o':
+			if !arg.IsNumber() && !arg.IsBool() {
+				return jinja.Undefined(), fmt.Errorf("TypeError: %%%c format: a real number is required", conv)
+			}
+			n := int64(0)
+			switch {
+			case arg.IsInt():
+				n = arg.AsInt()
+			case arg.IsFloat():
+				n = int64(arg.AsFloat())
+			case arg.AsBool():
+				n = 1
+			}
+			verb := map[byte]string{'d': "d", 'i': "d", 'x': "x", 'X': "X", 'o': "o"}[conv]
+			fmt.Fprintf(&b, "%"+spec+verb, n)
+		case 'f', 'F', 'e', 'E', 'g', 'G':
+			if !arg.IsNumber() {
+				return jinja.Undefined(), fmt.Errorf("TypeError: must be real number")
+			}
+			f := 0.0
+			if arg.IsInt() {
+				f = float64(arg.AsInt())
+			} else {
+				f = arg.AsFloat()
+			}
+			if !strings.Contains(spec, ".") && (conv == 'f' || conv == 'F' || conv == 'e' || conv == 'E') {
+				spec += ".6"
+			}
+			fmt.Fprintf(&b, "%"+spec+string(conv), f)
+		default:
+			return jinja.Undefined(), fmt.Errorf("ValueError: unsupported format character %q", conv)
+		}
+	}
+	if len(rest) > 0 {
+		return jinja.Undefined(), fmt.Errorf("TypeError: not all arguments converted during string formatting")
+	}
+	return jinja.NewString(b.String()), nil
+}

@@ -90,7 +90,7 @@ func preprocess(src string) (string, error) {
 			continue
 		}
 
-		code := renameFilters(content)
+		code := rewriteCode(content)
 		switch {
 		case kind == '{' && !isStringLiteral(code):
 			// jinja prints values Go-style (1.0 as "1", None as ""); route
@@ -224,26 +224,14 @@ func skipSpace(src string, pos int) int {
 	return pos
 }
 
-// emitText writes text as a string literal expression for jinja's tokenizer
-// (which understands \\, \' and \n escapes).
+// emitText writes text as a string literal expression.
 func emitText(out *strings.Builder, text string) {
 	if text == "" {
 		return
 	}
-	out.WriteString("{{ '")
-	for i := 0; i < len(text); i++ {
-		switch c := text[i]; c {
-		case '\\':
-			out.WriteString(`\\`)
-		case '\'':
-			out.WriteString(`\'`)
-		case '\n':
-			out.WriteString(`\n`)
-		default:
-			out.WriteByte(c)
-		}
-	}
-	out.WriteString("' }}")
+	out.WriteString("{{ ")
+	writeJinjaString(out, text)
+	out.WriteString(" }}")
 }
 
 func syntaxError(src string, at int, what string) error {
@@ -262,14 +250,17 @@ func foldNewlines(src string) string {
 	return strings.TrimSuffix(src, "\n")
 }
 
-// Filters jinja v1.8.0 gets wrong. Its filter lookup consults only its own
-// built-ins, then falls back to a template variable of the same name, so a
-// built-in cannot be replaced directly; instead renameFilters rewrites
-// "| tojson" in tag code to "| kvmesh_tojson__", which Render supplies.
+// Filters jinja v1.8.0 gets wrong or lacks. Its filter lookup consults only
+// its own built-ins, then falls back to a template variable of the same
+// name, so a built-in cannot be replaced directly; instead rewriteCode
+// renames "| tojson" in tag code to "| kvmesh_tojson__", which Render
+// supplies.
 var overriddenFilters = map[string]string{
 	"tojson": "kvmesh_tojson__",
 	"trim":   "kvmesh_trim__",
 	"string": pyStrFilterName,
+	"list":   "kvmesh_list__",
+	"format": "kvmesh_format__",
 }
 
 // pyStrFilterName is the variable holding Python's str() as a filter; every
@@ -294,53 +285,190 @@ func isStringLiteral(code string) bool {
 	return i == len(code)-1
 }
 
-// renameFilters rewrites, in the code of one tag, identifiers named in
-// overriddenFilters that directly follow a '|'. String literals are skipped,
-// so only filter applications change.
-func renameFilters(code string) string {
+// rewriteCode rewrites the code of one tag for jinja v1.8.0:
+//   - identifiers named in overriddenFilters that directly follow a '|'
+//     are renamed (only filter applications change);
+//   - string literals are decoded as jinja2 decodes them (Python escapes:
+//     \u00e9, \x41, \r, octal, ...) and re-quoted with only the escapes
+//     jinja understands;
+//   - float literals with an exponent but no '.' (1e-7), which jinja cannot
+//     parse, get one (1.0e-7).
+func rewriteCode(code string) string {
 	var b strings.Builder
-	last := 0
+	b.Grow(len(code) + 16)
 	prev := byte(0) // previous significant character
 	for j := 0; j < len(code); {
 		c := code[j]
-		if c == '\'' || c == '"' {
-			j++
-			for j < len(code) && code[j] != c {
-				if code[j] == '\\' {
-					j++
+		switch {
+		case c == '\'' || c == '"':
+			k := j + 1
+			for k < len(code) && code[k] != c {
+				if code[k] == '\\' {
+					k++
 				}
-				j++
+				k++
 			}
-			j++
+			if k >= len(code) { // unterminated: leave it to jinja's parser
+				b.WriteString(code[j:])
+				return b.String()
+			}
+			writeJinjaString(&b, decodePyStringLiteral(code[j+1:k]))
+			j = k + 1
 			prev = c
-			continue
-		}
-		if isIdentStart(c) {
+		case isIdentStart(c):
 			k := j
 			for k < len(code) && isIdentChar(code[k]) {
 				k++
 			}
-			if prev == '|' {
-				if repl, ok := overriddenFilters[code[j:k]]; ok {
-					b.WriteString(code[last:j])
-					b.WriteString(repl)
-					last = k
-				}
+			name := code[j:k]
+			if repl, ok := overriddenFilters[name]; ok && prev == '|' {
+				name = repl
 			}
+			b.WriteString(name)
 			prev = 'a'
 			j = k
+		case c >= '0' && c <= '9':
+			k := j
+			for k < len(code) && code[k] >= '0' && code[k] <= '9' {
+				k++
+			}
+			hasDot := false
+			if k+1 < len(code) && code[k] == '.' && code[k+1] >= '0' && code[k+1] <= '9' {
+				hasDot = true
+				k++
+				for k < len(code) && code[k] >= '0' && code[k] <= '9' {
+					k++
+				}
+			}
+			mantissaEnd := k
+			if k < len(code) && (code[k] == 'e' || code[k] == 'E') {
+				e := k + 1
+				if e < len(code) && (code[e] == '+' || code[e] == '-') {
+					e++
+				}
+				if e < len(code) && code[e] >= '0' && code[e] <= '9' {
+					for e < len(code) && code[e] >= '0' && code[e] <= '9' {
+						e++
+					}
+					k = e
+				}
+			}
+			b.WriteString(code[j:mantissaEnd])
+			if k > mantissaEnd && !hasDot {
+				b.WriteString(".0")
+			}
+			b.WriteString(code[mantissaEnd:k])
+			prev = '0'
+			j = k
+		default:
+			b.WriteByte(c)
+			if c != ' ' && c != '\t' && c != '\n' {
+				prev = c
+			}
+			j++
+		}
+	}
+	return b.String()
+}
+
+// decodePyStringLiteral decodes the body of a jinja2 string literal the way
+// jinja2 does (Python's unicode-escape codec): \n \t \r \\ \' \" \a \b
+// \f \v, octal \ooo, \xhh, \uXXXX, \UXXXXXXXX and backslash-newline;
+// an unknown or malformed escape keeps its backslash.
+func decodePyStringLiteral(s string) string {
+	if strings.IndexByte(s, '\\') < 0 {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c != '\\' || i+1 >= len(s) {
+			b.WriteByte(c)
 			continue
 		}
-		if c != ' ' && c != '\t' && c != '\n' {
-			prev = c
+		i++
+		switch e := s[i]; e {
+		case '\n':
+			// line continuation: nothing
+		case '\\', '\'', '"':
+			b.WriteByte(e)
+		case 'a':
+			b.WriteByte('\a')
+		case 'b':
+			b.WriteByte('\b')
+		case 'f':
+			b.WriteByte('\f')
+		case 'n':
+			b.WriteByte('\n')
+		case 'r':
+			b.WriteByte('\r')
+		case 't':
+			b.WriteByte('\t')
+		case 'v':
+			b.WriteByte('\v')
+		case '0', '1', '2', '3', '4', '5', '6', '7':
+			n, k := 0, i
+			for k < len(s) && k < i+3 && s[k] >= '0' && s[k] <= '7' {
+				n = n*8 + int(s[k]-'0')
+				k++
+			}
+			b.WriteRune(rune(n))
+			i = k - 1
+		case 'x', 'u', 'U':
+			width := map[byte]int{'x': 2, 'u': 4, 'U': 8}[e]
+			r, ok := parseHex(s, i+1, width)
+			if !ok || !utf8.ValidRune(r) {
+				b.WriteByte('\\')
+				b.WriteByte(e)
+				continue
+			}
+			b.WriteRune(r)
+			i += width
+		default:
+			b.WriteByte('\\')
+			b.WriteByte(e)
 		}
-		j++
 	}
-	if last == 0 {
-		return code
-	}
-	b.WriteString(code[last:])
 	return b.String()
+}
+
+func parseHex(s string, from, width int) (rune, bool) {
+	if from+width > len(s) {
+		return 0, false
+	}
+	var r rune
+	for _, c := range []byte(s[from : from+width]) {
+		switch {
+		case c >= '0' && c <= '9':
+			r = r<<4 | rune(c-'0')
+		case c >= 'a' && c <= 'f':
+			r = r<<4 | rune(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			r = r<<4 | rune(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return r, true
+}
+
+// writeJinjaString quotes s for jinja's tokenizer, which understands only
+// \\, \' and \n (other bytes may appear raw).
+func writeJinjaString(b *strings.Builder, s string) {
+	b.WriteByte('\'')
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; c {
+		case '\\':
+			b.WriteString(`\\`)
+		case '\'':
+			b.WriteString(`\'`)
+		case '\n':
+			b.WriteString(`\n`)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	b.WriteByte('\'')
 }
 
 // stmtKeyword returns the first word of a statement tag's content.

@@ -15,10 +15,12 @@
 //   - request JSON is decoded into ordered values, so tools and tool-call
 //     arguments keep the client's key order, ints stay ints and 1.0 stays a
 //     float;
-//   - tojson, trim and string are replaced by Python-exact versions
+//   - tojson, trim, string and list are replaced by Python-exact versions
 //     (insertion key order, ", "/": " separators, indent=, sort_keys=,
-//     non-ASCII and U+2028 kept, Python's whitespace set), and every printed
-//     value goes through Python's str() (1.0 prints "1.0", None "None");
+//     non-ASCII and U+2028 kept, Python's whitespace set), format is added,
+//     every printed value goes through Python's str() (1.0 prints "1.0",
+//     None "None"), and string and float literals in template code are
+//     decoded as jinja2 does ('\u00e9', '\r', 1e-7);
 //   - decoded messages (and tools arrays) are kept in a process-wide LRU
 //     keyed by their exact JSON bytes (64 MiB), so a growing conversation
 //     decodes only its new turns;
@@ -26,14 +28,18 @@
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does.
 //
-// Known differences left inside jinja v1.8.0: the ~ operator and the join
-// filter print floats Go-style ('a' ~ 1.0 is "a1"); the string methods
-// .strip()/.lstrip()/.rstrip()/.split() use Go's whitespace set; a float
-// literal without a '.' (1e20) does not parse; templates that would raise a
-// Python TypeError (str + None) may render instead of failing (vLLM rejects
-// such requests, so nothing is routed wrongly). Messages are passed to the
-// template as sent; vLLM's own request normalisation (e.g. parsing tool-call
-// arguments from JSON strings, flattening content parts) is the caller's job.
+// Known differences left inside jinja v1.8.0's evaluator (see
+// knownExpressionGaps in the tests): the ~ operator prints None as "" and
+// floats Go-style; int ** int is a float; a filter binds before unary minus
+// (-3 | abs); no % string-formatting operator and no str.join method;
+// dictsort pairs print as lists; the string methods
+// .strip()/.lstrip()/.rstrip()/.split() use Go's whitespace set; a macro
+// that recurses without end overflows the stack. Templates that would raise
+// a Python TypeError (str + None) may render instead of failing (vLLM
+// rejects such requests, so nothing is routed wrongly). Messages are passed
+// to the template as sent; vLLM's own request normalisation (parsing
+// tool-call arguments from JSON strings, flattening text content parts for
+// "string"-format templates, dropping unknown fields) is the caller's job.
 package chattemplate
 
 import (
@@ -129,6 +135,8 @@ var (
 	tojsonValue         = jinja.NewCallable("tojson", tojsonFilter)
 	trimValue           = jinja.NewCallable("trim", trimFilter)
 	pyStrValue          = jinja.NewCallable("string", pyStrFilter)
+	listValue           = jinja.NewCallable("list", listFilter)
+	formatValue         = jinja.NewCallable("format", formatFilter)
 	raiseExceptionValue = jinja.NewCallable("raise_exception", raiseException)
 	strftimeNowValue    = jinja.NewCallable("strftime_now", strftimeNow)
 )
@@ -250,6 +258,8 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 	vars[overriddenFilters["tojson"]] = tojsonValue
 	vars[overriddenFilters["trim"]] = trimValue
 	vars[pyStrFilterName] = pyStrValue
+	vars[overriddenFilters["list"]] = listValue
+	vars[overriddenFilters["format"]] = formatValue
 	return vars, msgs.AsList(), nil
 }
 
