@@ -58,6 +58,12 @@ type Generations struct {
 	cfg  GenerationConfig
 	fill float64 // effective RebuildFillRatio
 
+	// sizing remembers Params for the last capacity (Rebuild runs often,
+	// Params costs ~1 ms); only Rebuild touches it.
+	sizedFor uint
+	blocks   uint64
+	k        uint
+
 	mu       sync.Mutex
 	epoch    uint64
 	gen      uint64
@@ -149,7 +155,11 @@ func (g *Generations) Rebuild(now time.Time, keys iter.Seq[uint64]) {
 	if live > capacity {
 		capacity = live + live/4
 	}
-	f := NewFilter(uint(capacity), g.cfg.FPRate)
+	if uint(capacity) != g.sizedFor {
+		g.sizedFor = uint(capacity)
+		g.blocks, g.k = Params(uint(capacity), g.cfg.FPRate)
+	}
+	f := &Filter{words: make([]uint64, g.blocks*blockWords), blocks: g.blocks, k: g.k}
 	ones, n := 0, 0
 	if keys != nil {
 		var p Probe

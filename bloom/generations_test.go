@@ -1,6 +1,7 @@
 package bloom
 
 import (
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -250,5 +251,106 @@ func TestMaxDeltaKeysSplitsDeltas(t *testing.T) {
 	}
 	if !slices.Equal(got, keys) {
 		t.Fatalf("split deltas carry %d keys, want the 400 added in order", len(got))
+	}
+}
+
+// A random life of a sidecar (adds, removals, clears, rebuilds) streamed to
+// a mirror over a lossy, reordering link, with resync on refusal. Whenever
+// the mirror has caught up, it must hold every resident key (no false
+// negatives) and exactly the sidecar's bits.
+func TestMirrorFollowsLossyStream(t *testing.T) {
+	for seed := range uint64(8) {
+		r := rand.New(rand.NewPCG(seed, 1))
+		g := NewGenerations(GenerationConfig{Capacity: 500, MaxDeltaKeys: 40}, 1, t0)
+		set := exactSet{}
+		var m Mirror
+		var inflight []Delta // sent, not yet delivered
+		now := t0
+		resyncs := 0
+		deliver := func(d Delta) {
+			if !m.ApplyDelta(d) {
+				// The router asks; the sidecar answers with a snapshot.
+				st := m.State()
+				if st == nil || d.Generation >= st.Generation {
+					if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+						t.Fatalf("seed %d: resync snapshot refused: %v", seed, err)
+					}
+					resyncs++
+				}
+			}
+		}
+		for step := range 3000 {
+			now = now.Add(10 * time.Millisecond)
+			switch op := r.IntN(100); {
+			case op < 55:
+				k := r.Uint64()
+				set[k] = true
+				g.Add(k)
+			case op < 80 && len(set) > 0:
+				for k := range set {
+					delete(set, k)
+					g.Remove(k)
+					break
+				}
+			case op < 81:
+				clear(set)
+				g.Clear()
+			case op < 95:
+				if d, ok := g.TakeDelta(); ok {
+					switch x := r.IntN(10); {
+					case x == 0: // lost
+					case x == 1 && len(inflight) > 0: // overtakes the one before
+						inflight = append(inflight[:len(inflight)-1], d, inflight[len(inflight)-1])
+					default:
+						inflight = append(inflight, d)
+					}
+				}
+			default:
+				for _, d := range inflight {
+					deliver(d)
+				}
+				inflight = inflight[:0]
+			}
+			if g.NeedsRebuild(now) {
+				g.Rebuild(now, set.keys)
+				// The sidecar publishes each new generation's snapshot.
+				if r.IntN(4) > 0 {
+					if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+						t.Fatalf("seed %d step %d: %v", seed, step, err)
+					}
+				}
+			}
+			if step%50 == 49 { // quiesce: flush, deliver, check
+				for {
+					d, ok := g.TakeDelta()
+					if !ok {
+						break
+					}
+					inflight = append(inflight, d)
+				}
+				for _, d := range inflight {
+					deliver(d)
+				}
+				inflight = inflight[:0]
+				if st := m.State(); st == nil || st.Generation != g.Stats().Generation || st.Seq != g.Stats().Seq {
+					if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+						t.Fatal(err)
+					}
+					resyncs++
+				}
+				f := m.Filter()
+				for k := range set {
+					if !f.Test(k) {
+						t.Fatalf("seed %d step %d: resident key %x missing at the router", seed, step, k)
+					}
+				}
+				if !slices.Equal(f.AppendWords(nil), g.Snapshot().Words) || m.Keys() != g.Stats().Keys {
+					t.Fatalf("seed %d step %d: mirror differs from sidecar (keys %d vs %d)", seed, step, m.Keys(), g.Stats().Keys)
+				}
+			}
+		}
+		if resyncs == 0 || g.Stats().Generation < 3 {
+			t.Fatalf("seed %d: %d resyncs, %d generations: the stream was too tame", seed, resyncs, g.Stats().Generation)
+		}
 	}
 }
