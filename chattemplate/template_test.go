@@ -53,6 +53,10 @@ var pythonCases = []struct {
 	{"printed values use Python str()", `{{ 1.0 }}|{{ none }}|{{ [1.0, 'a', none, true, "it's"] }}|{{ {'a': 1, 'b': [2.5]} }}|{{ x }}|{{ y }}|{{ 7 / 2 }}|{{ 1.5e20 }}|{{ x | string }}|{{ undefined_var }}|{{ 3 }}`,
 		`{"x": null, "y": 2.0}`,
 		`1.0|None|[1.0, 'a', None, True, "it's"]|{'a': 1, 'b': [2.5]}|None|2.0|3.5|1.5e+20|None||3`},
+	{"string literal escapes", `{{ '\u00e9|\x41|\r\n|\101|\d|\U0001F600|\\n|\'|\"' }}`, `{}`, "é|A|\r\n|A|\\d|😀|\\n|'|\""},
+	{"line continuation and exponent literals", "{{ \"a\\\nb\" }}|{{ 1e-7 }}|{{ 2E3 }}|{{ 1.5e2 }}", `{}`, "ab|1e-07|2000.0|150.0"},
+	{"format filter", `{{ '%-5s|%5.2f|%03d|%x|%r|%%' | format('ab', 3.14159, 7, 255, 'q') }}`, `{}`, "ab   | 3.14|007|ff|'q'|%"},
+	{"list filter", `{{ {'b': 1, 'a': 2} | list }}|{{ 'hé' | list }}|{{ [1, 2] | list }}`, `{}`, "['b', 'a']|['h', 'é']|[1, 2]"},
 }
 
 // Known differences jinja v1.8.0 keeps (its ~ operator and join filter
