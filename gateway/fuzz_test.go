@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"encoding/json"
 	"testing"
 )
@@ -40,6 +41,29 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		if err := json.Unmarshal(out, &got); err != nil || !got.StreamOptions.IncludeUsage {
 			t.Fatalf("rewritten body %q: %v", out, err)
+		}
+	})
+}
+
+// FuzzEachElement checks the one-pass array walk against encoding/json on
+// every valid array.
+func FuzzEachElement(f *testing.F) {
+	f.Add([]byte(`[{"a":"x,]\"}"}, "s", [1,[2]], 3 , null]`))
+	f.Add([]byte(`[]`))
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var want []json.RawMessage
+		if json.Unmarshal(raw, &want) != nil || want == nil {
+			return
+		}
+		var got [][]byte
+		eachElement(bytes.TrimSpace(raw), func(e []byte) { got = append(got, bytes.TrimSpace(e)) })
+		if len(got) != len(want) {
+			t.Fatalf("%q: %d elements, want %d", raw, len(got), len(want))
+		}
+		for i := range got {
+			if !bytes.Equal(got[i], bytes.TrimSpace(want[i])) {
+				t.Fatalf("%q: element %d %q, want %q", raw, i, got[i], want[i])
+			}
 		}
 	})
 }
