@@ -1,6 +1,7 @@
 package tokenize
 
 import (
+	"math/bits"
 	"strings"
 	"sync"
 	"unicode/utf8"
@@ -17,7 +18,7 @@ type bpeModel struct {
 	// undone), so pieces never need remapping.
 	vocab map[string]uint32
 	// merges maps a pair of ids (a<<32|b) to rank<<32|merged id.
-	merges    map[uint64]uint64
+	merges    *mergeTable
 	byteLevel bool
 	// byteIDs holds the id of each single byte (byte-level only), -1 if
 	// the vocabulary lacks it.
@@ -63,8 +64,9 @@ type symbol struct {
 }
 
 type mergeEntry struct {
-	key   uint64 // rank<<32 | position: pops lowest rank, then leftmost
-	newID uint32
+	key         uint64 // rank<<32 | position: pops lowest rank, then leftmost
+	newID       uint32
+	left, right uint32 // the pair when queued
 }
 
 // bpeScratch is per-call working memory, pooled to keep encoding free of
@@ -82,7 +84,7 @@ type bpeScratch struct {
 type hotCache [hotEntries]hotEntry
 
 const (
-	hotEntries = 2048
+	hotEntries = 4096
 	hotKeyLen  = 20
 	hotIDs     = 3
 )
@@ -105,6 +107,57 @@ func hotHash(s string) uint32 {
 }
 
 func pairKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
+
+// mergeTable is an open-addressing hash table from pair keys to merges:
+// one probe usually lands on the key and its value in one cache line,
+// where a Go map costs two or three misses on a vocabulary this size.
+type mergeTable struct {
+	slots []mergeSlot
+	shift uint
+}
+
+type mergeSlot struct{ key, val uint64 }
+
+// emptyKey cannot be a pair: ids stay below 2^31.
+const emptyKey = ^uint64(0)
+
+func newMergeTable(n int) *mergeTable {
+	size := 16
+	for size < n+n/3 {
+		size *= 2
+	}
+	t := &mergeTable{slots: make([]mergeSlot, size), shift: uint(64 - bits.TrailingZeros(uint(size)))}
+	for i := range t.slots {
+		t.slots[i].key = emptyKey
+	}
+	return t
+}
+
+func (t *mergeTable) home(key uint64) uint64 { return (key * 0x9E3779B97F4A7C15) >> t.shift }
+
+// set inserts or replaces (a later duplicate merge wins, as in HF).
+func (t *mergeTable) set(key, val uint64) {
+	mask := uint64(len(t.slots) - 1)
+	for i := t.home(key); ; i = (i + 1) & mask {
+		if s := &t.slots[i]; s.key == key || s.key == emptyKey {
+			s.key, s.val = key, val
+			return
+		}
+	}
+}
+
+func (t *mergeTable) get(key uint64) (uint64, bool) {
+	mask := uint64(len(t.slots) - 1)
+	for i := t.home(key); ; i = (i + 1) & mask {
+		s := &t.slots[i]
+		if s.key == key {
+			return s.val, true
+		}
+		if s.key == emptyKey {
+			return 0, false
+		}
+	}
+}
 
 // maxCachedPiece bounds the pieces the per-piece cache keeps (HF: 256).
 const maxCachedPiece = 256
@@ -242,8 +295,8 @@ func (m *bpeModel) mergeAll(sc *bpeScratch) {
 	}
 	h := sc.heap[:0]
 	for i := int32(0); i+1 < n; i++ {
-		if v, ok := m.merges[pairKey(syms[i].id, syms[i+1].id)]; ok {
-			h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(i), uint32(v)})
+		if v, ok := m.merges.get(pairKey(syms[i].id, syms[i+1].id)); ok {
+			h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(i), uint32(v), syms[i].id, syms[i+1].id})
 		}
 	}
 	for len(h) > 0 {
@@ -255,9 +308,13 @@ func (m *bpeModel) mergeAll(sc *bpeScratch) {
 			continue
 		}
 		next := cur.next
-		v, ok := m.merges[pairKey(cur.id, syms[next].id)]
-		if !ok || uint32(v) != top.newID {
-			continue // stale: one side was merged since this was queued
+		if cur.id != top.left || syms[next].id != top.right {
+			// One side changed since this was queued. HF's test is whether
+			// the pair now there merges into the same token.
+			v, ok := m.merges.get(pairKey(cur.id, syms[next].id))
+			if !ok || uint32(v) != top.newID {
+				continue
+			}
 		}
 		cur.id = top.newID
 		syms[next].removed = true
@@ -266,13 +323,13 @@ func (m *bpeModel) mergeAll(sc *bpeScratch) {
 			syms[cur.next].prev = pos
 		}
 		if p := cur.prev; p >= 0 {
-			if v, ok := m.merges[pairKey(syms[p].id, cur.id)]; ok {
-				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(p), uint32(v)})
+			if v, ok := m.merges.get(pairKey(syms[p].id, cur.id)); ok {
+				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(p), uint32(v), syms[p].id, cur.id})
 			}
 		}
 		if nx := cur.next; nx >= 0 {
-			if v, ok := m.merges[pairKey(cur.id, syms[nx].id)]; ok {
-				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(pos), uint32(v)})
+			if v, ok := m.merges.get(pairKey(cur.id, syms[nx].id)); ok {
+				h = heapPush(h, mergeEntry{v&^0xFFFFFFFF | uint64(pos), uint32(v), cur.id, syms[nx].id})
 			}
 		}
 	}

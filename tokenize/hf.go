@@ -223,7 +223,7 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 	if err != nil {
 		return nil, err
 	}
-	m.merges = make(map[uint64]uint64, len(pairs))
+	m.merges = newMergeTable(len(pairs))
 	for rank, p := range pairs {
 		a, okA := j.Vocab[p[0]]
 		b, okB := j.Vocab[p[1]]
@@ -238,7 +238,7 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 		if !ok {
 			return nil, fmt.Errorf("tokenize: model: merge %d (%q %q) makes a token missing from the vocabulary", rank, p[0], p[1])
 		}
-		m.merges[pairKey(a, b)] = uint64(rank)<<32 | uint64(merged)
+		m.merges.set(pairKey(a, b), uint64(rank)<<32|uint64(merged))
 	}
 	m.vocab = j.Vocab
 	if byteLevel {
