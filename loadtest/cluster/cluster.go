@@ -58,7 +58,7 @@ type Cluster struct {
 
 // Start launches the fleet and returns once every router lists every
 // replica online, or stops whatever it started and returns the error.
-func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
+func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 	if cfg.Replicas <= 0 || cfg.Routers <= 0 {
 		return nil, fmt.Errorf("cluster: need at least one replica and one router, got %d and %d", cfg.Replicas, cfg.Routers)
 	}
@@ -87,12 +87,11 @@ func Start(ctx context.Context, cfg Config) (c *Cluster, err error) {
 	if _, err := rand.Read(id); err != nil {
 		return nil, err
 	}
-	c = &Cluster{cfg: cfg, RunID: fmt.Sprintf("%x", id)}
+	c := &Cluster{cfg: cfg, RunID: fmt.Sprintf("%x", id)}
 	c.env = childEnv(os.Environ(), c.RunID)
 	defer func() {
 		if err != nil {
 			c.Stop()
-			c = nil
 		}
 	}()
 	ctx, cancel := context.WithTimeout(ctx, cfg.ReadyTimeout)
