@@ -24,6 +24,10 @@
 //   - decoded messages (and tools arrays) are kept in a process-wide LRU
 //     keyed by their exact JSON bytes (64 MiB), so a growing conversation
 //     decodes only its new turns;
+//   - assistant tool calls are normalised as vLLM does before rendering
+//     (function.arguments sent as a JSON string becomes a mapping, invalid
+//     or missing arguments become {}, an empty tool_calls list is dropped),
+//     since that is what the engine renders;
 //   - raise_exception yields a *TemplateError carrying the template's message;
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does.
@@ -37,9 +41,10 @@
 // that recurses without end overflows the stack. Templates that would raise
 // a Python TypeError (str + None) may render instead of failing (vLLM
 // rejects such requests, so nothing is routed wrongly). Messages are passed
-// to the template as sent; vLLM's own request normalisation (parsing
-// tool-call arguments from JSON strings, flattening text content parts for
-// "string"-format templates, dropping unknown fields) is the caller's job.
+// to the template as sent apart from the tool-call normalisation above; the
+// rest of vLLM's request parsing (flattening text content parts for
+// "string"-format templates, dropping unknown message fields) is the
+// caller's job.
 package chattemplate
 
 import (
@@ -230,6 +235,9 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 
 	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
+		return nil, nil, err
+	}
+	if err := normalizeToolCalls(msgs.AsList()); err != nil {
 		return nil, nil, err
 	}
 	vars["messages"] = msgs
