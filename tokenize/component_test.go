@@ -100,9 +100,11 @@ func tokens(tok *HF, ids []uint32) []string {
 	for s, v := range tok.model.vocab {
 		inv[v&^selfMerging] = s
 	}
-	if tok.added != nil {
-		for _, a := range tok.added.tokens {
-			inv[a.ID] = a.Content
+	for _, m := range []*addedMatcher{tok.added, tok.addedNorm} {
+		if m != nil {
+			for _, a := range m.tokens {
+				inv[a.ID] = a.Content
+			}
 		}
 	}
 	out := make([]string, len(ids))
@@ -324,4 +326,16 @@ func FuzzLoad(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A normalized added token is matched after normalization, against its own
+// normalized content.
+func TestNormalizedAddedToken(t *testing.T) {
+	tok := charTokenizer(t, "abcx", nil, nil, map[string]string{
+		"normalizer":   `{"type":"Lowercase"}`,
+		"added_tokens": `[{"id":90,"content":"ABC","normalized":true},{"id":91,"content":"X","normalized":false}]`,
+	})
+	if got, want := encodeTokens(t, tok, "aAbCXx", false), []string{"a", "abc", "X", "x"}; !slices.Equal(got, want) {
+		t.Errorf("got %q, want %q", got, want)
+	}
 }

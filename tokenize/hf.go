@@ -148,6 +148,13 @@ func (t *HF) setAddedTokens(tokens []addedToken) error {
 	var raw, normed []addedToken
 	for _, a := range tokens {
 		if a.Normalized && t.normalize != nil {
+			// HF matches these on normalized text, against their normalized
+			// content.
+			content, err := t.normalize.normalize(a.Content)
+			if err != nil {
+				return err
+			}
+			a.Content = content
 			normed = append(normed, a)
 		} else {
 			raw = append(raw, a)

@@ -1,0 +1,68 @@
+package tokenize
+
+import (
+	"slices"
+	"sync"
+	"testing"
+)
+
+// TestConcurrentEncodesAgreeWithGolden encodes every golden case from
+// several goroutines at once, three times over, so later rounds come from
+// the segment and piece caches. Run with -race.
+func TestConcurrentEncodesAgreeWithGolden(t *testing.T) {
+	for _, model := range []string{"qwen2.5", "llama2-auto"} {
+		tok, g := goldenVariant(t, model, "small-caches", WithSegmentCacheBytes(64<<10))
+		var wg sync.WaitGroup
+		errs := make(chan string, 8)
+		for w := 0; w < 4; w++ {
+			wg.Add(1)
+			go func(w int) {
+				defer wg.Done()
+				for round := 0; round < 3; round++ {
+					for k := range g.Encode {
+						c := g.Encode[(k+w*31)%len(g.Encode)]
+						got, err := tok.Encode(c.Text, c.AddSpecialTokens)
+						if err != nil || !slices.Equal(got, c.IDs) {
+							select {
+							case errs <- model + "/" + c.ID:
+							default:
+							}
+							return
+						}
+					}
+				}
+			}(w)
+		}
+		wg.Wait()
+		close(errs)
+		for id := range errs {
+			t.Errorf("%s: concurrent encode differs from golden", id)
+		}
+	}
+}
+
+func TestSegmentCacheEvictsByBytes(t *testing.T) {
+	c := newSegmentCache(8 * 1024)
+	ids := make([]uint32, 100)
+	for k := 0; k < 1000; k++ {
+		c.put(string(rune('a'+k%26))+string(make([]byte, 100+k)), k%2 == 0, ids)
+	}
+	var total int64
+	for i := range c.shards {
+		sh := &c.shards[i]
+		if sh.bytes > sh.max {
+			t.Fatalf("shard %d holds %d bytes, bound %d", i, sh.bytes, sh.max)
+		}
+		n := 0
+		for e := sh.head.next; e != &sh.head; e = e.next {
+			n++
+		}
+		if n != len(sh.m) {
+			t.Fatalf("shard %d: list has %d entries, map %d", i, n, len(sh.m))
+		}
+		total += sh.bytes
+	}
+	if total == 0 {
+		t.Fatal("cache kept nothing")
+	}
+}
