@@ -421,12 +421,17 @@ func (e *Engine) allocate(s *seq, n int) bool {
 		for i := start; i < full; i++ {
 			e.pool.cache(s.blocks[i], s.hashes[i])
 		}
+		// Field for field what vLLM v0.26 sends for a text-only request on
+		// a full-attention model (kv-events.md §1.7a).
 		ev := kvevents.Event{
 			Kind:        kvevents.KindBlockStored,
 			BlockHashes: s.hashes[start:full:full],
 			TokenIDs:    s.tokens[start*e.cfg.BlockSize : full*e.cfg.BlockSize : full*e.cfg.BlockSize],
 			BlockSize:   e.cfg.BlockSize,
 			Medium:      "GPU",
+			HasGroupIdx: true,
+			SpecKind:    "full_attention",
+			ExtraKeys:   nilExtraKeys(full - start),
 		}
 		if start > 0 {
 			ev.ParentHash, ev.HasParent = s.hashes[start-1], true
@@ -489,6 +494,24 @@ func (e *Engine) parentHash(s *seq) uint64 {
 		return e.cfg.HashSeed
 	}
 	return s.hashes[len(s.hashes)-1]
+}
+
+// nilExtraKeys is the msgpack of vLLM's extra_keys for n blocks without
+// LoRA, multimodal inputs or cache salt: a list of n nils.
+func nilExtraKeys(n int) []byte {
+	var b []byte
+	switch {
+	case n < 16:
+		b = append(make([]byte, 0, 1+n), 0x90|byte(n))
+	case n < 1<<16:
+		b = append(make([]byte, 0, 3+n), 0xdc, byte(n>>8), byte(n))
+	default:
+		b = append(make([]byte, 0, 5+n), 0xdd, byte(n>>24), byte(n>>16), byte(n>>8), byte(n))
+	}
+	for range n {
+		b = append(b, 0xc0)
+	}
+	return b
 }
 
 // mix is splitmix64 of seed+i: cheap, deterministic output tokens.

@@ -157,6 +157,10 @@ func TestLongestResidentPrefixIsReused(t *testing.T) {
 	if !ev.HasParent || ev.ParentHash != want[1] || len(ev.BlockHashes) != 3 || ev.BlockHashes[0] != want[2] || ev.BlockHashes[2] != want[4] {
 		t.Fatalf("BlockStored %+v, want blocks 2..4 of %v with parent %x", ev, want, want[1])
 	}
+	// vLLM v0.26's fields for a text-only full-attention model.
+	if !ev.HasGroupIdx || ev.GroupIdx != 0 || ev.SpecKind != "full_attention" || string(ev.ExtraKeys) != "\x93\xc0\xc0\xc0" {
+		t.Fatalf("BlockStored group %v/%d, spec kind %q, extra keys % x; want group_idx 0, full_attention, [nil nil nil]", ev.HasGroupIdx, ev.GroupIdx, ev.SpecKind, ev.ExtraKeys)
+	}
 	if len(ev.TokenIDs) != 48 || ev.TokenIDs[0] != b[32] || ev.BlockSize != 16 || ev.Medium != "GPU" {
 		t.Fatalf("BlockStored tokens/size/medium wrong: %d tokens, first %d, size %d, medium %q", len(ev.TokenIDs), ev.TokenIDs[0], ev.BlockSize, ev.Medium)
 	}

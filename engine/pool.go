@@ -136,6 +136,7 @@ func (p *pool) evict(b int32) {
 		Kind:        kvevents.KindBlockRemoved,
 		BlockHashes: []uint64{h},
 		Medium:      "GPU",
+		HasGroupIdx: true,
 	})
 }
 

@@ -2,12 +2,15 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/blockkey"
@@ -73,13 +76,28 @@ func (h *residentHandler) snapshot() (map[uint64]int, int, int) {
 	return m, h.batches, h.cleared
 }
 
-// TestBinaryPublishesEventsOverZMQ runs the command as main does, with a
-// subscriber bound on loopback (a concrete host, so enginesim connects, as
-// vLLM does), and checks the events of real HTTP requests.
+// TestBinaryPublishesEventsOverZMQ runs the command as main does and
+// checks, through kvevents.Subscriber, the events of real HTTP requests:
+// enginesim binding an ipc:// endpoint that the subscriber connects to
+// (vLLM's usual topology, kept off the network), and enginesim connecting
+// to a subscriber bound on loopback.
 func TestBinaryPublishesEventsOverZMQ(t *testing.T) {
-	httpAddr, zmqAddr := freePort(t), freePort(t)
+	t.Run("bind", func(t *testing.T) {
+		ep := "ipc://" + t.TempDir() + "/kv.sock"
+		testEventsOverZMQ(t, ep, kvevents.SubscriberConfig{Endpoint: ep})
+	})
+	t.Run("connect", func(t *testing.T) {
+		addr := "tcp://" + freePort(t)
+		testEventsOverZMQ(t, addr, kvevents.SubscriberConfig{Endpoint: addr, Bind: true})
+	})
+}
+
+func testEventsOverZMQ(t *testing.T, pubEndpoint string, subCfg kvevents.SubscriberConfig) {
+	httpAddr := freePort(t)
 	h := &residentHandler{resident: map[uint64]int{}}
-	sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{Endpoint: "tcp://" + zmqAddr, Bind: true, Topic: "kv@"}, h)
+	subCfg.Topic = "kv@"
+	subCfg.Logger = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.WarnLevel)
+	sub := kvevents.NewSubscriber(subCfg, h)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	subDone := make(chan struct{})
@@ -88,7 +106,7 @@ func TestBinaryPublishesEventsOverZMQ(t *testing.T) {
 	runErr := make(chan error, 1)
 	go func() {
 		runErr <- run(ctx, []string{"--listen", httpAddr, "--model", "sim", "--time-scale", "0", "--kv-blocks", "512",
-			"--max-model-len", "4096", "--kv-events", "tcp://" + zmqAddr, "--kv-topic", "kv@sim", "--log-level", "warn"})
+			"--max-model-len", "4096", "--kv-events", pubEndpoint, "--kv-topic", "kv@sim", "--log-level", "warn"})
 	}()
 	client := &fasthttp.HostClient{Addr: httpAddr}
 	post := func(path, body string) (int, string) {
@@ -107,18 +125,22 @@ func TestBinaryPublishesEventsOverZMQ(t *testing.T) {
 	// before the connection is up: warm up until events arrive, then reset
 	// so what follows is exact.
 	deadline := time.Now().Add(10 * time.Second)
+	warm := 0
 	for {
 		select {
 		case err := <-runErr:
 			t.Fatalf("enginesim exited: %v", err)
 		default:
 		}
-		post("/v1/completions", `{"prompt":"warm up the event path with a prompt of more than sixteen tokens so that one block fills","max_tokens":2}`)
+		// A new prompt each time: a repeat would hit the cache and store
+		// nothing new.
+		warm++
+		code, body := post("/v1/completions", fmt.Sprintf(`{"prompt":"warm up %d the event path with a prompt of more than sixteen tokens so that one block fills","max_tokens":2}`, warm))
 		if _, n, _ := h.snapshot(); n > 0 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("no KV events arrived within 10 s")
+			t.Fatalf("no KV events arrived within 10 s; subscriber %+v; last completion %d %s", sub.Stats(), code, body)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
