@@ -3,6 +3,7 @@ package engine
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -346,7 +347,9 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := newRecorder()
-	live := map[uint64]bool{}
+	live := map[uint64]int{} // id → max tokens
+	var liveIDs []uint64     // add order, for deterministic aborts
+	got := map[uint64]int{}  // tokens received
 	var prompts [][]uint32
 	var next uint64
 	maxCopies := 0
@@ -362,16 +365,24 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 				p, seed = prompts[rng.IntN(len(prompts))], 0
 			}
 			prompts = append(prompts, p)
-			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: 1 + rng.IntN(14), OutputSeed: seed}); err != nil {
+			maxTokens := 1 + rng.IntN(14)
+			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: maxTokens, OutputSeed: seed}); err != nil {
 				t.Fatal(err)
 			}
-			live[next] = true
+			live[next] = maxTokens
+			liveIDs = append(liveIDs, next)
 		}
 		if rng.IntN(50) == 0 {
-			for id := range live {
-				e.Abort(id)
-				delete(live, id)
-				break
+			for len(liveIDs) > 0 {
+				id := liveIDs[rng.IntN(len(liveIDs))]
+				liveIDs = slices.DeleteFunc(liveIDs, func(x uint64) bool { return x == id })
+				if _, ok := live[id]; ok {
+					if !e.Abort(id) {
+						t.Fatalf("step %d: live request %d unknown to Abort", i, id)
+					}
+					delete(live, id)
+					break
+				}
 			}
 		}
 		res := e.Step(float64(i))
@@ -381,7 +392,18 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 			}
 		}
 		for _, o := range res.Outputs {
+			if o.HasToken {
+				got[o.ID]++
+			}
+			if o.First != (got[o.ID] == 1) || o.Generated != got[o.ID] {
+				t.Fatalf("step %d: request %d output %+v after %d tokens", i, o.ID, o, got[o.ID])
+			}
 			if o.Finished != NotFinished {
+				// Preempted or not, a request ends with exactly its
+				// max_tokens outputs.
+				if got[o.ID] != live[o.ID] {
+					t.Fatalf("step %d: request %d finished with %d tokens, want %d", i, o.ID, got[o.ID], live[o.ID])
+				}
 				delete(live, o.ID)
 			}
 		}
