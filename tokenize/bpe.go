@@ -17,6 +17,10 @@ type bpeModel struct {
 	// are the raw bytes the token stands for (the GPT-2 byte-to-char map
 	// undone), so pieces never need remapping.
 	vocab map[string]uint32
+	// short holds the vocab entries of at most 7 bytes packed into integer
+	// keys (shortKey): most pieces are that short, and an integer probe is
+	// a cache miss cheaper than a string map lookup.
+	short *mergeTable
 	// merges maps a pair of ids (a<<32|b) to rank<<32|merged id.
 	merges    *mergeTable
 	byteLevel bool
@@ -183,11 +187,47 @@ func (m *bpeModel) appendPiece(dst []uint32, piece string, sc *bpeScratch) []uin
 	return dst
 }
 
+// shortKey packs a piece of 1 to 7 bytes and its length into a key that can
+// never be emptyKey.
+func shortKey(s string) uint64 {
+	k := uint64(len(s)) << 56
+	for i := 0; i < len(s); i++ {
+		k |= uint64(s[i]) << (8 * i)
+	}
+	return k
+}
+
+// lookup finds a piece in the vocabulary (the value carries selfMerging).
+func (m *bpeModel) lookup(piece string) (uint32, bool) {
+	if len(piece) <= 7 && m.short != nil {
+		v, ok := m.short.get(shortKey(piece))
+		return uint32(v), ok
+	}
+	v, ok := m.vocab[piece]
+	return v, ok
+}
+
+// indexShort builds the short-piece table; call after vocab is final.
+func (m *bpeModel) indexShort() {
+	n := 0
+	for tok := range m.vocab {
+		if tok != "" && len(tok) <= 7 {
+			n++
+		}
+	}
+	m.short = newMergeTable(n)
+	for tok, v := range m.vocab {
+		if tok != "" && len(tok) <= 7 {
+			m.short.set(shortKey(tok), uint64(v))
+		}
+	}
+}
+
 func (m *bpeModel) appendPieceSlow(dst []uint32, piece string, sc *bpeScratch) []uint32 {
 	if piece == "" {
 		return dst
 	}
-	if v, ok := m.vocab[piece]; ok && (m.ignoreMerges || v&selfMerging != 0) {
+	if v, ok := m.lookup(piece); ok && (m.ignoreMerges || v&selfMerging != 0) {
 		return append(dst, v&^selfMerging)
 	}
 	if m.byteLevel && len(piece) == 1 && m.byteIDs[piece[0]] >= 0 {
@@ -270,7 +310,7 @@ func (m *bpeModel) initial(piece string, sc *bpeScratch) {
 			if m.suffix != "" && end == len(piece) {
 				s += m.suffix
 			}
-			if v, ok := m.vocab[s]; ok {
+			if v, ok := m.lookup(s); ok {
 				hit(v &^ selfMerging)
 			} else {
 				miss(s)

@@ -273,6 +273,7 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 	if !m.ignoreMerges {
 		m.markSelfMerging()
 	}
+	m.indexShort()
 	return m, nil
 }
 
