@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -209,7 +210,17 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *f
 	ctx.SetStatusCode(resp.StatusCode())
 	if !bytes.HasPrefix(resp.Header.ContentType(), []byte("text/event-stream")) {
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
-		body, err := readAll(resp, f.maxBody())
+		// Read straight into the client response's pooled body buffer.
+		ctx.Response.ResetBody()
+		buf := copyBufs.Get().(*[]byte)
+		n, err := io.CopyBuffer(ctx.Response.BodyWriter(), io.LimitReader(resp.BodyStream(), int64(f.maxBody())+1), *buf)
+		copyBufs.Put(buf)
+		if err == io.EOF {
+			err = nil
+		}
+		if err == nil && n > int64(f.maxBody()) {
+			err = errBodyTooLarge
+		}
 		if err != nil {
 			_ = resp.BodyStream().(fasthttp.ReadCloserWithError).CloseWithError(err)
 			res.Err = err
@@ -217,8 +228,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *f
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "reading upstream response: "+err.Error())
 		} else {
 			_ = resp.CloseBodyStream()
-			res.PromptTokens, res.CachedTokens = usageFromBody(body)
-			ctx.SetBody(body)
+			res.PromptTokens, res.CachedTokens = usageFromBody(ctx.Response.Body())
 		}
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
@@ -246,6 +256,8 @@ func (f *Forwarder) maxBody() int {
 	}
 	return 64 << 20
 }
+
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
 
 // errBodyTooLarge reports an upstream answer over the buffering limit.
 var errBodyTooLarge = errors.New("proxy: upstream response over the size limit")

@@ -3,6 +3,7 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"fmt"
 	"testing"
 )
 
@@ -39,6 +40,20 @@ func FuzzWriteEvents(f *testing.F) {
 		_ = w.Flush()
 		if out.Len() > len(in) {
 			t.Fatalf("stripping grew the stream")
+		}
+	})
+}
+
+// FuzzUsageFromBody: any body is safe, and a body ending in a usage object
+// yields exactly its numbers.
+func FuzzUsageFromBody(f *testing.F) {
+	f.Add([]byte(`{"choices":[{"text":"\"usage\":{"}]}`), uint16(12), uint16(7))
+	f.Fuzz(func(t *testing.T, prefix []byte, prompt, cached uint16) {
+		usageFromBody(prefix)
+		body := fmt.Sprintf(`{"x":%q,"usage":{"prompt_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`, prefix, prompt, cached)
+		p, c := usageFromBody([]byte(body))
+		if p != int(prompt) || c != int(cached) {
+			t.Fatalf("%s: got %d,%d", body, p, c)
 		}
 	})
 }

@@ -28,28 +28,88 @@ func (u *usageJSON) values() usage {
 	return out
 }
 
-// usageFromBody reads usage from a non-streamed completion. Engines put
-// usage last, so the fast path decodes only from its key on; a body where
-// that fails is decoded whole. Returns -1s when there is none.
+// usageFromBody reads usage from a non-streamed completion without decoding
+// the whole body: engines put usage last, so it finds the last "usage" key
+// and reads the two numbers from that object. Returns -1 for what is absent.
 func usageFromBody(body []byte) (prompt, cached int) {
-	if i := bytes.LastIndex(body, usageKey); i >= 0 {
-		rest := bytes.TrimLeft(body[i+len(usageKey):], " \t\r\n")
-		if len(rest) > 0 && rest[0] == ':' {
-			var u usageJSON
-			if json.NewDecoder(bytes.NewReader(rest[1:])).Decode(&u) == nil {
-				v := u.values()
-				return v.prompt, v.cached
+	i := bytes.LastIndex(body, usageKey)
+	if i < 0 {
+		return -1, -1
+	}
+	rest := bytes.TrimLeft(body[i+len(usageKey):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return -1, -1
+	}
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	end := objectEnd(rest)
+	if end < 0 {
+		return -1, -1
+	}
+	obj := rest[:end]
+	return intField(obj, promptTokensKey), intField(obj, cachedTokensKey)
+}
+
+var (
+	promptTokensKey = []byte(`"prompt_tokens"`)
+	cachedTokensKey = []byte(`"cached_tokens"`)
+)
+
+// objectEnd returns the length of the JSON object b starts with, or -1.
+func objectEnd(b []byte) int {
+	if len(b) == 0 || b[0] != '{' {
+		return -1
+	}
+	depth, inString := 0, false
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		if inString {
+			switch c {
+			case '\\':
+				i++
+			case '"':
+				inString = false
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inString = true
+		case '{', '[':
+			depth++
+		case '}', ']':
+			depth--
+			if depth == 0 {
+				return i + 1
 			}
 		}
 	}
-	var whole struct {
-		Usage *usageJSON `json:"usage"`
+	return -1
+}
+
+// intField returns the non-negative integer value of key in obj, -1 when
+// absent, null or not an integer.
+func intField(obj, key []byte) int {
+	i := bytes.Index(obj, key)
+	if i < 0 {
+		return -1
 	}
-	if json.Unmarshal(body, &whole) != nil || whole.Usage == nil {
-		return -1, -1
+	rest := bytes.TrimLeft(obj[i+len(key):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return -1
 	}
-	v := whole.Usage.values()
-	return v.prompt, v.cached
+	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	n, digits := 0, 0
+	for _, c := range rest {
+		if c < '0' || c > '9' || digits > 12 {
+			break
+		}
+		n = n*10 + int(c-'0')
+		digits++
+	}
+	if digits == 0 {
+		return -1
+	}
+	return n
 }
 
 // parseUsageChunk decodes a stream chunk carrying usage. usageOnly is true

@@ -1,0 +1,255 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// The proxy benchmark compares the router with nginx as a plain keep-alive
+// reverse proxy in front of the same upstream, side by side in one run:
+// rounds alternate between the two so that noise from other tenants of the
+// machine hits both alike. `make bench-proxy` runs it.
+
+const benchCompletion = `{"id":"cmpl-1","object":"text_completion","created":1,"model":"bench","choices":[{"index":0,"text":" world","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}`
+
+// upstream serves a fixed small completion, as a warm engine answering a
+// one-token request would.
+func upstream(tb testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	srv := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(benchCompletion)
+	}}
+	go func() { _ = srv.Serve(ln) }()
+	tb.Cleanup(func() { _ = srv.Shutdown() })
+	return ln.Addr().String()
+}
+
+func freeAddr(tb testing.TB) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// routerBinary returns KVMESH_BENCH_ROUTER_BIN or builds the router.
+func routerBinary(tb testing.TB) string {
+	if p := os.Getenv("KVMESH_BENCH_ROUTER_BIN"); p != "" {
+		return p
+	}
+	out := filepath.Join(tb.TempDir(), "router")
+	cmd := exec.Command("go", "build", "-o", out, ".")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		tb.Fatalf("building the router: %v\n%s", err, b)
+	}
+	return out
+}
+
+// start runs a process until the test ends, killing its process group.
+func start(tb testing.TB, name string, args ...string) *exec.Cmd {
+	cmd := exec.Command(name, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		_ = cmd.Wait()
+	})
+	return cmd
+}
+
+func waitListening(tb testing.TB, addr string) {
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if c, err := net.Dial("tcp", addr); err == nil {
+			_ = c.Close()
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	tb.Fatalf("nothing listens on %s", addr)
+}
+
+func startNginx(tb testing.TB, up string) (string, bool) {
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		for _, p := range []string{"/usr/sbin/nginx", "/usr/local/sbin/nginx"} {
+			if _, err := os.Stat(p); err == nil {
+				bin = p
+			}
+		}
+	}
+	if bin == "" {
+		return "", false
+	}
+	dir := tb.TempDir()
+	addr := freeAddr(tb)
+	conf := fmt.Sprintf(`worker_processes auto;
+daemon off;
+pid %[1]s/nginx.pid;
+error_log %[1]s/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path %[1]s/body;
+  proxy_temp_path %[1]s/proxy;
+  fastcgi_temp_path %[1]s/fastcgi;
+  uwsgi_temp_path %[1]s/uwsgi;
+  scgi_temp_path %[1]s/scgi;
+  upstream engine { server %[2]s; keepalive 256; }
+  server {
+    listen %[3]s;
+    client_max_body_size 64m;
+    location / {
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+`, dir, up, addr)
+	path := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+		tb.Fatal(err)
+	}
+	start(tb, bin, "-c", path, "-p", dir)
+	waitListening(tb, addr)
+	return addr, true
+}
+
+type loadResult struct {
+	requests int64
+	failed   int64
+	elapsed  time.Duration
+	lat      []time.Duration
+}
+
+// load sends small non-streamed completions over conns keep-alive
+// connections for d.
+func load(addr string, conns int, d time.Duration) loadResult {
+	hc := &fasthttp.HostClient{Addr: addr, MaxConns: conns}
+	body := []byte(`{"model":"bench","prompt":"hello world","max_tokens":1}`)
+	var n, failed atomic.Int64
+	lats := make([][]time.Duration, conns)
+	var wg sync.WaitGroup
+	stop := time.Now().Add(d)
+	t0 := time.Now()
+	for w := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+			defer fasthttp.ReleaseRequest(req)
+			defer fasthttp.ReleaseResponse(resp)
+			for time.Now().Before(stop) {
+				req.Reset()
+				req.SetRequestURI("http://" + addr + "/v1/completions")
+				req.Header.SetMethod("POST")
+				req.Header.SetContentType("application/json")
+				req.SetBodyRaw(body)
+				s := time.Now()
+				if err := hc.DoTimeout(req, resp, 5*time.Second); err != nil || resp.StatusCode() != 200 {
+					failed.Add(1)
+					continue
+				}
+				lats[w] = append(lats[w], time.Since(s))
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	r := loadResult{requests: n.Load(), failed: failed.Load(), elapsed: time.Since(t0)}
+	for _, l := range lats {
+		r.lat = append(r.lat, l...)
+	}
+	return r
+}
+
+func quantile(d []time.Duration, q float64) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	slices.Sort(d)
+	return d[int(q*float64(len(d)-1))]
+}
+
+// BenchmarkProxyVsNginx reports requests/s and latency of the router and
+// of nginx over the same upstream, and their ratio (router/nginx). Each
+// b.N iteration is one round of both; set KVMESH_BENCH_ROUND (default 2s)
+// and KVMESH_BENCH_CONNS (default 64).
+func BenchmarkProxyVsNginx(b *testing.B) {
+	up := upstream(b)
+	nginx, ok := startNginx(b, up)
+	if !ok {
+		b.Skip("nginx not installed (apt-get install -y nginx-light)")
+	}
+	routerAddr := freeAddr(b)
+	start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
+		"--tokenizer", "*=builtin", "--log-level", "warn")
+	waitListening(b, routerAddr)
+	round := 2 * time.Second
+	if v, err := time.ParseDuration(os.Getenv("KVMESH_BENCH_ROUND")); err == nil {
+		round = v
+	}
+	conns := 64
+	if v := os.Getenv("KVMESH_BENCH_CONNS"); v != "" {
+		_, _ = fmt.Sscan(v, &conns)
+	}
+	// Warm both (connection pools, page cache).
+	load(routerAddr, conns, 300*time.Millisecond)
+	load(nginx, conns, 300*time.Millisecond)
+	var rt, ng loadResult
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, target := range []struct {
+			addr string
+			acc  *loadResult
+		}{{routerAddr, &rt}, {nginx, &ng}} {
+			r := load(target.addr, conns, round)
+			target.acc.requests += r.requests
+			target.acc.failed += r.failed
+			target.acc.elapsed += r.elapsed
+			target.acc.lat = append(target.acc.lat, r.lat...)
+		}
+	}
+	b.StopTimer()
+	rps := func(r loadResult) float64 { return float64(r.requests) / r.elapsed.Seconds() }
+	b.ReportMetric(rps(rt), "router-req/s")
+	b.ReportMetric(rps(ng), "nginx-req/s")
+	b.ReportMetric(rps(rt)/rps(ng), "ratio")
+	b.ReportMetric(float64(quantile(rt.lat, 0.5).Microseconds()), "router-p50-µs")
+	b.ReportMetric(float64(quantile(ng.lat, 0.5).Microseconds()), "nginx-p50-µs")
+	b.ReportMetric(float64(quantile(rt.lat, 0.99).Microseconds()), "router-p99-µs")
+	b.ReportMetric(float64(quantile(ng.lat, 0.99).Microseconds()), "nginx-p99-µs")
+	if rt.failed+ng.failed > 0 {
+		b.Errorf("failed requests: router %d, nginx %d", rt.failed, ng.failed)
+	}
+}
+
+var (
+	_ = bufio.NewReader
+	_ = context.Background
+	_ = strings.Contains
+)
