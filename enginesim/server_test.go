@@ -585,3 +585,37 @@ func BenchmarkRequestParallel(b *testing.B) {
 	b.ReportMetric(float64((processCPU()-cpu).Microseconds())/float64(b.N), "cpu-µs/req")
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 }
+
+// BenchmarkHandler is enginesim's own work per request without the
+// network: parse, tokenize, hand-off to the engine loop, the engine steps,
+// and the JSON response, at time scale 0.
+func BenchmarkHandler(b *testing.B) {
+	for _, maxTokens := range []int{1, 16} {
+		b.Run(fmt.Sprintf("max_tokens=%d", maxTokens), func(b *testing.B) {
+			srv, err := New(Config{Model: "sim", Tokenizer: tokenize.Builtin{}, Engine: engine.Config{
+				BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 8192, Cost: engine.DefaultCost}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			go srv.Run(ctx)
+			body := benchBody(maxTokens)
+			var rc fasthttp.RequestCtx
+			b.ReportAllocs()
+			cpu := processCPU()
+			for b.Loop() {
+				rc.Request.Reset()
+				rc.Response.Reset()
+				rc.Request.SetRequestURI("/v1/completions")
+				rc.Request.Header.SetMethod("POST")
+				rc.Request.SetBody(body)
+				srv.Handler(&rc)
+				if rc.Response.StatusCode() != 200 {
+					b.Fatalf("status %d: %s", rc.Response.StatusCode(), rc.Response.Body())
+				}
+			}
+			b.ReportMetric(float64((processCPU()-cpu).Microseconds())/float64(b.N), "cpu-µs/req")
+		})
+	}
+}
