@@ -57,7 +57,7 @@ func TestMayMutateInput(t *testing.T) {
 		`{{ messages | reverse | list }}`:                                                                   false,
 	}
 	for src, want := range cases {
-		pre, err := preprocess(src)
+		pre, _, err := preprocess(src, false)
 		if err != nil {
 			t.Fatal(err)
 		}

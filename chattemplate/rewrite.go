@@ -22,17 +22,17 @@ import (
 //   - filters jinja gets wrong are renamed (see overriddenFilters), and
 //     every printed expression goes through Python's str() (jinja prints
 //     1.0 as "1" and None as "").
-func preprocess(src string) (string, error) {
+func preprocess(src string, direct bool) (code string, captures bool, err error) {
 	src = foldNewlines(src)
-	var out strings.Builder
-	out.Grow(len(src) + len(src)/4)
+	w := &emitter{direct: direct}
+	w.out.Grow(len(src) + len(src)/4)
 	pos := 0
 	lineStarting := true // did the previous token end with "\n"?
 	for {
 		open := nextOpener(src, pos)
 		if open < 0 {
-			emitText(&out, src[pos:])
-			return out.String(), nil
+			w.text(src[pos:])
+			return w.out.String(), captures, nil
 		}
 		kind := src[open+1] // '{', '%' or '#'
 		body := open + 2
@@ -41,13 +41,12 @@ func preprocess(src string) (string, error) {
 			sign = src[body]
 			body++
 		}
-		text := leftStrip(src[pos:open], sign, kind != '{', lineStarting)
-		emitText(&out, text)
+		w.text(leftStrip(src[pos:open], sign, kind != '{', lineStarting))
 
 		if kind == '#' {
 			end := strings.Index(src[body:], "#}")
 			if end < 0 {
-				return "", syntaxError(src, open, "unclosed comment")
+				return "", false, syntaxError(src, open, "unclosed comment")
 			}
 			end += body
 			closeSign := byte(0)
@@ -64,7 +63,7 @@ func preprocess(src string) (string, error) {
 		}
 		end, ok := findCloser(src, body, closer)
 		if !ok {
-			return "", syntaxError(src, open, "unclosed tag")
+			return "", false, syntaxError(src, open, "unclosed tag")
 		}
 		content := src[body:end]
 		closeSign := byte(0)
@@ -82,27 +81,26 @@ func preprocess(src string) (string, error) {
 			rawStart := after
 			endOpen, endSign, endClose, closeEnd, found := findEndraw(src, rawStart)
 			if !found {
-				return "", syntaxError(src, open, "missing endraw")
+				return "", false, syntaxError(src, open, "missing endraw")
 			}
 			rawLineStarting := after > 0 && src[after-1] == '\n'
-			emitText(&out, leftStrip(src[rawStart:endOpen], endSign, true, rawLineStarting))
+			w.text(leftStrip(src[rawStart:endOpen], endSign, true, rawLineStarting))
 			pos, lineStarting = rightStrip(src, closeEnd, endClose, true)
 			continue
 		}
 
-		code := rewriteCode(content)
-		switch {
-		case kind == '{' && !isStringLiteral(code):
-			// jinja prints values Go-style (1.0 as "1", None as ""); route
-			// every printed value through Python's str() instead.
-			out.WriteString("{{ (")
-			out.WriteString(code)
-			out.WriteString(") | " + pyStrFilterName + " }}")
-		default:
-			out.WriteString("{")
-			out.WriteByte(kind)
-			out.WriteString(code)
-			out.WriteString(closer)
+		if kind == '{' {
+			w.expr(rewriteCode(content))
+		} else {
+			switch stmtKeyword(content) {
+			case "macro", "call", "filter":
+				captures = true
+			case "set":
+				captures = captures || !strings.Contains(content, "=")
+			}
+			w.out.WriteString("{%")
+			w.out.WriteString(rewriteCode(content))
+			w.out.WriteString("%}")
 		}
 		pos, lineStarting = rightStrip(src, after, closeSign, kind == '%')
 	}
@@ -224,15 +222,55 @@ func skipSpace(src string, pos int) int {
 	return pos
 }
 
-// emitText writes text as a string literal expression.
-func emitText(out *strings.Builder, text string) {
+// emitter writes preprocessed template source. Normally text becomes
+// {{ 'text' }} and each expression {{ (expr) | kvmesh_str__ }}. In direct
+// mode every piece of output instead goes through kvmesh_emit__(...), which
+// appends to a buffer Render pre-sizes: jinja's own output builder starts
+// empty and doubles, which for a 130 KB prompt copied and allocated several
+// times the prompt. Direct mode is only used when no construct captures
+// output (macros, call and filter blocks, {% set x %} blocks).
+type emitter struct {
+	out    strings.Builder
+	direct bool
+}
+
+func (w *emitter) text(text string) {
 	if text == "" {
 		return
 	}
-	out.WriteString("{{ ")
-	writeJinjaString(out, text)
-	out.WriteString(" }}")
+	if w.direct {
+		w.out.WriteString("{{ " + emitFuncName + "(")
+		writeJinjaString(&w.out, text)
+		w.out.WriteString(") }}")
+		return
+	}
+	w.out.WriteString("{{ ")
+	writeJinjaString(&w.out, text)
+	w.out.WriteString(" }}")
 }
+
+func (w *emitter) expr(code string) {
+	switch {
+	case w.direct:
+		w.out.WriteString("{{ " + emitFuncName + "((")
+		w.out.WriteString(code)
+		w.out.WriteString(")) }}")
+	case isStringLiteral(code):
+		w.out.WriteString("{{")
+		w.out.WriteString(code)
+		w.out.WriteString("}}")
+	default:
+		// jinja prints values Go-style (1.0 as "1", None as ""); route
+		// every printed value through Python's str() instead.
+		w.out.WriteString("{{ (")
+		w.out.WriteString(code)
+		w.out.WriteString(") | " + pyStrFilterName + " }}")
+	}
+}
+
+// emitFuncName is the per-render variable that appends to the output
+// buffer in direct mode.
+const emitFuncName = "kvmesh_emit__"
 
 func syntaxError(src string, at int, what string) error {
 	line := 1 + strings.Count(src[:at], "\n")

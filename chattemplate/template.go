@@ -65,6 +65,10 @@ type Template struct {
 	// values decodes request JSON; nil (no cache) for templates that could
 	// mutate their input.
 	values *valueCache
+	// direct: all output goes through kvmesh_emit__ into a pre-sized
+	// buffer (see emitter); sourceBytes helps size it.
+	direct      bool
+	sourceBytes int
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -114,21 +118,33 @@ func (e *InputError) Error() string {
 var ErrRender = errors.New("chattemplate: render failed")
 
 // Compile parses a chat template. The source may use CRLF line endings.
-func Compile(src string) (t *Template, err error) {
+func Compile(src string) (*Template, error) {
+	return compile(src, true)
+}
+
+// compile parses src; allowDirect=false forces jinja's own output buffer
+// (tests run both modes).
+func compile(src string, allowDirect bool) (t *Template, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			t, err = nil, fmt.Errorf("chattemplate: compile: template parser panic: %v", r)
 		}
 	}()
-	pre, err := preprocess(src)
+	pre, captures, err := preprocess(src, false)
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
+	}
+	direct := allowDirect && !captures
+	if direct {
+		if pre, _, err = preprocess(src, true); err != nil {
+			return nil, fmt.Errorf("chattemplate: compile: %w", err)
+		}
 	}
 	jt, err := jinja.Compile(pre)
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	t = &Template{tmpl: jt}
+	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre)}
 	if !mayMutateInput(pre) {
 		t.values = sharedValues
 	}
@@ -180,9 +196,26 @@ func (t *Template) Render(in Input) (out string, err error) {
 	if err != nil {
 		return "", err
 	}
+	var buf *strings.Builder
+	if t.direct {
+		buf = new(strings.Builder)
+		buf.Grow(len(in.Messages) + len(in.Tools) + t.sourceBytes + 256)
+		vars[emitFuncName] = jinja.NewCallable("emit", func(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, error) {
+			for _, a := range args {
+				buf.WriteString(pyStr(a))
+			}
+			return jinja.None(), nil
+		})
+	}
 	out, err = t.execute(vars)
 	if err != nil {
 		return "", err
+	}
+	if t.direct {
+		if out != "" { // every output node was rewritten to emit; cannot happen
+			return "", fmt.Errorf("%w: output outside the emit buffer", ErrRender)
+		}
+		out = buf.String()
 	}
 	if in.ContinueFinalMessage {
 		return cutAfterFinalMessage(out, messages)

@@ -56,6 +56,8 @@ var pythonCases = []struct {
 	{"string literal escapes", `{{ '\u00e9|\x41|\r\n|\101|\d|\U0001F600|\\n|\'|\"' }}`, `{}`, "é|A|\r\n|A|\\d|😀|\\n|'|\""},
 	{"line continuation and exponent literals", "{{ \"a\\\nb\" }}|{{ 1e-7 }}|{{ 2E3 }}|{{ 1.5e2 }}", `{}`, "ab|1e-07|2000.0|150.0"},
 	{"format filter", `{{ '%-5s|%5.2f|%03d|%x|%r|%%' | format('ab', 3.14159, 7, 255, 'q') }}`, `{}`, "ab   | 3.14|007|ff|'q'|%"},
+	{"macro and set-block output captured (jinja's own buffer)", "{% macro m(r) %}  <{{ r }}>  {% endmacro %}[{{ m('a') | trim }}]{% set blk %}\n  x {{ 1.0 }}\n{% endset %}({{ blk | trim }})|{{ blk | length }}", `{}`, "[<a>](x 1.0)|8"},
+	{"filter block", "{% filter upper %}abc {{ 'd' }}{% endfilter %}|{% for i in range(2) %}{{ i }}{% endfor %}", `{}`, "ABC D|01"},
 	{"list filter", `{{ {'b': 1, 'a': 2} | list }}|{{ 'hé' | list }}|{{ [1, 2] | list }}`, `{}`, "['b', 'a']|['h', 'é']|[1, 2]"},
 }
 

@@ -3,6 +3,7 @@ package chattemplate
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"sort"
 	"strings"
@@ -26,28 +27,38 @@ func TestJinja2Templates(t *testing.T) {
 		Templates     map[string]string
 		Conversations map[string]json.RawMessage
 		ToolSets      map[string]json.RawMessage `json:"tool_sets"`
-		Cases         []struct {
-			Template, Conv, Tools string
-			AddGenerationPrompt   bool `json:"add_generation_prompt"`
-			Kwargs                json.RawMessage
-			Out, Error            *string
-		}
+		Cases         []templateCase
 	}
 	if err := json.Unmarshal(data, &g); err != nil {
 		t.Fatal(err)
 	}
-	compiled := map[string]*Template{}
-	for name, src := range g.Templates {
-		if compiled[name], err = Compile(src); err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			compiled := map[string]*Template{}
+			for name, src := range g.Templates {
+				if compiled[name], err = compile(src, direct); err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+			}
+			checkTemplates(t, compiled, g.Conversations, g.ToolSets, g.Cases)
+		})
 	}
+}
+
+type templateCase struct {
+	Template, Conv, Tools string
+	AddGenerationPrompt   bool `json:"add_generation_prompt"`
+	Kwargs                json.RawMessage
+	Out, Error            *string
+}
+
+func checkTemplates(t *testing.T, compiled map[string]*Template, convs, toolSets map[string]json.RawMessage, cases []templateCase) {
 	pass, lenient, total := map[string]int{}, map[string]int{}, map[string]int{}
-	for _, c := range g.Cases {
+	for _, c := range cases {
 		total[c.Template]++
 		got, err := compiled[c.Template].Render(Input{
-			Messages:            g.Conversations[c.Conv],
-			Tools:               g.ToolSets[c.Tools],
+			Messages:            convs[c.Conv],
+			Tools:               toolSets[c.Tools],
 			Kwargs:              c.Kwargs,
 			AddGenerationPrompt: c.AddGenerationPrompt,
 			BOSToken:            "<s>",

@@ -2,6 +2,7 @@ package chattemplate
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"testing"
 )
@@ -20,9 +21,15 @@ func TestJinja2Whitespace(t *testing.T) {
 	if err := json.Unmarshal(data, &cases); err != nil {
 		t.Fatal(err)
 	}
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) { checkWhitespace(t, cases, direct) })
+	}
+}
+
+func checkWhitespace(t *testing.T, cases []struct{ Src, Want string }, direct bool) {
 	fails := 0
 	for i, c := range cases {
-		tmpl, err := Compile(c.Src)
+		tmpl, err := compile(c.Src, direct)
 		if err != nil {
 			t.Errorf("case %d: compile %q: %v", i, c.Src, err)
 			fails++
