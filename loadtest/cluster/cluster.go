@@ -138,7 +138,9 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		}
 	}
 
+	// Router 0 is the gossip seed: it must listen before anyone joins it.
 	var seed string
+	var gossipAddrs []string
 	for i := range cfg.Routers {
 		port, err := ports.tcp()
 		if err != nil {
@@ -157,15 +159,21 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		}
 		if seed != "" {
 			args = append(args, "--join", seed)
-		} else {
-			seed = gaddr
 		}
 		if err := c.start(fmt.Sprintf("router-%d", i), "router", append(args, cfg.RouterArgs...)); err != nil {
 			return nil, err
 		}
-		c.Routers = append(c.Routers, fmt.Sprintf("http://127.0.0.1:%d", port))
+		url := fmt.Sprintf("http://127.0.0.1:%d", port)
+		c.Routers = append(c.Routers, url)
+		gossipAddrs = append(gossipAddrs, gaddr)
+		if seed == "" {
+			seed = gaddr
+			if err := c.waitHTTP(ctx, url+"/health", nil); err != nil {
+				return nil, err
+			}
+		}
 	}
-	for _, u := range c.Routers {
+	for _, u := range c.Routers[1:] {
 		if err := c.waitHTTP(ctx, u+"/health", nil); err != nil {
 			return nil, err
 		}
@@ -187,7 +195,8 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 			"--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", engineEvents[i]),
 			"--kv-replay", fmt.Sprintf("tcp://127.0.0.1:%d", engineReplay[i]),
 			"--name", name,
-			"--gossip-bind", gaddr, "--gossip-advertise", gaddr, "--join", seed, "--gossip-key", cfg.GossipKey,
+			"--gossip-bind", gaddr, "--gossip-advertise", gaddr, "--gossip-key", cfg.GossipKey,
+			"--join", strings.Join(gossipAddrs, ","),
 			"--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--log-format", "json",
 		}
