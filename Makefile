@@ -4,7 +4,7 @@ BINARIES  := router sidecar enginesim loadtest healthcheck
 FUZZTIME  ?= 10s
 export CGO_ENABLED ?= 0
 
-.PHONY: build test vet fmt-check unit fuzz bench clean
+.PHONY: build test vet fmt-check unit fuzz bench bench-proxy clean
 
 build:
 	@mkdir -p bin
@@ -27,6 +27,10 @@ test: build vet fmt-check unit fuzz
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem ./...
+
+# Router vs nginx keep-alive proxy on one upstream (installs nginx if root).
+bench-proxy:
+	scripts/bench-proxy
 
 clean:
 	rm -rf bin

@@ -1,15 +1,12 @@
 package main
 
 import (
-	"bufio"
-	"context"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -205,9 +202,9 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	if !ok {
 		b.Skip("nginx not installed (apt-get install -y nginx-light)")
 	}
-	routerAddr := freeAddr(b)
+	routerAddr, pprofAddr := freeAddr(b), freeAddr(b)
 	start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
-		"--tokenizer", "*=builtin", "--log-level", "warn")
+		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
 	waitListening(b, routerAddr)
 	round := 2 * time.Second
 	if v, err := time.ParseDuration(os.Getenv("KVMESH_BENCH_ROUND")); err == nil {
@@ -220,6 +217,19 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	// Warm both (connection pools, page cache).
 	load(routerAddr, conns, 300*time.Millisecond)
 	load(nginx, conns, 300*time.Millisecond)
+	if path := os.Getenv("KVMESH_BENCH_PPROF"); path != "" {
+		// A CPU profile of the router under the same load, for digging.
+		done := make(chan struct{})
+		go func() { defer close(done); load(routerAddr, conns, 2500*time.Millisecond) }()
+		status, body, err := fasthttp.GetTimeout(nil, "http://"+pprofAddr+"/debug/pprof/profile?seconds=2", 10*time.Second)
+		<-done
+		if err != nil || status != 200 {
+			b.Fatalf("profile: %v %d", err, status)
+		}
+		if err := os.WriteFile(path, body, 0o644); err != nil {
+			b.Fatal(err)
+		}
+	}
 	var rt, ng loadResult
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
@@ -247,9 +257,3 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 		b.Errorf("failed requests: router %d, nginx %d", rt.failed, ng.failed)
 	}
 }
-
-var (
-	_ = bufio.NewReader
-	_ = context.Background
-	_ = strings.Contains
-)

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"github.com/valyala/fasthttp"
+	"github.com/valyala/fasthttp/pprofhandler"
 
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/fleet"
@@ -30,6 +32,7 @@ type options struct {
 	listen, name                      string
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
+	pprofListen                       string
 	maxBodyBytes                      int
 	drainTimeout                      time.Duration
 	flags                             routerconfig.Flags
@@ -61,6 +64,7 @@ func parse(args []string) (*options, error) {
 	fs.Var(&o.flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
 	fs.IntVar(&o.flags.MaxPrefixTokens, "max-prefix-tokens", 16384, "prompt tokens used for prefix matching")
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
+	fs.StringVar(&o.pprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -128,6 +132,13 @@ func run(args []string) error {
 	ln, err := net.Listen("tcp", o.listen)
 	if err != nil {
 		return err
+	}
+	if o.pprofListen != "" {
+		go func() {
+			if err := fasthttp.ListenAndServe(o.pprofListen, pprofhandler.PprofHandler); err != nil {
+				log.Warn().Err(err).Msg("pprof server")
+			}
+		}()
 	}
 	srv := g.Server(o.maxBodyBytes)
 	served := make(chan error, 1)
