@@ -66,3 +66,31 @@ func TestSegmentCacheEvictsByBytes(t *testing.T) {
 		t.Fatal("cache kept nothing")
 	}
 }
+
+// TestGrowingChatTokenizesOnlyTheNewTurn: after turn 1 is encoded, encoding
+// turns 1+2 tokenizes only the segments turn 2 adds.
+func TestGrowingChatTokenizesOnlyTheNewTurn(t *testing.T) {
+	tok, _ := goldenTokenizer(t, "llama3")
+	turn1 := `[{"role":"system","content":"You are a helpful assistant who answers briefly."},{"role":"user","content":"What is the capital of France, and why is it famous?"}]`
+	turn2 := turn1[:len(turn1)-1] + `,{"role":"assistant","content":"Paris: art, food, history and the Eiffel Tower."},{"role":"user","content":"And which river runs through that city?"}]`
+	_, first, err := tok.EncodeChat(Chat{Messages: []byte(turn1), AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := tok.segmentMisses.Load()
+	_, second, err := tok.EncodeChat(Chat{Messages: []byte(turn2), AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// New segments long enough to cache: the assistant and user contents.
+	if misses := tok.segmentMisses.Load() - before; misses != 2 {
+		t.Fatalf("turn 2 tokenized %d segments afresh, want 2", misses)
+	}
+	if !slices.Equal(second[:len(first)-4], first[:len(first)-4]) {
+		t.Fatal("turn 2 does not extend turn 1")
+	}
+	fresh, _ := goldenVariant(t, "llama3", "nosegcache", WithSegmentCacheBytes(0))
+	if _, want, _ := fresh.EncodeChat(Chat{Messages: []byte(turn2), AddGenerationPrompt: true}); !slices.Equal(second, want) {
+		t.Fatal("cached chat ids differ from an uncached tokenizer's")
+	}
+}

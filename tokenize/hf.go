@@ -8,6 +8,7 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unicode/utf8"
 )
 
@@ -27,6 +28,7 @@ type HF struct {
 	// The post-processor for a single sequence: ids before and after it.
 	postBefore, postAfter []uint32
 	segments              *segmentCache
+	segmentMisses         atomic.Int64 // segments tokenized, not found in the cache
 	encoders              sync.Pool
 
 	// From tokenizer_config.json (LoadDir).
@@ -548,6 +550,7 @@ func (t *HF) segment(e *encoder, seg string, first bool) bool {
 		e.out = out
 		return len(e.out) < e.limit
 	}
+	t.segmentMisses.Add(1)
 	mark := len(e.out)
 	if !t.segmentUncached(e, seg, first) {
 		return false

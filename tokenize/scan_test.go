@@ -128,3 +128,39 @@ func TestScannersMatchRegexpOnGolden(t *testing.T) {
 		})
 	}
 }
+
+// FuzzEncodeMatchesRegexp runs the whole Qwen2.5 pipeline (added tokens,
+// NFC, scanner, BPE, caches) beside a regexp2-only, cache-free twin on
+// random text, and checks that a prefix encode is a prefix of the full one.
+func FuzzEncodeMatchesRegexp(f *testing.F) {
+	for _, s := range scannerSeeds {
+		f.Add([]byte(s))
+	}
+	f.Add([]byte("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+	fast, _ := goldenTokenizer(f, "qwen2.5")
+	slow, _ := goldenVariant(f, "qwen2.5", "regexp2-nocache", WithSegmentCacheBytes(0), func(o *options) {
+		o.regexOnly = true
+		o.pieceCacheEntries = 0
+	})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) > 1024 {
+			data = data[:1024]
+		}
+		texts := []string{paletteString(data)}
+		if utf8.Valid(data) {
+			texts = append(texts, string(data))
+		}
+		for _, s := range texts {
+			a, err1 := fast.Encode(s, true)
+			b, err2 := slow.Encode(s, true)
+			if err1 != nil || err2 != nil || !slices.Equal(a, b) {
+				t.Fatalf("%q: fast %v (%v), regexp2 %v (%v)", s, a, err1, b, err2)
+			}
+			if n := len(a) / 2; n > 0 {
+				if p, _ := Prefix(fast, n).Encode(s, true); !slices.Equal(p, a[:n]) {
+					t.Fatalf("%q: prefix %v, want %v", s, p, a[:n])
+				}
+			}
+		}
+	})
+}
