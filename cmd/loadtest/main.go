@@ -33,6 +33,7 @@ func main() {
 
 type options struct {
 	scenario, policies, bin, out, trace, jsonPath, plotPath, costProfile string
+	engineArgs, sidecarArgs, routerArgs                                  string
 	replicas, routers, maxRequests                                       int
 	timeScale                                                            float64
 	duration, drain, traceStart                                          time.Duration
@@ -64,6 +65,9 @@ func run(args []string) error {
 	fs.IntVar(&o.maxRequests, "max-requests", 0, "cap requests per policy (0: no cap)")
 	fs.DurationVar(&o.drain, "drain", 30*time.Second, "wall wait for in-flight requests after the last arrival")
 	fs.StringVar(&o.costProfile, "cost-profile", "", "passed to enginesim --cost-profile when set")
+	fs.StringVar(&o.engineArgs, "engine-args", "", "extra enginesim flags, space-separated")
+	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "extra sidecar flags, space-separated")
+	fs.StringVar(&o.routerArgs, "router-args", "", "extra router flags, space-separated (e.g. --config tune.yaml to try thresholds)")
 	fs.BoolVar(&o.smoke, "smoke", false, "tiny run for tests: 2 replicas, 2 routers, ≤80 requests, round-robin and kvaware; fails on any error")
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -114,9 +118,9 @@ func run(args []string) error {
 			return err
 		}
 	}
-	var engineArgs []string
+	engineArgs := strings.Fields(o.engineArgs)
 	if o.costProfile != "" {
-		engineArgs = []string{"--cost-profile", o.costProfile}
+		engineArgs = append(engineArgs, "--cost-profile", o.costProfile)
 	}
 
 	// Ctrl-C or SIGTERM cancels the run; the cluster is torn down by the
@@ -129,7 +133,8 @@ func run(args []string) error {
 		res, err := loadtest.Bench(ctx, loadtest.Config{
 			Scenario: sc, Policies: policies, Replicas: o.replicas, Routers: o.routers, TimeScale: o.timeScale,
 			Duration: o.duration, Seed: o.seed, MaxRequests: o.maxRequests, BinDir: o.bin, OutDir: o.out,
-			Drain: o.drain, EngineArgs: engineArgs, Log: log,
+			Drain: o.drain, EngineArgs: engineArgs, SidecarArgs: strings.Fields(o.sidecarArgs),
+			RouterArgs: strings.Fields(o.routerArgs), Log: log,
 		})
 		if len(res.Report.Order) > 0 {
 			fmt.Printf("\n%s\n", sc.About)
