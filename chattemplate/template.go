@@ -21,6 +21,9 @@
 //     every printed value goes through Python's str() (1.0 prints "1.0",
 //     None "None"), and string and float literals in template code are
 //     decoded as jinja2 does ('\u00e9', '\r', 1e-7);
+//   - output goes straight into a buffer sized from the request (jinja's own
+//     builder starts empty and doubles), unless the template captures output
+//     (macros, call/filter blocks, {% set x %} blocks);
 //   - decoded messages (and tools arrays) are kept in a process-wide LRU
 //     keyed by their exact JSON bytes (64 MiB), so a growing conversation
 //     decodes only its new turns;
@@ -38,7 +41,10 @@
 // (-3 | abs); no % string-formatting operator and no str.join method;
 // dictsort pairs print as lists; the string methods
 // .strip()/.lstrip()/.rstrip()/.split() use Go's whitespace set; a macro
-// that recurses without end overflows the stack. Templates that would raise
+// that recurses without end overflows the stack, and range(10**9) or
+// 'x' * 10**9 run as long as they say (template source is trusted
+// configuration; render time otherwise grows with the request, which the
+// caller must bound). Templates that would raise
 // a Python TypeError (str + None) may render instead of failing (vLLM
 // rejects such requests, so nothing is routed wrongly). Messages are passed
 // to the template as sent apart from the tool-call normalisation above; the
