@@ -440,6 +440,25 @@ type encoder struct {
 	spans2 []addedSpan
 }
 
+// maxPooledScratch bounds the scratch an idle encoder keeps: one huge
+// piece must not pin tens of MB in the pool.
+const maxPooledScratch = 1 << 16
+
+func (e *encoder) release() {
+	if cap(e.sc.syms) > maxPooledScratch {
+		e.sc.syms = nil
+	}
+	if cap(e.sc.heap) > maxPooledScratch {
+		e.sc.heap = nil
+	}
+	if cap(e.spans) > maxPooledScratch {
+		e.spans = nil
+	}
+	if cap(e.spans2) > maxPooledScratch {
+		e.spans2 = nil
+	}
+}
+
 // emit hands piece s to pre-tokenizer stage next, or to the model after the
 // last stage. It reports whether to go on (the token budget is not spent).
 func (e *encoder) emit(next int, s string, first bool) bool {
@@ -525,6 +544,7 @@ func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxT
 		out = out[:e.limit]
 	}
 	e.out = nil
+	e.release()
 	t.encoders.Put(e)
 	if err != nil {
 		return dst, err

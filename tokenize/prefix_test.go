@@ -73,3 +73,29 @@ func BenchmarkPrefix16k(b *testing.B) {
 		}
 	}
 }
+
+// TestPathologicalInputs: long runs without break points (one huge piece
+// for BPE, one huge whitespace run for the scanners) stay fast and exact.
+func TestPathologicalInputs(t *testing.T) {
+	for _, model := range []string{"llama3", "llama2"} {
+		tok, _ := goldenTokenizer(t, model)
+		for _, text := range []string{
+			strings.Repeat("a", 256<<10),
+			strings.Repeat(" ", 256<<10) + "x",
+			strings.Repeat("\u00e9\U0001F600", 32<<10),
+		} {
+			start := time.Now()
+			ids, err := tok.Encode(text, false)
+			if err != nil || len(ids) == 0 {
+				t.Fatalf("%s: %d ids, %v", model, len(ids), err)
+			}
+			if d := time.Since(start); d > 20*time.Second {
+				t.Fatalf("%s: %d bytes took %v", model, len(text), d)
+			}
+			again, _ := Prefix(tok, 100).Encode(text, false)
+			if !slices.Equal(again, ids[:min(100, len(ids))]) {
+				t.Fatalf("%s: prefix differs", model)
+			}
+		}
+	}
+}
