@@ -3,6 +3,8 @@ package tokenize
 import (
 	"encoding/json"
 	"errors"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -337,5 +339,44 @@ func TestNormalizedAddedToken(t *testing.T) {
 	})
 	if got, want := encodeTokens(t, tok, "aAbCXx", false), []string{"a", "abc", "X", "x"}; !slices.Equal(got, want) {
 		t.Errorf("got %q, want %q", got, want)
+	}
+}
+
+func TestLoadDirConfig(t *testing.T) {
+	dir := t.TempDir()
+	tj := `{"added_tokens":[{"id":50,"content":"<s>","special":true},{"id":51,"content":"</s>","special":true}],
+	"post_processor":{"type":"TemplateProcessing","single":"<s> $A","special_tokens":{"<s>":{"id":"<s>","ids":[50]}}},
+	"model":{"type":"BPE","vocab":{"a":0,"b":1},"merges":[]}}`
+	write := func(name, data string) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("tokenizer.json", tj)
+	write("tokenizer_config.json", `{"bos_token":{"content":"<s>","__type":"AddedToken"},"eos_token":"</s>",
+		"add_eos_token":true,"added_tokens_decoder":{"60":{"content":"<x>","special":true}},
+		"chat_template":[{"name":"tool_use","template":"T"},{"name":"default","template":"{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"}]}`)
+	tok, err := LoadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := encodeTokens(t, tok, "ab<x>", true), []string{"<s>", "a", "b", "<x>", "</s>"}; !slices.Equal(got, want) {
+		t.Errorf("got %q, want %q", got, want)
+	}
+	prompt, ids, err := tok.EncodeChat(Chat{Messages: []byte(`[{"role":"user","content":"ab"}]`)})
+	if err != nil || prompt != "<s>ab</s>" || !slices.Equal(ids, []uint32{50, 0, 1, 51}) {
+		t.Errorf("chat: %q %v %v", prompt, ids, err)
+	}
+	// chat_template.jinja wins over the config.
+	write("chat_template.jinja", "[{{ messages[0].content }}]")
+	tok, err = LoadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if prompt, _ := tok.RenderChat(Chat{Messages: []byte(`[{"role":"user","content":"ab"}]`)}); prompt != "[ab]" {
+		t.Errorf("chat_template.jinja ignored: %q", prompt)
+	}
+	if _, err := LoadDir(t.TempDir()); err == nil {
+		t.Error("a directory without tokenizer.json loaded")
 	}
 }

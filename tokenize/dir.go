@@ -11,8 +11,11 @@ import (
 )
 
 // LoadDir loads a model directory as HuggingFace lays it out:
-// tokenizer.json, plus tokenizer_config.json (bos_token, eos_token,
-// added_tokens_decoder, chat_template) and chat_template.jinja when present.
+// tokenizer.json, plus tokenizer_config.json (bos_token and eos_token as
+// strings or AddedToken dicts, added_tokens_decoder, add_bos_token and
+// add_eos_token when set, chat_template as a string or a list of {name,
+// template} of which "default" is used) and chat_template.jinja, which wins
+// over the config's template, when present.
 func LoadDir(dir string, opts ...Option) (*HF, error) {
 	tj, err := os.ReadFile(filepath.Join(dir, "tokenizer.json"))
 	if err != nil {
@@ -32,6 +35,9 @@ func LoadDir(dir string, opts ...Option) (*HF, error) {
 		return nil, err
 	}
 	t.bosToken, t.eosToken = cfg.bos, cfg.eos
+	if err := t.applySpecialFlags(cfg); err != nil {
+		return nil, err
+	}
 	if o.chatTemplate != nil { // WithChatTemplate wins over the directory
 		return t, nil
 	}
@@ -48,10 +54,12 @@ func LoadDir(dir string, opts ...Option) (*HF, error) {
 }
 
 type tokenizerConfig struct {
-	bos, eos    string
-	added       []addedToken
-	template    string
-	templateErr error
+	bos, eos string
+	// addBOS/addEOS are add_bos_token/add_eos_token when the file sets them.
+	addBOS, addEOS *bool
+	added          []addedToken
+	template       string
+	templateErr    error
 }
 
 func readTokenizerConfig(dir string) (tokenizerConfig, error) {
@@ -82,10 +90,13 @@ func (cfg *tokenizerConfig) parse(data []byte) error {
 		EOS                json.RawMessage       `json:"eos_token"`
 		AddedTokensDecoder map[string]addedToken `json:"added_tokens_decoder"`
 		ChatTemplate       json.RawMessage       `json:"chat_template"`
+		AddBOSToken        *bool                 `json:"add_bos_token"`
+		AddEOSToken        *bool                 `json:"add_eos_token"`
 	}
 	if err := json.Unmarshal(data, &j); err != nil {
 		return fmt.Errorf("tokenize: tokenizer_config.json: %w", err)
 	}
+	cfg.addBOS, cfg.addEOS = j.AddBOSToken, j.AddEOSToken
 	var err error
 	if cfg.bos, err = tokenContent(j.BOS); err != nil {
 		return fmt.Errorf("tokenize: tokenizer_config.json bos_token: %w", err)
@@ -141,4 +152,30 @@ func tokenContent(raw json.RawMessage) (string, error) {
 		return "", err
 	}
 	return d.Content, nil
+}
+
+// applySpecialFlags honours add_bos_token/add_eos_token when the config sets
+// them: transformers then rebuilds the post-processor as
+// "[bos] $A [eos]" from those flags (LlamaTokenizerFast and kin), so the
+// side a flag names follows it instead of tokenizer.json's template.
+func (t *HF) applySpecialFlags(cfg tokenizerConfig) error {
+	side := func(flag *bool, token, name string, ids *[]uint32) error {
+		if flag == nil {
+			return nil
+		}
+		if !*flag {
+			*ids = nil
+			return nil
+		}
+		id, ok := t.tokenID(token)
+		if !ok {
+			return fmt.Errorf("tokenize: tokenizer_config.json sets %s but its token %q is not in the vocabulary", name, token)
+		}
+		*ids = []uint32{id}
+		return nil
+	}
+	if err := side(cfg.addBOS, cfg.bos, "add_bos_token", &t.postBefore); err != nil {
+		return err
+	}
+	return side(cfg.addEOS, cfg.eos, "add_eos_token", &t.postAfter)
 }

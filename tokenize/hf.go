@@ -114,6 +114,25 @@ func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
 	return t, nil
 }
 
+// tokenID finds the id of a token's text: an added token, else the model's.
+func (t *HF) tokenID(content string) (uint32, bool) {
+	for _, m := range []*addedMatcher{t.added, t.addedNorm} {
+		if m == nil {
+			continue
+		}
+		for _, a := range m.tokens {
+			if a.Content == content {
+				return a.ID, true
+			}
+		}
+	}
+	if content == "" {
+		return 0, false
+	}
+	v, ok := t.model.vocab[content]
+	return v &^ selfMerging, ok
+}
+
 func (t *HF) newEncoder() any { return &encoder{t: t} }
 
 // resetCaches empties every cache (benchmarks of cold encoding).
