@@ -122,7 +122,13 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 		}
 		res.Elapsed = time.Since(start)
 		ev.Bool("retrying", res.Retried).Msg("upstream attempt failed")
-		obs.Finish(i, res)
+		if res.Retried {
+			obs.Finish(i, res)
+			continue
+		}
+		// The last attempt failed too: answer, then finish it (the observer
+		// may release its state on the last Finish).
+		defer obs.Finish(i, res)
 	}
 	if last != nil {
 		obs.Header(lastIdx, &ctx.Response.Header)

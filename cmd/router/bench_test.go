@@ -1,12 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -89,7 +92,7 @@ func waitListening(tb testing.TB, addr string) {
 	tb.Fatalf("nothing listens on %s", addr)
 }
 
-func startNginx(tb testing.TB, up string) (string, bool) {
+func startNginx(tb testing.TB, up string) (string, int, bool) {
 	bin, err := exec.LookPath("nginx")
 	if err != nil {
 		for _, p := range []string{"/usr/sbin/nginx", "/usr/local/sbin/nginx"} {
@@ -99,7 +102,7 @@ func startNginx(tb testing.TB, up string) (string, bool) {
 		}
 	}
 	if bin == "" {
-		return "", false
+		return "", 0, false
 	}
 	dir := tb.TempDir()
 	addr := freeAddr(tb)
@@ -131,12 +134,13 @@ http {
 	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
 		tb.Fatal(err)
 	}
-	start(tb, bin, "-c", path, "-p", dir)
+	cmd := start(tb, bin, "-c", path, "-p", dir)
 	waitListening(tb, addr)
-	return addr, true
+	return addr, cmd.Process.Pid, true
 }
 
 type loadResult struct {
+	cpu      time.Duration // CPU time the proxy's processes used
 	requests int64
 	failed   int64
 	elapsed  time.Duration
@@ -192,18 +196,51 @@ func quantile(d []time.Duration, q float64) time.Duration {
 	return d[int(q*float64(len(d)-1))]
 }
 
+// groupCPU sums user+system CPU time of every process in process group pg
+// (nginx's master and workers; the router alone), from /proc.
+func groupCPU(pg int) time.Duration {
+	entries, _ := os.ReadDir("/proc")
+	var ticks int64
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// Fields after the parenthesised command: state ppid pgrp ... utime(14) stime(15).
+		i := bytes.LastIndexByte(stat, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(stat[i+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		if g, _ := strconv.Atoi(f[2]); g != pg {
+			continue
+		}
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		s, _ := strconv.ParseInt(f[12], 10, 64)
+		ticks += u + s
+	}
+	return time.Duration(ticks) * time.Second / 100 // USER_HZ
+}
+
 // BenchmarkProxyVsNginx reports requests/s and latency of the router and
 // of nginx over the same upstream, and their ratio (router/nginx). Each
 // b.N iteration is one round of both; set KVMESH_BENCH_ROUND (default 2s)
 // and KVMESH_BENCH_CONNS (default 64).
 func BenchmarkProxyVsNginx(b *testing.B) {
 	up := upstream(b)
-	nginx, ok := startNginx(b, up)
+	nginx, nginxPG, ok := startNginx(b, up)
 	if !ok {
 		b.Skip("nginx not installed (apt-get install -y nginx-light)")
 	}
 	routerAddr, pprofAddr := freeAddr(b), freeAddr(b)
-	start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
+	routerCmd := start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
 	waitListening(b, routerAddr)
 	round := 2 * time.Second
@@ -235,9 +272,12 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		for _, target := range []struct {
 			addr string
+			pg   int
 			acc  *loadResult
-		}{{routerAddr, &rt}, {nginx, &ng}} {
+		}{{routerAddr, routerCmd.Process.Pid, &rt}, {nginx, nginxPG, &ng}} {
+			cpu0 := groupCPU(target.pg)
 			r := load(target.addr, conns, round)
+			target.acc.cpu += groupCPU(target.pg) - cpu0
 			target.acc.requests += r.requests
 			target.acc.failed += r.failed
 			target.acc.elapsed += r.elapsed
@@ -249,6 +289,11 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	b.ReportMetric(rps(rt), "router-req/s")
 	b.ReportMetric(rps(ng), "nginx-req/s")
 	b.ReportMetric(rps(rt)/rps(ng), "ratio")
+	// CPU per request is what a proxy costs, whatever share of the
+	// machine other tenants leave it; req/s on a shared machine is not.
+	cpuPer := func(r loadResult) float64 { return float64(r.cpu.Microseconds()) / float64(max(r.requests, 1)) }
+	b.ReportMetric(cpuPer(rt), "router-cpu-µs/req")
+	b.ReportMetric(cpuPer(ng), "nginx-cpu-µs/req")
 	b.ReportMetric(float64(quantile(rt.lat, 0.5).Microseconds()), "router-p50-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.5).Microseconds()), "nginx-p50-µs")
 	b.ReportMetric(float64(quantile(rt.lat, 0.99).Microseconds()), "router-p99-µs")

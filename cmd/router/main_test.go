@@ -1,0 +1,105 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+func TestHelpListsContractFlagsAndEnv(t *testing.T) {
+	out, _ := exec.Command(routerBinary(t), "-h").CombinedOutput()
+	for _, f := range []string{"-listen", "-gossip-bind", "-gossip-advertise", "-join", "-gossip-key", "-policy",
+		"-tokenizer", "-config", "-admin-token", "-max-body-bytes", "-log-format", "-log-level",
+		"KVMESH_LISTEN", "KVMESH_MAX_BODY_BYTES", "KVMESH_STATIC_UPSTREAM"} {
+		if !strings.Contains(string(out), f) {
+			t.Errorf("-h lacks %s", f)
+		}
+	}
+	if err := exec.Command(routerBinary(t), "--policy", "fastest").Run(); err == nil {
+		t.Error("unknown policy accepted")
+	}
+}
+
+// TestSIGTERMDrainsInflightStream: a stream in flight when SIGTERM arrives
+// runs to [DONE]; the router stops accepting and exits cleanly.
+func TestSIGTERMDrainsInflightStream(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("text/event-stream")
+		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			for i := range 20 {
+				fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"%d\"}}]}\n\n", i)
+				if w.Flush() != nil {
+					return
+				}
+				time.Sleep(40 * time.Millisecond)
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			_ = w.Flush()
+		})
+	}}
+	go func() { _ = engine.Serve(ln) }()
+	defer engine.Shutdown()
+
+	addr := freeAddr(t)
+	cmd := start(t, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+ln.Addr().String()+",m",
+		"--tokenizer", "*=builtin", "--drain-timeout", "5s", "--log-level", "warn")
+	waitListening(t, addr)
+
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}`
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	br := bufio.NewReader(c)
+	got := make(chan string, 1)
+	go func() {
+		var sb strings.Builder
+		for {
+			line, err := br.ReadString('\n')
+			sb.WriteString(line)
+			if err != nil || strings.HasPrefix(line, "data: [DONE]") {
+				got <- sb.String()
+				return
+			}
+		}
+	}()
+	time.Sleep(200 * time.Millisecond)
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case s := <-got:
+		if !strings.Contains(s, "X-Kvmesh-Replica: e") || !strings.Contains(s, `"content":"19"`) || !strings.Contains(s, "data: [DONE]") {
+			t.Fatalf("stream cut by shutdown:\n%s", s)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("stream did not finish")
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("router exit: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("router did not exit after draining")
+	}
+	if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+		c.Close()
+		t.Fatal("router still accepts connections after shutdown")
+	}
+}
