@@ -105,6 +105,8 @@ func BenchmarkGenerationsAdd(b *testing.B) {
 	keys := randomKeys(3, 1<<16)
 	b.ReportAllocs()
 	i := 0
+	cpu0 := cpuTime()
+	defer func() { reportCPU(b, cpu0) }()
 	for b.Loop() {
 		g.Add(keys[i&(1<<16-1)])
 		if i++; i&1023 == 0 {
@@ -145,6 +147,8 @@ func BenchmarkSnapshotEncode300k(b *testing.B) {
 	buf := make([]byte, 0, SnapshotSize(s.M))
 	b.SetBytes(int64(SnapshotSize(s.M)))
 	b.ReportAllocs()
+	cpu0 := cpuTime()
+	defer func() { reportCPU(b, cpu0) }()
 	for b.Loop() {
 		buf = s.AppendBinary(buf[:0])
 	}
@@ -155,6 +159,8 @@ func BenchmarkSnapshotDecode300k(b *testing.B) {
 	enc := s.AppendBinary(nil)
 	b.SetBytes(int64(len(enc)))
 	b.ReportAllocs()
+	cpu0 := cpuTime()
+	defer func() { reportCPU(b, cpu0) }()
 	for b.Loop() {
 		if _, err := DecodeSnapshot(enc); err != nil {
 			b.Fatal(err)
@@ -168,6 +174,8 @@ func BenchmarkFilterCopy300k(b *testing.B) {
 	f := NewFilter(benchResident, 0.01)
 	b.SetBytes(int64(len(f.words) * 8))
 	b.ReportAllocs()
+	cpu0 := cpuTime()
+	defer func() { reportCPU(b, cpu0) }()
 	for b.Loop() {
 		_ = f.Copy()
 	}
@@ -183,6 +191,8 @@ func BenchmarkMirrorApplyDelta150(b *testing.B) {
 	keys := randomKeys(9, 150)
 	b.ReportAllocs()
 	seq := uint64(0)
+	cpu0 := cpuTime()
+	defer func() { reportCPU(b, cpu0) }()
 	for b.Loop() {
 		seq++
 		if !m.ApplyDelta(Delta{Epoch: 1, Generation: 1, Seq: seq, Keys: keys}) {
@@ -236,4 +246,9 @@ func cpuTime() int64 {
 		return 0
 	}
 	return ru.Utime.Nano() + ru.Stime.Nano()
+}
+
+// reportCPU adds CPU time per op to a benchmark's figures.
+func reportCPU(b *testing.B, cpu0 int64) {
+	b.ReportMetric(float64(cpuTime()-cpu0)/float64(b.N), "cpu-ns/op")
 }

@@ -75,6 +75,7 @@ type Generations struct {
 	removed  int       // removals since the generation began
 	live     int       // resident keys, as Add/Remove/Clear describe them
 	cleared  bool      // a Clear happened since the generation began
+	dropped  int       // delta batches dropped because nobody took them
 	started  time.Time // when the generation began
 }
 
@@ -98,6 +99,15 @@ func (g *Generations) Add(key uint64) {
 	g.mu.Lock()
 	p.init(key, 0, g.filter.k)
 	g.ones += g.filter.AddProbe(&p)
+	if len(g.pending) >= max(g.cfg.Capacity, 4096) {
+		// Nobody is taking deltas (no routers yet?): stop queueing. The
+		// dropped keys become a skipped sequence number, so any mirror sees
+		// a gap and resyncs from a snapshot, which holds them.
+		g.inserted += len(g.pending)
+		g.pending = g.pending[:0]
+		g.seq++
+		g.dropped++
+	}
 	g.pending = append(g.pending, key)
 	g.live++
 	g.mu.Unlock()
@@ -233,6 +243,9 @@ type GenerationStats struct {
 	Pending int
 	// Removed counts removals since the generation began.
 	Removed int
+	// DroppedDeltas counts batches of pending keys dropped because no
+	// TakeDelta came for Capacity keys (the sequence skips them).
+	DroppedDeltas int
 	// FillRatio is the fraction of bits set; M is the filter's size in bits.
 	FillRatio float64
 	M, K      uint
@@ -245,7 +258,7 @@ func (g *Generations) Stats() GenerationStats {
 	defer g.mu.Unlock()
 	return GenerationStats{
 		Epoch: g.epoch, Generation: g.gen, Seq: g.seq,
-		Keys: g.inserted, Pending: len(g.pending), Removed: g.removed,
+		Keys: g.inserted, Pending: len(g.pending), Removed: g.removed, DroppedDeltas: g.dropped,
 		FillRatio: float64(g.ones) / float64(g.filter.M()),
 		M:         g.filter.M(), K: g.filter.K(), Started: g.started,
 	}

@@ -354,3 +354,36 @@ func TestMirrorFollowsLossyStream(t *testing.T) {
 		}
 	}
 }
+
+// With nobody taking deltas, pending keys stay bounded; a mirror that
+// followed sees the skipped sequence as a gap and resyncs.
+func TestUntakenDeltasAreBounded(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 100}, 1, t0)
+	var m Mirror
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+		t.Fatal(err)
+	}
+	keys := randomKeys(30, 5000)
+	for _, k := range keys {
+		g.Add(k)
+	}
+	st := g.Stats()
+	if st.Pending > 4096 || st.DroppedDeltas != 1 || st.Seq != 1 {
+		t.Fatalf("after 5000 untaken adds: %+v", st)
+	}
+	d, _ := g.TakeDelta()
+	if m.ApplyDelta(d) {
+		t.Fatal("delta after dropped keys applied without resync")
+	}
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if !m.Filter().Test(k) {
+			t.Fatal("resync lost a dropped key")
+		}
+	}
+	if m.Keys() != 5000 {
+		t.Fatalf("mirror counts %d keys, want 5000", m.Keys())
+	}
+}
