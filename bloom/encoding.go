@@ -147,19 +147,6 @@ func DecodeDelta(b []byte) (Delta, error) {
 	return d, nil
 }
 
-// PeekKind tells whether b holds a snapshot (1) or a delta (2), for callers
-// that multiplex both on one channel; 0 when b is neither.
-func PeekKind(b []byte) int {
-	if len(b) < 4 || b[0] != wireMagic0 || b[1] != wireMagic1 || b[2] != wireVersion {
-		return 0
-	}
-	switch b[3] {
-	case kindSnapshot, kindDelta:
-		return int(b[3])
-	}
-	return 0
-}
-
 func checkHeader(b []byte, kind byte, headerLen int) error {
 	if len(b) < 4 {
 		return fmt.Errorf("%w: %d bytes", ErrShort, len(b))
