@@ -8,6 +8,17 @@
 // applied. A block whose parent is unknown cannot be keyed and is counted as
 // an orphan, never guessed. The set is a pure state machine: events in, key
 // transitions out through an Observer; no I/O, no clocks.
+//
+// Key_0 of a prefix comes from the LoRA adapter (name, else numeric id) and
+// the cache salt (SGLang's field, or vLLM's extra keys of the first block),
+// as the router seeds it. Blocks whose extra keys hold more than that
+// (images, prompt embeddings) are tracked but keyless, with everything
+// chained after them: their tokens do not say what they hold.
+//
+// Engine hashes are reference-counted per (medium, KV-cache group), as the
+// engine counts them, and a key is resident while any counted medium and
+// group holds a block with it. For hybrid models (sliding-window groups)
+// that can overstate a hit; it never invents a prefix that no group holds.
 package residentset
 
 import (
