@@ -38,6 +38,11 @@ func LoadDir(dir string, opts ...Option) (*HF, error) {
 	if err := t.applySpecialFlags(cfg); err != nil {
 		return nil, err
 	}
+	// GPT2TokenizerFast and kin push add_prefix_space into a ByteLevel
+	// pre-tokenizer (not into a Sequence).
+	if bl, ok := t.soleByteLevel(); ok && cfg.addPrefixSpace != nil {
+		bl.addPrefixSpace = *cfg.addPrefixSpace
+	}
 	if o.chatTemplate != nil { // WithChatTemplate wins over the directory
 		return t, nil
 	}
@@ -57,6 +62,8 @@ type tokenizerConfig struct {
 	bos, eos string
 	// addBOS/addEOS are add_bos_token/add_eos_token when the file sets them.
 	addBOS, addEOS *bool
+	// addPrefixSpace is add_prefix_space when the file sets it.
+	addPrefixSpace *bool
 	added          []addedToken
 	template       string
 	templateErr    error
@@ -92,11 +99,12 @@ func (cfg *tokenizerConfig) parse(data []byte) error {
 		ChatTemplate       json.RawMessage       `json:"chat_template"`
 		AddBOSToken        *bool                 `json:"add_bos_token"`
 		AddEOSToken        *bool                 `json:"add_eos_token"`
+		AddPrefixSpace     *bool                 `json:"add_prefix_space"`
 	}
 	if err := json.Unmarshal(data, &j); err != nil {
 		return fmt.Errorf("tokenize: tokenizer_config.json: %w", err)
 	}
-	cfg.addBOS, cfg.addEOS = j.AddBOSToken, j.AddEOSToken
+	cfg.addBOS, cfg.addEOS, cfg.addPrefixSpace = j.AddBOSToken, j.AddEOSToken, j.AddPrefixSpace
 	var err error
 	if cfg.bos, err = tokenContent(j.BOS); err != nil {
 		return fmt.Errorf("tokenize: tokenizer_config.json bos_token: %w", err)
@@ -178,4 +186,12 @@ func (t *HF) applySpecialFlags(cfg tokenizerConfig) error {
 		return err
 	}
 	return side(cfg.addEOS, cfg.eos, "add_eos_token", &t.postAfter)
+}
+
+func (t *HF) soleByteLevel() (*byteLevelPre, bool) {
+	if len(t.pre) != 1 {
+		return nil, false
+	}
+	bl, ok := t.pre[0].(*byteLevelPre)
+	return bl, ok
 }
