@@ -51,18 +51,44 @@ func freeAddr(tb testing.TB) string {
 	return ln.Addr().String()
 }
 
-// routerBinary returns KVMESH_BENCH_ROUTER_BIN or builds the router.
+var (
+	buildOnce  sync.Once
+	builtPath  string
+	buildError error
+)
+
+// routerBinary returns KVMESH_BENCH_ROUTER_BIN or the router built once
+// for this test binary.
 func routerBinary(tb testing.TB) string {
 	if p := os.Getenv("KVMESH_BENCH_ROUTER_BIN"); p != "" {
 		return p
 	}
-	out := filepath.Join(tb.TempDir(), "router")
-	cmd := exec.Command("go", "build", "-o", out, ".")
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if b, err := cmd.CombinedOutput(); err != nil {
-		tb.Fatalf("building the router: %v\n%s", err, b)
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kvmesh-router-test-")
+		if err != nil {
+			buildError = err
+			return
+		}
+		builtPath = filepath.Join(dir, "router")
+		cmd := exec.Command("go", "build", "-o", builtPath, ".")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			buildError = fmt.Errorf("building the router: %v\n%s", err, b)
+		}
+	})
+	if buildError != nil {
+		tb.Fatal(buildError)
 	}
-	return out
+	return builtPath
+}
+
+// TestMain removes the router built for the tests.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if builtPath != "" {
+		_ = os.RemoveAll(filepath.Dir(builtPath))
+	}
+	os.Exit(code)
 }
 
 // start runs a process until the test ends, killing its process group.

@@ -103,3 +103,32 @@ func TestSIGTERMDrainsInflightStream(t *testing.T) {
 		t.Fatal("router still accepts connections after shutdown")
 	}
 }
+
+// TestGossipRouterStartsAndLeaves: with --gossip-bind the router joins (a
+// cluster of one), serves, reports not ready without replicas, and leaves
+// on SIGTERM.
+func TestGossipRouterStartsAndLeaves(t *testing.T) {
+	addr := freeAddr(t)
+	cmd := start(t, routerBinary(t), "--listen", addr, "--gossip-bind", "127.0.0.1:0", "--name", "r1",
+		"--gossip-key", "MDEyMzQ1Njc4OWFiY2RlZg==", "--log-level", "warn")
+	waitListening(t, addr)
+	status, body, err := fasthttp.Get(nil, "http://"+addr+"/ready")
+	if err != nil || status != 503 {
+		t.Fatalf("ready with no replica: %d %s %v", status, body, err)
+	}
+	status, body, _ = fasthttp.Get(nil, "http://"+addr+"/metrics")
+	if status != 200 || !strings.Contains(string(body), "kvmesh_router_routes_total{mode=\"prefix\"} 0") {
+		t.Fatalf("metrics: %d", status)
+	}
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("exit: %v", err)
+		}
+	case <-time.After(8 * time.Second):
+		t.Fatal("router did not leave and exit")
+	}
+}
