@@ -18,7 +18,7 @@ func Example() {
 	}
 	prompt, err := tmpl.Render(chattemplate.Input{
 		Messages:            json.RawMessage(`[{"role":"user","content":"  Grüezi! "}]`),
-		Tools:               json.RawMessage(`[{"name":"weather","parameters":{"city":"string","days":1.0}}]`),
+		Tools:               json.RawMessage(`[{"type":"function","function":{"name":"weather","parameters":{"city":"string","days":1.0}}}]`),
 		AddGenerationPrompt: true,
 	})
 	if err != nil {
@@ -33,7 +33,7 @@ func Example() {
 	fmt.Println(errors.As(err, &te), te.Message)
 	// Output:
 	// <|user|>Grüezi!
-	// {"name": "weather", "parameters": {"city": "string", "days": 1.0}}
+	// {"type": "function", "function": {"name": "weather", "description": null, "parameters": {"city": "string", "days": 1.0}}}
 	// <|assistant|>
 	// true first message must be from the user
 }

@@ -85,7 +85,7 @@ func TestQwenTemplateToolCall(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" +
-		`{"type": "function", "function": {"name": "w"}}` +
+		`{"type": "function", "function": {"name": "w", "description": null, "parameters": null}}` +
 		"\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" +
 		"<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n" +
 		`{"name": "w", "arguments": {"unit": "c", "city": "Zürich", "n": 1.0}}` +

@@ -93,3 +93,71 @@ func dictWithout(d *jinja.Dict, key string) jinja.Value {
 	}
 	return out
 }
+
+// normalizeTools returns the tools as vLLM hands them to the template: each
+// one validated as ChatCompletionToolsParam and model_dump()ed, so declared
+// fields come first in declaration order — type ("function" when absent),
+// then function with name, description and parameters (None when absent) —
+// followed by any extra fields in request order. Templates print tools with
+// tojson, so this order and those nulls are part of the prompt.
+func normalizeTools(tools *jinja.List) (jinja.Value, error) {
+	out := make([]jinja.Value, len(tools.Items))
+	for i, tv := range tools.Items {
+		if !tv.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: "each tool must be an object"}
+		}
+		tool := tv.AsDict()
+		if typ, ok := tool.Get("type"); ok && !(typ.IsString() && typ.AsString() == "function") {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: `tool "type" must be "function"`}
+		}
+		fv, ok := tool.Get("function")
+		if !ok || !fv.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: `each tool needs a "function" object`}
+		}
+		fn := fv.AsDict()
+		name, ok := fn.Get("name")
+		if !ok || !name.IsString() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: `function "name" must be a string`}
+		}
+		desc, ok := fn.Get("description")
+		if !ok {
+			desc = jinja.None()
+		} else if !desc.IsString() && !desc.IsNone() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: `function "description" must be a string or null`}
+		}
+		params, ok := fn.Get("parameters")
+		if !ok {
+			params = jinja.None()
+		} else if !params.IsDict() && !params.IsNone() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: `function "parameters" must be an object or null`}
+		}
+		nf := jinja.NewDict()
+		nfd := nf.AsDict()
+		nfd.Set("name", name)
+		nfd.Set("description", desc)
+		nfd.Set("parameters", params)
+		copyExtra(nfd, fn, "name", "description", "parameters")
+
+		nt := jinja.NewDict()
+		ntd := nt.AsDict()
+		ntd.Set("type", jinja.NewString("function"))
+		ntd.Set("function", nf)
+		copyExtra(ntd, tool, "type", "function")
+		out[i] = nt
+	}
+	return jinja.NewList(out), nil
+}
+
+// copyExtra appends src's keys other than declared to dst, in src's order.
+func copyExtra(dst, src *jinja.Dict, declared ...string) {
+next:
+	for _, k := range src.Keys {
+		for _, d := range declared {
+			if k == d {
+				continue next
+			}
+		}
+		v, _ := src.Get(k)
+		dst.Set(k, v)
+	}
+}

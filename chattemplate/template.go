@@ -31,6 +31,9 @@
 //     (function.arguments sent as a JSON string becomes a mapping, invalid
 //     or missing arguments become {}, an empty tool_calls list is dropped),
 //     since that is what the engine renders;
+//   - tools are validated and laid out as vLLM's pydantic model_dump() does
+//     (type, function{name, description, parameters} first — null when
+//     missing — then extra fields in request order);
 //   - raise_exception yields a *TemplateError carrying the template's message;
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does.
@@ -295,6 +298,9 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 		}
 		if !tools.IsList() {
 			return nil, nil, &InputError{Field: "tools", Reason: "must be a JSON array"}
+		}
+		if tools, err = normalizeTools(tools.AsList()); err != nil {
+			return nil, nil, err
 		}
 		vars["tools"] = tools
 	}

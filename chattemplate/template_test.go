@@ -99,19 +99,34 @@ func TestPythonParity(t *testing.T) {
 // printed with tojson, so key order decides the prompt.
 const qwenToolsTemplate = `{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}`
 
-func TestToolsKeepRequestKeyOrder(t *testing.T) {
+// TestToolsKeyOrderAsVLLM: vLLM validates tools with pydantic and renders
+// model_dump(): declared fields in declaration order (null when missing),
+// extra fields after them in request order, and everything inside
+// "parameters" exactly in request order. Expected output from pydantic
+// 2.13 model_dump() + json.dumps.
+func TestToolsKeyOrderAsVLLM(t *testing.T) {
 	tmpl, err := Compile(qwenToolsTemplate)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tools := `[{"type":"function","function":{"parameters":{"type":"object","required":["b","a"],"properties":{"b":{"type":"integer"},"a":{"type":"number","default":1.0}}},"name":"zeta","description":"Zürich <b> & 'q'"}}]`
+	tools := `[{"function":{"parameters":{"type":"object","required":["b","a"],"properties":{"b":{"type":"integer"},"a":{"type":"number","default":1.0}}},"strict":true,"name":"zeta","description":"Zürich <b> & 'q'"},"x-meta":{"v":2},"type":"function"},` +
+		`{"type":"function","function":{"name":"bare"}}]`
 	got, err := tmpl.Render(Input{Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`), Tools: json.RawMessage(tools)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := "\n" + `{"type": "function", "function": {"parameters": {"type": "object", "required": ["b", "a"], "properties": {"b": {"type": "integer"}, "a": {"type": "number", "default": 1.0}}}, "name": "zeta", "description": "Zürich <b> & 'q'"}}`
+	want := "\n" + `{"type": "function", "function": {"name": "zeta", "description": "Zürich <b> & 'q'", "parameters": {"type": "object", "required": ["b", "a"], "properties": {"b": {"type": "integer"}, "a": {"type": "number", "default": 1.0}}}, "strict": true}, "x-meta": {"v": 2}}` +
+		"\n" + `{"type": "function", "function": {"name": "bare", "description": null, "parameters": null}}`
 	if got != want {
 		t.Errorf("got  %s\nwant %s", got, want)
+	}
+	for _, bad := range []string{`[{"type":"code","function":{"name":"x"}}]`, `[{"type":"function"}]`, `[{"function":{"name":3}}]`,
+		`[{"function":{"name":"x","parameters":[1]}}]`, `[{"function":{"name":"x","description":5}}]`, `[7]`} {
+		_, err := tmpl.Render(Input{Messages: json.RawMessage(`[]`), Tools: json.RawMessage(bad)})
+		var ie *InputError
+		if !errors.As(err, &ie) || ie.Field != "tools" {
+			t.Errorf("%s: want tools InputError, got %v", bad, err)
+		}
 	}
 }
 
