@@ -83,6 +83,40 @@ func BenchmarkMatchPrefix256x50(b *testing.B) {
 	}))
 }
 
+// The same shape with 512 different prompts in turn, each warm at its own
+// replica: the filter lines a walk touches are rarely still in cache, as in
+// a router serving many conversations.
+func BenchmarkMatchPrefix256x50Cold(b *testing.B) {
+	base, _ := fixture()
+	filters := make([]*Filter, len(base))
+	for i, f := range base {
+		filters[i] = f.Copy()
+	}
+	prompts := make([][]uint64, 512)
+	for i := range prompts {
+		prompts[i] = randomKeys(uint64(1000+i), benchBlocks)
+		for _, k := range prompts[i] {
+			filters[i%benchReplicas].Add(k)
+		}
+		for r := 1; r <= 4; r++ {
+			for _, k := range prompts[i][:64] {
+				filters[(i+r)%benchReplicas].Add(k)
+			}
+		}
+	}
+	matched := make([]int, len(filters))
+	b.ReportAllocs()
+	b.ResetTimer()
+	cpu0 := cpuTime()
+	n := 0
+	for b.Loop() {
+		MatchPrefix(prompts[n%len(prompts)], filters, matched)
+		n++
+	}
+	b.StopTimer()
+	reportCPU(b, cpu0)
+}
+
 // Worst case: every replica holds the whole prompt.
 func BenchmarkMatchPrefix256x50AllHold(b *testing.B) {
 	benchMatch(b, withPrompt(b, func(int) int { return benchBlocks }))
