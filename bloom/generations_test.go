@@ -387,3 +387,41 @@ func TestUntakenDeltasAreBounded(t *testing.T) {
 		t.Fatalf("mirror counts %d keys, want 5000", m.Keys())
 	}
 }
+
+// The sidecar's event loop adds while its publisher takes deltas and
+// snapshots: every key reaches exactly one delta or a later snapshot.
+func TestGenerationsConcurrentPublisher(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 20000, MaxDeltaKeys: 150}, 1, t0)
+	keys := randomKeys(40, 20000)
+	done := make(chan struct{})
+	var got []uint64
+	go func() {
+		defer close(done)
+		for {
+			d, ok := g.TakeDelta()
+			if ok {
+				got = append(got, d.Keys...)
+				continue
+			}
+			if g.Stats().Keys == len(keys) {
+				return
+			}
+			_ = g.Snapshot()
+			time.Sleep(50 * time.Microsecond)
+		}
+	}()
+	for i, k := range keys {
+		g.Add(k)
+		if i%5000 == 4999 {
+			g.Remove(keys[i-1])
+		}
+	}
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("publisher never saw every key")
+	}
+	if !slices.Equal(got, keys) {
+		t.Fatalf("deltas carried %d keys, want the %d added, in order", len(got), len(keys))
+	}
+}
