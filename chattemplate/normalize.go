@@ -1,6 +1,12 @@
 package chattemplate
 
-import "github.com/ardanlabs/jinja"
+import (
+	"fmt"
+	"regexp"
+	"strings"
+
+	"github.com/ardanlabs/jinja"
+)
 
 // normalizeToolCalls applies what vLLM does to assistant tool calls before
 // rendering (chat_utils._postprocess_messages): OpenAI clients send
@@ -160,4 +166,123 @@ next:
 		v, _ := src.Get(k)
 		dst.Set(k, v)
 	}
+}
+
+// contentLoop matches a template loop over a message's content, which is
+// how vLLM decides a template takes OpenAI-style content parts (its
+// "openai" content format) rather than one string.
+var contentLoop = regexp.MustCompile(`\bfor\s+\w+\s+in\s+(\w+\s*(\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)`)
+
+// textPartKeys maps the content-part types vLLM treats as text to the key
+// holding their text.
+var textPartKeys = map[string]string{
+	"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking",
+}
+
+// vllmMessages rebuilds each message as vLLM's parse_chat_messages does
+// before rendering (chat_utils._parse_chat_message_content): only role,
+// content and the fields vLLM copies survive (assistant tool_calls and
+// reasoning, tool tool_call_id, string name and task, developer tools);
+// content null becomes "", and content parts are joined with "\n" into one
+// string — or, for templates that loop over content (openaiParts), every
+// content becomes a list of {"type": "text", "text": ...} parts. Media parts
+// are rejected: the router serves text models.
+func vllmMessages(msgs *jinja.List, openaiParts bool) error {
+	for i, m := range msgs.Items {
+		src := m.AsDict()
+		role, _ := src.Get("role")
+		content, err := vllmContent(src, openaiParts, role.AsString() == "tool")
+		if err != nil {
+			return err
+		}
+		out := jinja.NewDict()
+		od := out.AsDict()
+		od.Set("role", role)
+		od.Set("content", content)
+		switch role.AsString() {
+		case "assistant":
+			if tc, ok := src.Get("tool_calls"); ok && !tc.IsNone() {
+				if !tc.IsList() {
+					return &InputError{Field: "messages", Reason: "assistant tool_calls must be an array"}
+				}
+				od.Set("tool_calls", jinja.NewList(append([]jinja.Value(nil), tc.AsList().Items...)))
+			}
+			if r, ok := src.Get("reasoning"); ok && !r.IsNone() {
+				od.Set("reasoning", r)
+				od.Set("reasoning_content", r)
+			}
+		case "tool":
+			if id, ok := src.Get("tool_call_id"); ok {
+				od.Set("tool_call_id", id)
+			}
+		}
+		for _, k := range []string{"name", "task"} {
+			if v, ok := src.Get(k); ok && v.IsString() {
+				od.Set(k, v)
+			}
+		}
+		if role.AsString() == "developer" {
+			tools, ok := src.Get("tools")
+			if !ok {
+				tools = jinja.None()
+			}
+			od.Set("tools", tools)
+		}
+		msgs.Items[i] = out
+	}
+	return nil
+}
+
+// vllmContent converts one message's content as vLLM does.
+func vllmContent(msg *jinja.Dict, openaiParts, isTool bool) (jinja.Value, error) {
+	c, _ := msg.Get("content")
+	var parts []jinja.Value
+	switch {
+	case c.IsNone() || c.IsUndefined():
+	case c.IsString():
+		parts = []jinja.Value{c}
+	case c.IsList():
+		parts = c.AsList().Items
+	default:
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: "message content must be a string, an array of parts or null"}
+	}
+	var texts []string
+	for _, p := range parts {
+		if p.IsString() {
+			texts = append(texts, p.AsString())
+			continue
+		}
+		if !p.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: "content parts must be strings or objects"}
+		}
+		typ, _ := p.AsDict().Get("type")
+		if !typ.IsString() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: `content part without a string "type"`}
+		}
+		key, isText := textPartKeys[typ.AsString()]
+		if !isText {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("content part type %q is not supported for text models", typ.AsString())}
+		}
+		t, ok := p.AsDict().Get(key)
+		if !ok || t.IsNone() {
+			if typ.AsString() == "text" || typ.AsString() == "refusal" {
+				continue // vLLM skips text parts without text
+			}
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("content part %q has no text", typ.AsString())}
+		}
+		texts = append(texts, pyStr(t))
+	}
+	if !openaiParts || isTool {
+		// vLLM joins text parts; in the "openai" format it does so for tool
+		// messages whose parts are all text.
+		return jinja.NewString(strings.Join(texts, "\n")), nil
+	}
+	items := make([]jinja.Value, len(texts))
+	for i, t := range texts {
+		d := jinja.NewDict()
+		d.AsDict().Set("type", jinja.NewString("text"))
+		d.AsDict().Set("text", jinja.NewString(t))
+		items[i] = d
+	}
+	return jinja.NewList(items), nil
 }

@@ -1,6 +1,7 @@
-// Package chattemplate renders HuggingFace chat templates exactly as
-// transformers' apply_chat_template does (tokenize=False), so the router can
-// tokenize the very prompt vLLM builds.
+// Package chattemplate renders a chat request's prompt exactly as vLLM
+// builds it — vLLM's request handling (messages and tools as it prepares
+// them), then transformers' apply_chat_template(tokenize=False) — so the
+// router can tokenize the very prompt the engine will.
 //
 // transformers renders with jinja2's ImmutableSandboxedEnvironment
 // (trim_blocks, lstrip_blocks, loop controls) plus raise_exception,
@@ -27,10 +28,16 @@
 //   - decoded messages (and tools arrays) are kept in a process-wide LRU
 //     keyed by their exact JSON bytes (64 MiB), so a growing conversation
 //     decodes only its new turns;
-//   - assistant tool calls are normalised as vLLM does before rendering
-//     (function.arguments sent as a JSON string becomes a mapping, invalid
-//     or missing arguments become {}, an empty tool_calls list is dropped),
-//     since that is what the engine renders;
+//   - messages are rebuilt as vLLM's parse_chat_messages does before it
+//     renders: only role, content and the fields vLLM copies survive
+//     (assistant tool_calls and reasoning, tool tool_call_id, string name),
+//     content null becomes "", text parts are joined with "\n" — or, for
+//     templates that loop over message content (vLLM's "openai" content
+//     format, detected here by pattern rather than vLLM's AST walk), every
+//     content becomes a list of text parts; media parts are rejected;
+//   - assistant tool calls are normalised as vLLM does (function.arguments
+//     sent as a JSON string becomes a mapping, invalid or missing arguments
+//     become {}, an empty tool_calls list is dropped);
 //   - tools are validated and laid out as vLLM's pydantic model_dump() does
 //     (type, function{name, description, parameters} first — null when
 //     missing — then extra fields in request order);
@@ -49,11 +56,10 @@
 // configuration; render time otherwise grows with the request, which the
 // caller must bound). Templates that would raise
 // a Python TypeError (str + None) may render instead of failing (vLLM
-// rejects such requests, so nothing is routed wrongly). Messages are passed
-// to the template as sent apart from the tool-call normalisation above; the
-// rest of vLLM's request parsing (flattening text content parts for
-// "string"-format templates, dropping unknown message fields) is the
-// caller's job.
+// rejects such requests, so nothing is routed wrongly). The vLLM request
+// handling mirrored here follows vLLM's main branch (chat_utils.py,
+// protocol.py); details such as which reasoning field is copied have
+// changed between vLLM releases.
 package chattemplate
 
 import (
@@ -78,6 +84,9 @@ type Template struct {
 	// buffer (see emitter); sourceBytes helps size it.
 	direct      bool
 	sourceBytes int
+	// openaiParts: the template loops over message content, so vLLM hands
+	// it content as a list of parts (its "openai" content format).
+	openaiParts bool
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -153,7 +162,7 @@ func compile(src string, allowDirect bool) (t *Template, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre)}
+	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre), openaiParts: contentLoop.MatchString(pre)}
 	if !mayMutateInput(pre) {
 		t.values = sharedValues
 	}
@@ -277,6 +286,9 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 
 	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
+		return nil, nil, err
+	}
+	if err := vllmMessages(msgs.AsList(), t.openaiParts); err != nil {
 		return nil, nil, err
 	}
 	if err := normalizeToolCalls(msgs.AsList()); err != nil {

@@ -257,10 +257,9 @@ func TestContinueFinalMessage(t *testing.T) {
 		// trim removed the trailing space, so the cut lands after the stripped text.
 		{"trailing space trimmed by template", `[{"role":"user","content":"Hi"},{"role":"assistant","content":"Sure, "}]`,
 			"<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nSure,"},
-		// Like transformers: the text of the last text part is searched in
-		// the output, here inside trim's Python repr of the list.
+		// vLLM joins text parts into one string for this template.
 		{"content parts", `[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"text","text":"Part"}]}]`,
-			"<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n[{'type': 'text', 'text': 'Part"},
+			"<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nPart"},
 	}
 	for _, c := range cases {
 		got, err := tmpl.Render(Input{Messages: json.RawMessage(c.msgs), ContinueFinalMessage: true, BOSToken: "<s>"})
@@ -272,7 +271,6 @@ func TestContinueFinalMessage(t *testing.T) {
 		}
 	}
 	for _, msgs := range []string{
-		`[{"role":"user","content":"Hi"},{"role":"assistant","content":null}]`,
 		`[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"image"}]}]`,
 		`[]`,
 	} {
