@@ -6,7 +6,7 @@ import (
 	"time"
 )
 
-// TestScenarioSizing checks every scenario fits the machine: requests per
+// TestScenarioSizing (only tenants with -short) checks every scenario fits the machine: requests per
 // policy run bounded, and tenants sized as the issue asks (KV demand ≈ 70 %
 // of the fleet and ≈ 6× one replica).
 func TestScenarioSizing(t *testing.T) {
@@ -14,6 +14,9 @@ func TestScenarioSizing(t *testing.T) {
 	tp := TraceDefaults
 	tp.Limit = 100 // synthesizing 13k-token prompts is slow under -race
 	for name, sc := range Scenarios(trace, tp) {
+		if testing.Short() && name != "tenants" {
+			continue
+		}
 		sim := time.Duration(float64(sc.Duration) / sc.TimeScale)
 		w, err := sc.Generate(1, sim)
 		if err != nil {
