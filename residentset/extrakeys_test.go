@@ -1,6 +1,7 @@
 package residentset
 
 import (
+	"strconv"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/blockkey"
@@ -40,6 +41,15 @@ func TestExtraKeys(t *testing.T) {
 		if !s.Contains(blockkey.Next(blockkey.Seed("3", ""), tokens[:4])) {
 			t.Fatal("block with lora_int_id extra key not keyed")
 		}
+		for _, id := range []int64{200, 70000, 1 << 40, -5} { // every msgpack int width
+			wide := stored([]uint64{uint64(10 + id&0xff)}, nil, tokens[4:8])
+			wide.LoRAID = id
+			wide.ExtraKeys = extra(t, []any{id})
+			s.Apply(wide, rec)
+			if !s.Contains(blockkey.Next(blockkey.Seed(strconv.FormatInt(id, 10), ""), tokens[4:8])) {
+				t.Fatalf("block with lora_int_id %d not keyed", id)
+			}
+		}
 	})
 	t.Run("sglang salt field", func(t *testing.T) {
 		s, rec := New(Options{}), newRecorder(t)
@@ -68,6 +78,10 @@ func TestExtraKeys(t *testing.T) {
 		s, rec := New(Options{}), newRecorder(t)
 		ev := stored([]uint64{1, 2}, nil, tokens[:8])
 		ev.ExtraKeys = []byte{0x92, 0xc1, 0xff}
+		s.Apply(ev, rec)
+		wantSet(t, s, rec)
+		// An array claiming 2^31 elements must not allocate them.
+		ev.ExtraKeys = []byte{0xdd, 0x7f, 0xff, 0xff, 0xff, 0xc0}
 		s.Apply(ev, rec)
 		wantSet(t, s, rec)
 	})
