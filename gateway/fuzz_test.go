@@ -67,3 +67,35 @@ func FuzzEachElement(f *testing.F) {
 		}
 	})
 }
+
+// FuzzDecodeTop checks the one-pass top-level decoder against
+// encoding/json on valid objects (keys matched case-sensitively, as vLLM
+// does, so inputs that differ only there are left out).
+func FuzzDecodeTop(f *testing.F) {
+	f.Add([]byte(chatBody))
+	f.Add([]byte(`{"model":"a\"b","stream":true,"stream":false,"cache_salt":"s","prompt":[1,2],"x":{"model":1}}`))
+	f.Add([]byte(`{"model":null,"add_special_tokens":1}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if !json.Valid(body) || bytes.Contains(body, []byte(`\u`)) || bytes.ContainsFunc(body, func(r rune) bool { return r >= 'A' && r <= 'Z' }) {
+			return
+		}
+		var want apiRequest
+		wantErr := json.Unmarshal(body, &want)
+		var got apiRequest
+		gotErr := decodeTop(body, &got)
+		if (wantErr == nil) != (gotErr == nil) {
+			if t := bytes.TrimSpace(body); len(t) > 0 && t[0] != '{' {
+				return // not an object: parseRequest rejects it before
+			}
+			t.Fatalf("%s: encoding/json error %v, decodeTop error %v", body, wantErr, gotErr)
+		}
+		if wantErr != nil {
+			return
+		}
+		w, _ := json.Marshal(want)
+		g, _ := json.Marshal(got)
+		if !bytes.Equal(w, g) {
+			t.Fatalf("%s:\nencoding/json %s\ndecodeTop     %s", body, w, g)
+		}
+	})
+}

@@ -19,6 +19,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/routing"
@@ -158,6 +159,8 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		g.serveReplicas(ctx)
 	case post && string(path) == "/admin/routes/clear":
 		g.serveClear(ctx)
+	case console.Owns(path):
+		console.Handler(ctx)
 	default:
 		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
 	}

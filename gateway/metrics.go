@@ -16,6 +16,7 @@ type metrics struct {
 	reg             *prometheus.Registry
 	routes          *prometheus.CounterVec
 	prefixHits      prometheus.Counter
+	prompt          prometheus.Counter
 	predicted       prometheus.Counter
 	actual          prometheus.Counter
 	retries         prometheus.Counter
@@ -39,6 +40,7 @@ func newMetrics(g *Gateway) *metrics {
 	f := promauto{m.reg}
 	m.routes = f.counterVec("kvmesh_router_routes_total", "Requests served, by routing mode.", "mode")
 	m.prefixHits = f.counter("kvmesh_router_prefix_hits_total", "Requests routed to a replica predicted to hold part of their prefix.")
+	m.prompt = f.counter("kvmesh_router_prompt_tokens_total", "Prompt tokens of served requests as the router tokenized them (0 where tokenizing failed): the denominator of the cache hit rates.")
 	m.predicted = f.counter("kvmesh_router_predicted_cached_tokens_total", "Prompt tokens predicted to be cached where requests were sent.")
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")

@@ -74,6 +74,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		if t.predicted > 0 {
 			m.prefixHits.Inc()
 		}
+		m.prompt.Add(float64(ex.promptTokens))
 		m.predicted.Add(float64(t.predicted))
 		if r.CachedTokens > 0 {
 			m.actual.Add(float64(r.CachedTokens))

@@ -68,13 +68,14 @@ func parseRequest(body []byte, k kind) (*parsed, error) {
 	if t := bytes.TrimLeft(body, " \t\r\n"); len(t) == 0 || t[0] != '{' {
 		return nil, badRequest("request body must be a JSON object")
 	}
-	p := &parsed{kind: k}
-	if err := json.Unmarshal(body, &p.apiRequest); err != nil {
-		var te *json.UnmarshalTypeError
-		if errors.As(err, &te) {
-			return nil, badRequest("field %q has the wrong type: got %s, want %s", te.Field, te.Value, te.Type)
-		}
+	if !json.Valid(body) {
+		var v any
+		err := json.Unmarshal(body, &v) // for the message only
 		return nil, badRequest("malformed JSON: %v", err)
+	}
+	p := &parsed{kind: k}
+	if err := decodeTop(body, &p.apiRequest); err != nil {
+		return nil, err
 	}
 	p.stream = p.Stream != nil && *p.Stream
 	if len(p.StreamOptions) > 0 && !isNull(p.StreamOptions) {
@@ -132,23 +133,18 @@ func checkMessages(raw json.RawMessage) error {
 // JSON decoder has already validated: one pass, no allocation (cheaper than
 // decoding it again).
 func eachElement(raw []byte, f func(elem []byte)) {
-	depth, start, inString := 0, -1, false
+	depth, start := 0, -1
 	for i := 0; i < len(raw); i++ {
 		c := raw[i]
-		if inString {
-			switch c {
-			case '\\':
-				i++
-			case '"':
-				inString = false
-			}
-			continue
-		}
 		switch c {
 		case ' ', '\t', '\r', '\n':
 			continue
 		case '"':
-			inString = true
+			if depth >= 1 && start < 0 {
+				start = i
+			}
+			i = stringEnd(raw, i+1) - 1
+			continue
 		case '[', '{':
 			depth++
 			if depth == 1 {

@@ -1,0 +1,197 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+)
+
+// decodeTop fills r from the top-level fields of body, which json.Valid has
+// accepted: one pass over the object, decoding only the few small values
+// routing needs and keeping the large ones (messages, prompt, tools) as
+// raw spans. Later duplicates win, as with encoding/json. Keys are matched
+// as written (a key spelled with escapes is not recognised).
+func decodeTop(body []byte, r *apiRequest) error {
+	i := skipSpace(body, 0)
+	if i >= len(body) || body[i] != '{' {
+		return badRequest("request body must be a JSON object")
+	}
+	i++
+	for {
+		i = skipSpace(body, i)
+		if i < len(body) && body[i] == '}' {
+			return nil
+		}
+		if i >= len(body) || body[i] != '"' {
+			return badRequest("malformed JSON object")
+		}
+		kEnd := valueEnd(body, i)
+		key := body[i+1 : kEnd-1]
+		i = skipSpace(body, kEnd)
+		if i >= len(body) || body[i] != ':' {
+			return badRequest("malformed JSON object")
+		}
+		i = skipSpace(body, i+1)
+		vEnd := valueEnd(body, i)
+		if vEnd <= i {
+			return badRequest("malformed JSON object")
+		}
+		if err := r.set(key, body[i:vEnd]); err != nil {
+			return err
+		}
+		i = skipSpace(body, vEnd)
+		if i < len(body) && body[i] == ',' {
+			i++
+		}
+	}
+}
+
+func (r *apiRequest) set(key, v []byte) error {
+	var err error
+	switch string(key) {
+	case "model":
+		err = setString(&r.Model, v, "model")
+	case "messages":
+		r.Messages = v
+	case "prompt":
+		r.Prompt = v
+	case "tools":
+		r.Tools = v
+	case "stream":
+		r.Stream, err = setBool(v, "stream")
+	case "stream_options":
+		r.StreamOptions = v
+	case "add_special_tokens":
+		r.AddSpecialTokens, err = setBool(v, "add_special_tokens")
+	case "add_generation_prompt":
+		r.AddGenerationPrompt, err = setBool(v, "add_generation_prompt")
+	case "continue_final_message":
+		r.ContinueFinalMessage, err = setBool(v, "continue_final_message")
+	case "chat_template_kwargs":
+		r.ChatTemplateKwargs = v
+	case "cache_salt":
+		if string(v) == "null" {
+			r.CacheSalt = nil
+			return nil
+		}
+		var s string
+		if err = setString(&s, v, "cache_salt"); err == nil {
+			r.CacheSalt = &s
+		}
+	}
+	return err
+}
+
+func wrongType(field string, v []byte, want string) error {
+	got := "string"
+	switch v[0] {
+	case '{':
+		got = "object"
+	case '[':
+		got = "array"
+	case 't', 'f':
+		got = "bool"
+	case 'n':
+		got = "null"
+	case '"':
+	default:
+		got = "number"
+	}
+	return badRequest("field %q has the wrong type: got %s, want %s", field, got, want)
+}
+
+// setString sets *dst from a JSON string (null leaves it unchanged).
+func setString(dst *string, v []byte, field string) error {
+	switch v[0] {
+	case 'n':
+		return nil
+	case '"':
+		if bytes.IndexByte(v, '\\') < 0 {
+			*dst = string(v[1 : len(v)-1])
+			return nil
+		}
+		if err := json.Unmarshal(v, dst); err != nil {
+			return badRequest("field %q: %v", field, err)
+		}
+		return nil
+	}
+	return wrongType(field, v, "string")
+}
+
+func setBool(v []byte, field string) (*bool, error) {
+	switch string(v) {
+	case "true":
+		t := true
+		return &t, nil
+	case "false":
+		f := false
+		return &f, nil
+	case "null":
+		return nil, nil
+	}
+	return nil, wrongType(field, v, "bool")
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\r' || b[i] == '\n') {
+		i++
+	}
+	return i
+}
+
+// valueEnd returns the end of the valid JSON value starting at b[i].
+func valueEnd(b []byte, i int) int {
+	if i >= len(b) {
+		return i
+	}
+	switch b[i] {
+	case '"':
+		return stringEnd(b, i+1)
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				j = stringEnd(b, j+1) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return len(b)
+	}
+	j := i
+	for j < len(b) {
+		switch b[j] {
+		case ',', '}', ']', ' ', '\t', '\r', '\n':
+			return j
+		}
+		j++
+	}
+	return j
+}
+
+
+// stringEnd returns the index just past the closing quote of the JSON
+// string whose content starts at b[j]. It jumps from quote to quote
+// (IndexByte is vectorised) and counts the backslashes before each.
+func stringEnd(b []byte, j int) int {
+	for {
+		k := bytes.IndexByte(b[j:], '"')
+		if k < 0 {
+			return len(b)
+		}
+		q := j + k
+		n := 0
+		for p := q - 1; p >= j && b[p] == '\\'; p-- {
+			n++
+		}
+		if n%2 == 0 {
+			return q + 1
+		}
+		j = q + 1
+	}
+}
