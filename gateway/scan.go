@@ -174,7 +174,6 @@ func valueEnd(b []byte, i int) int {
 	return j
 }
 
-
 // stringEnd returns the index just past the closing quote of the JSON
 // string whose content starts at b[j]. It jumps from quote to quote
 // (IndexByte is vectorised) and counts the backslashes before each.
