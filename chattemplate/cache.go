@@ -2,6 +2,7 @@ package chattemplate
 
 import (
 	"bytes"
+	"errors"
 	"sync"
 
 	"github.com/ardanlabs/jinja"
@@ -25,8 +26,14 @@ const (
 
 var sharedValues = newValueCache(valueCacheBytes, minCachedElement)
 
+// prepFunc turns a decoded value into what the template is given (a
+// message rebuilt as vLLM does, normalised tools). It must be a pure
+// function of the value; index is the element's position, for errors.
+type prepFunc func(v jinja.Value, index int) (jinja.Value, error)
+
 type cacheEntry struct {
 	key        uint64
+	kind       byte   // which prepFunc produced val (0: none)
 	raw        string // exact JSON bytes, compared on every hit
 	val        jinja.Value
 	prev, next *cacheEntry
@@ -50,12 +57,19 @@ func newValueCache(maxBytes, minElement int) *valueCache {
 // decode returns the value of the JSON text raw (found at nesting depth),
 // from the cache when the same bytes were decoded before.
 func (c *valueCache) decode(raw []byte, depth int) (jinja.Value, error) {
+	return c.decodePrep(raw, depth, 0, nil, 0)
+}
+
+// decodePrep decodes raw and passes the value through prep (identified by
+// kind, 0 for none); the prepared value is what gets cached, so a hit costs
+// neither the decode nor the preparation. Prep errors are not cached.
+func (c *valueCache) decodePrep(raw []byte, depth int, kind byte, prep prepFunc, index int) (jinja.Value, error) {
 	if len(raw) < c.minElement {
-		return decodeJSONAt(string(raw), depth)
+		return decodeAndPrep(string(raw), depth, prep, index)
 	}
-	key := xxhash.Sum64(raw)
+	key := xxhash.Sum64(raw) ^ uint64(kind)*0x9e3779b97f4a7c15
 	c.mu.Lock()
-	if e := c.byKey[key]; e != nil && e.raw == string(raw) {
+	if e := c.byKey[key]; e != nil && e.kind == kind && e.raw == string(raw) {
 		c.unlink(e)
 		c.pushFront(e)
 		c.mu.Unlock()
@@ -66,7 +80,7 @@ func (c *valueCache) decode(raw []byte, depth int) (jinja.Value, error) {
 	// Decode outside the lock; strings in the value alias this copy, so
 	// keeping it as the entry's key costs little extra memory.
 	text := string(raw)
-	v, err := decodeJSONAt(text, depth)
+	v, err := decodeAndPrep(text, depth, prep, index)
 	if err != nil || len(text) > c.maxBytes/4 {
 		return v, err
 	}
@@ -76,7 +90,7 @@ func (c *valueCache) decode(raw []byte, depth int) (jinja.Value, error) {
 		c.unlink(old)
 		c.bytes -= len(old.raw)
 	}
-	e := &cacheEntry{key: key, raw: text, val: v}
+	e := &cacheEntry{key: key, kind: kind, raw: text, val: v}
 	c.byKey[key] = e
 	c.pushFront(e)
 	c.bytes += len(text)
@@ -88,6 +102,25 @@ func (c *valueCache) decode(raw []byte, depth int) (jinja.Value, error) {
 	}
 	return v, nil
 }
+
+// decodeAndPrep decodes text and applies prep. A decode error is a
+// *jsonError so callers can tell it from a prep (validation) error.
+func decodeAndPrep(text string, depth int, prep prepFunc, index int) (jinja.Value, error) {
+	v, err := decodeJSONAt(text, depth)
+	if err != nil {
+		return v, &jsonError{err}
+	}
+	if prep == nil {
+		return v, nil
+	}
+	return prep(v, index)
+}
+
+// jsonError marks a JSON syntax error (as opposed to a rejected value).
+type jsonError struct{ err error }
+
+func (e *jsonError) Error() string { return e.err.Error() }
+func (e *jsonError) Unwrap() error { return e.err }
 
 func (c *valueCache) unlink(e *cacheEntry) {
 	e.prev.next = e.next
@@ -104,45 +137,76 @@ func (c *valueCache) pushFront(e *cacheEntry) {
 // decodeArray decodes a JSON array element by element, each through the
 // cache. It accepts exactly what decodeJSON accepts.
 func (c *valueCache) decodeArray(raw []byte) (jinja.Value, error) {
+	return c.decodeArrayPrep(raw, 0, nil)
+}
+
+// decodeArrayPrep is decodeArray with every element passed through prep
+// (and cached prepared). If raw is valid JSON but not an array, the value
+// is returned as decoded, without prep.
+func (c *valueCache) decodeArrayPrep(raw []byte, kind byte, prep prepFunc) (jinja.Value, error) {
+	whole := func() (jinja.Value, error) { return decodeWholeArray(raw, prep) }
 	i := skipJSONSpace(raw, 0)
 	if i >= len(raw) || raw[i] != '[' {
-		// Not an array: let the full decoder produce the value or error.
-		return decodeJSON(string(raw))
+		return whole()
 	}
 	i = skipJSONSpace(raw, i+1)
 	var items []jinja.Value
 	if i < len(raw) && raw[i] == ']' {
 		if skipJSONSpace(raw, i+1) != len(raw) {
-			return decodeJSON(string(raw))
+			return whole()
 		}
 		return jinja.NewList(items), nil
 	}
 	for {
 		end, ok := scanJSONValue(raw, i)
 		if !ok {
-			return decodeJSON(string(raw)) // reports the error with its offset
+			return whole() // reports the error with its offset
 		}
-		v, err := c.decode(raw[i:end], 1)
+		v, err := c.decodePrep(raw[i:end], 1, kind, prep, len(items))
 		if err != nil {
-			return decodeJSON(string(raw))
+			var je *jsonError
+			if errors.As(err, &je) {
+				return whole()
+			}
+			return jinja.Undefined(), err
 		}
 		items = append(items, v)
 		i = skipJSONSpace(raw, end)
 		if i >= len(raw) {
-			return decodeJSON(string(raw))
+			return whole()
 		}
 		switch raw[i] {
 		case ',':
 			i = skipJSONSpace(raw, i+1)
 		case ']':
 			if skipJSONSpace(raw, i+1) != len(raw) {
-				return decodeJSON(string(raw))
+				return whole()
 			}
 			return jinja.NewList(items), nil
 		default:
-			return decodeJSON(string(raw))
+			return whole()
 		}
 	}
+}
+
+// decodeWholeArray decodes raw in one piece (the uncached path, and the one
+// that reports syntax errors with their offsets) and preps each element of
+// an array.
+func decodeWholeArray(raw []byte, prep prepFunc) (jinja.Value, error) {
+	v, err := decodeJSON(string(raw))
+	if err != nil {
+		return v, &jsonError{err}
+	}
+	if prep == nil || !v.IsList() {
+		return v, nil
+	}
+	items := make([]jinja.Value, v.AsList().Len())
+	for i, item := range v.AsList().Items {
+		if items[i], err = prep(item, i); err != nil {
+			return jinja.Undefined(), err
+		}
+	}
+	return jinja.NewList(items), nil
 }
 
 func skipJSONSpace(raw []byte, i int) int {

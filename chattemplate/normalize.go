@@ -15,46 +15,43 @@ import (
 // and drops an empty tool_calls list. Without this, every tool-using
 // conversation from an OpenAI SDK would render differently from the engine.
 //
-// Messages may be shared with the decode cache, so changed messages are
+// Values may be shared with the decode cache, so a changed message is
 // copied, never modified.
-func normalizeToolCalls(messages *jinja.List) error {
-	for i, m := range messages.Items {
-		msg := m.AsDict()
-		role, _ := msg.Get("role")
-		calls, ok := msg.Get("tool_calls")
-		if !ok || !role.IsString() || role.AsString() != "assistant" || !calls.IsList() {
-			continue
-		}
-		if calls.AsList().Len() == 0 {
-			messages.Items[i] = dictWithout(msg, "tool_calls")
-			continue
-		}
-		var newCalls []jinja.Value // nil until a call changes
-		for j, item := range calls.AsList().Items {
-			if !item.IsDict() {
-				return &InputError{Field: "messages", Reason: "assistant tool_calls entries must be objects"}
-			}
-			call := item.AsDict()
-			typ, hasType := call.Get("type")
-			fn, _ := call.Get("function")
-			if (hasType && !(typ.IsString() && typ.AsString() == "function")) || !fn.IsDict() {
-				return &InputError{Field: "messages", Reason: "chat completions only support assistant tool_calls of type 'function'"}
-			}
-			args, _ := fn.AsDict().Get("arguments")
-			parsed, changed := normalizeArguments(args)
-			if !changed {
-				continue
-			}
-			if newCalls == nil {
-				newCalls = append([]jinja.Value(nil), calls.AsList().Items...)
-			}
-			newCalls[j] = dictWith(call, "function", dictWith(fn.AsDict(), "arguments", parsed))
-		}
-		if newCalls != nil {
-			messages.Items[i] = dictWith(msg, "tool_calls", jinja.NewList(newCalls))
-		}
+func normalizeToolCalls(m jinja.Value) (jinja.Value, error) {
+	msg := m.AsDict()
+	role, _ := msg.Get("role")
+	calls, ok := msg.Get("tool_calls")
+	if !ok || !role.IsString() || role.AsString() != "assistant" || !calls.IsList() {
+		return m, nil
 	}
-	return nil
+	if calls.AsList().Len() == 0 {
+		return dictWithout(msg, "tool_calls"), nil
+	}
+	var newCalls []jinja.Value // nil until a call changes
+	for j, item := range calls.AsList().Items {
+		if !item.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: "assistant tool_calls entries must be objects"}
+		}
+		call := item.AsDict()
+		typ, hasType := call.Get("type")
+		fn, _ := call.Get("function")
+		if (hasType && !(typ.IsString() && typ.AsString() == "function")) || !fn.IsDict() {
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: "chat completions only support assistant tool_calls of type 'function'"}
+		}
+		args, _ := fn.AsDict().Get("arguments")
+		parsed, changed := normalizeArguments(args)
+		if !changed {
+			continue
+		}
+		if newCalls == nil {
+			newCalls = append([]jinja.Value(nil), calls.AsList().Items...)
+		}
+		newCalls[j] = dictWith(call, "function", dictWith(fn.AsDict(), "arguments", parsed))
+	}
+	if newCalls != nil {
+		return dictWith(msg, "tool_calls", jinja.NewList(newCalls)), nil
+	}
+	return m, nil
 }
 
 // normalizeArguments is vLLM's rule for function.arguments: a non-empty
@@ -179,7 +176,7 @@ var textPartKeys = map[string]string{
 	"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking",
 }
 
-// vllmMessages rebuilds each message as vLLM's parse_chat_messages does
+// vllmMessage rebuilds a message as vLLM's parse_chat_messages does
 // before rendering (chat_utils._parse_chat_message_content): only role,
 // content and the fields vLLM copies survive (assistant tool_calls and
 // reasoning, tool tool_call_id, string name and task, developer tools);
@@ -187,50 +184,64 @@ var textPartKeys = map[string]string{
 // string — or, for templates that loop over content (openaiParts), every
 // content becomes a list of {"type": "text", "text": ...} parts. Media parts
 // are rejected: the router serves text models.
-func vllmMessages(msgs *jinja.List, openaiParts bool) error {
-	for i, m := range msgs.Items {
-		src := m.AsDict()
-		role, _ := src.Get("role")
-		content, err := vllmContent(src, openaiParts, role.AsString() == "tool")
-		if err != nil {
-			return err
-		}
-		out := jinja.NewDict()
-		od := out.AsDict()
-		od.Set("role", role)
-		od.Set("content", content)
-		switch role.AsString() {
-		case "assistant":
-			if tc, ok := src.Get("tool_calls"); ok && !tc.IsNone() {
-				if !tc.IsList() {
-					return &InputError{Field: "messages", Reason: "assistant tool_calls must be an array"}
-				}
-				od.Set("tool_calls", jinja.NewList(append([]jinja.Value(nil), tc.AsList().Items...)))
-			}
-			if r, ok := src.Get("reasoning"); ok && !r.IsNone() {
-				od.Set("reasoning", r)
-				od.Set("reasoning_content", r)
-			}
-		case "tool":
-			if id, ok := src.Get("tool_call_id"); ok {
-				od.Set("tool_call_id", id)
-			}
-		}
-		for _, k := range []string{"name", "task"} {
-			if v, ok := src.Get(k); ok && v.IsString() {
-				od.Set(k, v)
-			}
-		}
-		if role.AsString() == "developer" {
-			tools, ok := src.Get("tools")
-			if !ok {
-				tools = jinja.None()
-			}
-			od.Set("tools", tools)
-		}
-		msgs.Items[i] = out
+func vllmMessage(src *jinja.Dict, openaiParts bool) (jinja.Value, error) {
+	role, _ := src.Get("role")
+	content, err := vllmContent(src, openaiParts, role.AsString() == "tool")
+	if err != nil {
+		return jinja.Undefined(), err
 	}
-	return nil
+	out := jinja.NewDict()
+	od := out.AsDict()
+	od.Set("role", role)
+	od.Set("content", content)
+	switch role.AsString() {
+	case "assistant":
+		if tc, ok := src.Get("tool_calls"); ok && !tc.IsNone() {
+			if !tc.IsList() {
+				return jinja.Undefined(), &InputError{Field: "messages", Reason: "assistant tool_calls must be an array"}
+			}
+			od.Set("tool_calls", tc)
+		}
+		if r, ok := src.Get("reasoning"); ok && !r.IsNone() {
+			od.Set("reasoning", r)
+			od.Set("reasoning_content", r)
+		}
+	case "tool":
+		if id, ok := src.Get("tool_call_id"); ok {
+			od.Set("tool_call_id", id)
+		}
+	}
+	for _, k := range []string{"name", "task"} {
+		if v, ok := src.Get(k); ok && v.IsString() {
+			od.Set(k, v)
+		}
+	}
+	if role.AsString() == "developer" {
+		tools, ok := src.Get("tools")
+		if !ok {
+			tools = jinja.None()
+		}
+		od.Set("tools", tools)
+	}
+	return out, nil
+}
+
+// prepareMessage turns one decoded request message into what vLLM hands
+// the template: validated, rebuilt (vllmMessage), tool calls normalised.
+// It is pure, so its result is what the decode cache keeps.
+func prepareMessage(m jinja.Value, i int, openaiParts bool) (jinja.Value, error) {
+	if !m.IsDict() {
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d is not a JSON object", i)}
+	}
+	role, ok := m.AsDict().Get("role")
+	if !ok || !role.IsString() {
+		return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d has no string \"role\"", i)}
+	}
+	m, err := vllmMessage(m.AsDict(), openaiParts)
+	if err != nil {
+		return jinja.Undefined(), err
+	}
+	return normalizeToolCalls(m)
 }
 
 // vllmContent converts one message's content as vLLM does.

@@ -288,31 +288,29 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := vllmMessages(msgs.AsList(), t.openaiParts); err != nil {
-		return nil, nil, err
-	}
-	if err := normalizeToolCalls(msgs.AsList()); err != nil {
-		return nil, nil, err
-	}
 	vars["messages"] = msgs
 
 	vars["tools"] = jinja.None()
 	if !isNull(in.Tools) {
+		prep := func(v jinja.Value, _ int) (jinja.Value, error) {
+			if !v.IsList() {
+				return jinja.Undefined(), &InputError{Field: "tools", Reason: "must be a JSON array"}
+			}
+			return normalizeTools(v.AsList())
+		}
 		var tools jinja.Value
 		var err error
 		if t.values != nil {
-			tools, err = t.values.decode(in.Tools, 0)
+			tools, err = t.values.decodePrep(in.Tools, 0, 't', prep, 0)
 		} else {
-			tools, err = decodeJSON(string(in.Tools))
+			tools, err = decodeAndPrep(string(in.Tools), 0, prep, 0)
 		}
 		if err != nil {
+			var ie *InputError
+			if errors.As(err, &ie) {
+				return nil, nil, err
+			}
 			return nil, nil, &InputError{Field: "tools", Reason: err.Error()}
-		}
-		if !tools.IsList() {
-			return nil, nil, &InputError{Field: "tools", Reason: "must be a JSON array"}
-		}
-		if tools, err = normalizeTools(tools.AsList()); err != nil {
-			return nil, nil, err
 		}
 		vars["tools"] = tools
 	}
@@ -328,31 +326,33 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 	return vars, msgs.AsList(), nil
 }
 
+// decodeMessages decodes the messages array into what vLLM hands the
+// template (see prepareMessage), through the decode cache when allowed.
 func (t *Template) decodeMessages(raw json.RawMessage) (jinja.Value, error) {
 	if len(raw) == 0 {
 		return jinja.Undefined(), &InputError{Field: "messages", Reason: "missing"}
 	}
+	prep := func(v jinja.Value, i int) (jinja.Value, error) { return prepareMessage(v, i, t.openaiParts) }
+	kind := byte('m')
+	if t.openaiParts {
+		kind = 'M'
+	}
 	var v jinja.Value
 	var err error
 	if t.values != nil {
-		v, err = t.values.decodeArray(raw)
+		v, err = t.values.decodeArrayPrep(raw, kind, prep)
 	} else {
-		v, err = decodeJSON(string(raw))
+		v, err = decodeWholeArray(raw, prep)
 	}
 	if err != nil {
+		var ie *InputError
+		if errors.As(err, &ie) {
+			return jinja.Undefined(), err
+		}
 		return jinja.Undefined(), &InputError{Field: "messages", Reason: err.Error()}
 	}
 	if !v.IsList() {
 		return jinja.Undefined(), &InputError{Field: "messages", Reason: "must be a JSON array"}
-	}
-	for i, m := range v.AsList().Items {
-		if !m.IsDict() {
-			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d is not a JSON object", i)}
-		}
-		role, ok := m.AsDict().Get("role")
-		if !ok || !role.IsString() {
-			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("message %d has no string \"role\"", i)}
-		}
 	}
 	return v, nil
 }
