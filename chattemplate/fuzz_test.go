@@ -123,20 +123,32 @@ func FuzzRender(f *testing.F) {
 		f.Add([]byte(s), []byte(nil), false, true)
 	}
 	f.Fuzz(func(t *testing.T, messages, tools []byte, genPrompt, cont bool) {
+		in := Input{
+			Messages:             messages,
+			Tools:                tools,
+			AddGenerationPrompt:  genPrompt,
+			ContinueFinalMessage: cont,
+			BOSToken:             "<s>",
+			EOSToken:             "</s>",
+		}
 		for _, tmpl := range []*Template{llama3, qwen} {
-			out, err := tmpl.Render(Input{
-				Messages:             messages,
-				Tools:                tools,
-				AddGenerationPrompt:  genPrompt,
-				ContinueFinalMessage: cont,
-				BOSToken:             "<s>",
-				EOSToken:             "</s>",
-			})
+			out, err := tmpl.Render(in)
 			if err != nil && out != "" {
 				t.Fatalf("error %v with output %q", err, out)
 			}
 			if err != nil && strings.Contains(err.Error(), "panic") {
 				t.Fatalf("engine panicked: %v", err)
+			}
+			// The cached path (fuzzCache caches every element) must render
+			// what the uncached one does.
+			cached, cold := *tmpl, *tmpl
+			cached.values, cold.values = fuzzCache, nil
+			for pass := range 2 {
+				got, gerr := cached.Render(in)
+				want, werr := cold.Render(in)
+				if got != want || (gerr == nil) != (werr == nil) {
+					t.Fatalf("pass %d: cached render %q, %v; uncached %q, %v", pass, got, gerr, want, werr)
+				}
 			}
 		}
 	})
