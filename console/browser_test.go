@@ -1,0 +1,433 @@
+package console_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+
+	"github.com/kvmesh/kvmesh/loadtest/cluster"
+)
+
+const adminToken = "console-test-token"
+
+// chromium finds Debian's chromium (or another Chrome) for the browser test;
+// KVMESH_CHROMIUM names one explicitly.
+func chromium() string {
+	if p := os.Getenv("KVMESH_CHROMIUM"); p != "" {
+		return p
+	}
+	for _, name := range []string{"chromium", "chromium-browser", "google-chrome", "headless-shell"} {
+		if p, err := exec.LookPath(name); err == nil {
+			return p
+		}
+	}
+	return ""
+}
+
+// artifactDir is where the screenshot and the cluster's logs stay after the
+// test: $KVMESH_ARTIFACTS/console, or a fresh temporary directory.
+func artifactDir(t *testing.T) string {
+	if base := os.Getenv("KVMESH_ARTIFACTS"); base != "" {
+		dir := filepath.Join(base, "console")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	dir, err := os.MkdirTemp("", "kvmesh-console-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+type replica struct {
+	Name             string `json:"name"`
+	Online           bool   `json:"online"`
+	FilterGeneration uint64 `json:"filter_generation"`
+	FilterKeys       int    `json:"filter_keys"`
+}
+
+func replicas(ctx context.Context, router string) (map[string]replica, error) {
+	req, _ := http.NewRequestWithContext(ctx, "GET", router+"/admin/replicas", nil)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer res.Body.Close()
+	var list []replica
+	if err := json.NewDecoder(res.Body).Decode(&list); err != nil {
+		return nil, err
+	}
+	out := map[string]replica{}
+	for _, r := range list {
+		out[r.Name] = r
+	}
+	return out, nil
+}
+
+// fleetState is the router's and the sidecars' view, for a failure message.
+func fleetState(router string, sidecars []string) string {
+	var b strings.Builder
+	for _, u := range append([]string{router + "/admin/replicas"}, sidecars...) {
+		if !strings.Contains(u, "/admin/") {
+			u += "/status"
+		}
+		res, err := http.Get(u)
+		if err != nil {
+			fmt.Fprintf(&b, "%s: %v\n", u, err)
+			continue
+		}
+		body, _ := io.ReadAll(io.LimitReader(res.Body, 8<<10))
+		res.Body.Close()
+		fmt.Fprintf(&b, "%s: %s\n", u, body)
+	}
+	return b.String()
+}
+
+// sendRound sends one completion for each of four long prefixes and returns
+// the cached tokens the router predicted for them.
+func sendRound(ctx context.Context, router string, round int) (predicted int, err error) {
+	for p := range 4 {
+		prefix := strings.Repeat(fmt.Sprintf("Prefix %d: the console shows which replica holds which prefix. ", p), 40)
+		body, _ := json.Marshal(map[string]any{
+			"model": "sim", "prompt": fmt.Sprintf("%s Question %d: what is cached?", prefix, round), "max_tokens": 4,
+		})
+		req, _ := http.NewRequestWithContext(ctx, "POST", router+"/v1/completions", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return predicted, err
+		}
+		res.Body.Close()
+		if res.StatusCode != 200 {
+			return predicted, fmt.Errorf("completion %d/%d: status %d", round, p, res.StatusCode)
+		}
+		var c int
+		fmt.Sscan(res.Header.Get("X-Kvmesh-Cached-Tokens"), &c)
+		predicted += c
+	}
+	return predicted, nil
+}
+
+// demoTraffic keeps four clients busy for d with a mix a real fleet sees:
+// a few shared system prompts (hits after their first request) and some
+// one-off prompts (cold).
+func demoTraffic(ctx context.Context, router string, d time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 4)
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; ctx.Err() == nil; i++ {
+				prompt := fmt.Sprintf("One-off question %d from client %d about %d things.", i, w, i*7919%1000)
+				if i%4 != 3 {
+					prompt = strings.Repeat(fmt.Sprintf("System prompt %d: you answer questions about fleet number %d. ", (i+w)%5, (i+w)%5), 30+10*((i+w)%5)) + prompt
+				}
+				body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 24})
+				req, _ := http.NewRequestWithContext(ctx, "POST", router+"/v1/completions", bytes.NewReader(body))
+				res, err := http.DefaultClient.Do(req)
+				if err != nil {
+					if ctx.Err() == nil {
+						errs <- err
+					}
+					return
+				}
+				res.Body.Close()
+				time.Sleep(time.Duration(50+(i*37)%150) * time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// TestConsoleInBrowser loads the status page of a real router (three
+// enginesim replicas with sidecars, two selected for prefix matching, from
+// make build's bin/) in headless Chromium: no console errors, the replicas
+// listed with the unselected one dimmed, the hit rate moves after traffic,
+// and the per-replica clear button, after asking for the admin token, clears
+// that replica's route records cluster-wide.
+func TestConsoleInBrowser(t *testing.T) {
+	exe := chromium()
+	if exe == "" {
+		t.Skip("no Chromium: install Debian's chromium package (apt-get install -y chromium) or set KVMESH_CHROMIUM to run the browser test")
+	}
+	bin := os.Getenv("KVMESH_BIN") // default: the repository's bin/
+	if bin == "" {
+		bin = filepath.Join("..", "bin")
+	}
+	bin, err := filepath.Abs(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range []string{"enginesim", "sidecar", "router"} {
+		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
+			t.Skipf("no %s in %s: run make build first", b, bin)
+		}
+	}
+	// KVMESH_CONSOLE_DEMO=90s runs that long on a slower clock with mixed
+	// traffic before the screenshot: the picture in docs/console.png.
+	var demo time.Duration
+	if d := os.Getenv("KVMESH_CONSOLE_DEMO"); d != "" {
+		if demo, err = time.ParseDuration(d); err != nil {
+			t.Fatalf("KVMESH_CONSOLE_DEMO: %v", err)
+		}
+	}
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second+demo)
+	defer cancel()
+	out := artifactDir(t)
+	t.Logf("artifacts (screenshot, process logs): %s", out)
+
+	// Three replicas, two selected for prefix matching: the third is routed
+	// by load only and must show so.
+	config := filepath.Join(t.TempDir(), "router.yaml")
+	if err := os.WriteFile(config, []byte("selection: [replica-0, replica-1]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	timeScale := 0.05
+	if demo > 0 {
+		timeScale = 0.5
+	}
+	cl, err := cluster.Start(ctx, cluster.Config{
+		BinDir: bin, OutDir: out, Replicas: 3, Routers: 1, Policy: "kvaware",
+		TimeScale: timeScale, ReadyTimeout: 30 * time.Second, Grace: 3 * time.Second,
+		RouterArgs: []string{"--admin-token", adminToken, "--config", config},
+	})
+	if err != nil {
+		t.Fatalf("starting the cluster: %v", err)
+	}
+	defer cl.Stop()
+	router := cl.Routers[0]
+	if res, err := http.Get(router + "/"); err != nil {
+		t.Fatal(err)
+	} else if res.Body.Close(); res.StatusCode == http.StatusNotFound {
+		t.Skipf("%s/router predates the console (GET / is 404): run make build", bin)
+	}
+	t.Logf("cluster up in %v: router %s, replicas %v", time.Since(start).Round(time.Millisecond), router, cl.Names)
+
+	alloc, cancelAlloc := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(exe), chromedp.NoSandbox, chromedp.DisableGPU,
+		chromedp.WindowSize(1360, 900), chromedp.Flag("disable-dev-shm-usage", true),
+		chromedp.UserDataDir(t.TempDir()),
+	)...)
+	defer cancelAlloc()
+	bctx, cancelBrowser := chromedp.NewContext(alloc)
+	defer cancelBrowser()
+
+	// Collect the console from before the page loads.
+	var mu sync.Mutex
+	var messages []chromedp.ConsoleMessage
+	consoleCtx, stopConsole := context.WithCancel(bctx)
+	defer stopConsole()
+	msgs := chromedp.Console(consoleCtx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for m, err := range msgs {
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			messages = append(messages, m)
+			mu.Unlock()
+		}
+	}()
+
+	step := func(name string, actions ...chromedp.Action[chromedp.Void]) {
+		t.Helper()
+		if err := chromedp.Do(bctx, actions...); err != nil {
+			t.Fatalf("%s: %v (after %v)", name, err, time.Since(start).Round(time.Millisecond))
+		}
+	}
+	poll := func(name, expr string, timeout time.Duration) {
+		t.Helper()
+		step(name, func(ctx context.Context, tg *chromedp.Target) (chromedp.Void, error) {
+			_, err := chromedp.Poll[chromedp.Void](expr, chromedp.WithPollingTimeout(timeout),
+				chromedp.WithPollingInterval(100*time.Millisecond))(ctx, tg)
+			return chromedp.Void{}, err
+		})
+	}
+	text := func(sel string) string {
+		t.Helper()
+		s, err := chromedp.Run(bctx, chromedp.Text(chromedp.CSS(sel)))
+		if err != nil {
+			t.Fatalf("reading %s: %v", sel, err)
+		}
+		return s
+	}
+
+	step("loading the page", chromedp.Navigate(router+"/"))
+	poll("waiting for the replicas", `document.querySelectorAll('#replica-rows tr[data-replica]').length === 3 &&
+		window.kvmeshConsole.state.polls >= 2`, 10*time.Second)
+	for i, name := range cl.Names {
+		row := `tr[data-replica="` + name + `"]`
+		if s := text(row + ` td.name strong`); s != name {
+			t.Errorf("row of %s shows %q", name, s)
+		}
+		// Stale is online with state older than the TTL: a busy machine
+		// may show it for a moment.
+		if s := text(row + ` .pill`); s != "online" && s != "stale" {
+			t.Errorf("%s shows status %q, want online", name, s)
+		}
+		wantSel := "selected"
+		if i == 2 {
+			wantSel = "load only"
+		}
+		if s := text(row + ` td:nth-child(5) .pill`); s != wantSel {
+			t.Errorf("%s shows prefix routing %q, want %q", name, s, wantSel)
+		}
+		dimmed, err := chromedp.Run(bctx, chromedp.Evaluate[bool](`(() => { const r = document.querySelector('`+row+`');
+			return r.classList.contains('unselected') && getComputedStyle(r.querySelector('td.name .why')).display !== 'none' &&
+				getComputedStyle(r.querySelector('td:nth-child(2)')).opacity < 1 })()`))
+		if err != nil || dimmed != (i == 2) {
+			t.Errorf("%s dimmed with the load-only note: %v, want %v (%v)", name, dimmed, i == 2, err)
+		}
+	}
+	if s, o := text("#selected-count"), text("#online-count"); s != "2" || o != "3" {
+		t.Errorf("selected %q of %q online, want 2 of 3", s, o)
+	}
+	hitBefore := text("#hit-actual")
+
+	// One cold round; once the sidecars' filters reach the router, three
+	// rounds that find their prefixes.
+	if _, err := sendRound(ctx, router, 0); err != nil {
+		t.Fatal(err)
+	}
+	sent := time.Now()
+	// The sidecars' filters reach the router within a few hundred ms
+	// (gossip): send rounds until one is predicted cached, then two more.
+	predicted, rounds, firstHit := 0, 0, -1
+	for round := 1; firstHit < 0 || round <= firstHit+2; round++ {
+		p, err := sendRound(ctx, router, round)
+		if err != nil {
+			t.Fatal(err)
+		}
+		predicted, rounds = predicted+p, round
+		if p > 0 && firstHit < 0 {
+			firstHit = round
+		}
+		if firstHit < 0 && time.Since(sent) > 10*time.Second {
+			t.Fatalf("the router predicted no cached tokens in %d rounds over 4 warm prefixes (10 s)\n%s", round, fleetState(router, cl.Sidecars))
+		}
+		if firstHit < 0 {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	t.Logf("first predicted hit in round %d, %v after the cold round", firstHit, time.Since(sent).Round(10*time.Millisecond))
+	poll("waiting for the hit rate", `(() => { const h = window.kvmeshConsole.hitRate();
+		return h && h.actual > 0 && h.predicted > 0 && /%$/.test(document.getElementById('hit-actual').textContent) })()`, 10*time.Second)
+	hitAfter, predAfter := text("#hit-actual"), text("#hit-predicted")
+	t.Logf("hit rate on the page: %q before traffic, %q actual / %q predicted after %d requests (router predicted %d cached tokens)",
+		hitBefore, hitAfter, predAfter, 4*(rounds+1), predicted)
+	if hitBefore == hitAfter {
+		t.Errorf("hit rate did not move: %q", hitAfter)
+	}
+	if s := text("#saved-total"); s == "–" || s == "0" {
+		t.Errorf("tokens saved %q after cached traffic", s)
+	}
+
+	// Clear one replica's records through its button: the router wants a
+	// token, the page asks for it, and the replica's filter is rebuilt.
+	before, err := replicas(ctx, router)
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := cl.Names[0]
+	step("clicking clear", chromedp.Click(chromedp.CSS(`button[data-clear="`+target+`"]`)))
+	poll("waiting for the token prompt", `document.getElementById('token-dialog').open`, 5*time.Second)
+	step("entering the token",
+		chromedp.SendKeys(chromedp.CSS("#token-input"), adminToken),
+		chromedp.Click(chromedp.CSS("#token-submit")))
+	poll("waiting for the confirmation", `[...document.querySelectorAll('.toast')].some(e => e.textContent.includes('cleared for `+target+`'))`, 5*time.Second)
+	var after map[string]replica
+	for deadline := time.Now().Add(8 * time.Second); ; {
+		if after, err = replicas(ctx, router); err != nil {
+			t.Fatal(err)
+		}
+		if after[target].FilterGeneration > before[target].FilterGeneration {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: filter generation still %d after the clear (before %d)", target, after[target].FilterGeneration, before[target].FilterGeneration)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("%s: filter generation %d → %d, keys %d → %d", target,
+		before[target].FilterGeneration, after[target].FilterGeneration, before[target].FilterKeys, after[target].FilterKeys)
+	if log, err := os.ReadFile(filepath.Join(out, "router-0.log")); err != nil || !bytes.Contains(log, []byte(`"replicas":["`+target+`"]`)) {
+		t.Errorf("router log has no clear of %s only (%v)", target, err)
+	}
+	stored, err := chromedp.Run(bctx, chromedp.Evaluate[string](`sessionStorage.getItem('kvmesh.adminToken') || ''`))
+	if err != nil || stored != adminToken {
+		t.Errorf("token kept in sessionStorage: %q (%v)", stored, err)
+	}
+
+	if demo > 0 {
+		if err := demoTraffic(ctx, router, demo); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Let the page show the rebuilt filter, then keep a picture.
+	time.Sleep(2200 * time.Millisecond)
+	png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shot := filepath.Join(out, "console.png")
+	if err := os.WriteFile(shot, png, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("screenshot: %s (%d KB)", shot, len(png)>>10)
+
+	pollState, err := chromedp.Run(bctx, chromedp.Evaluate[struct {
+		Polls, Errors int
+		LastError     string
+	}](`({Polls: kvmeshConsole.state.polls, Errors: kvmeshConsole.state.errors, LastError: kvmeshConsole.state.lastError})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pollState.Errors != 0 {
+		t.Errorf("%d failed polls, last: %s", pollState.Errors, pollState.LastError)
+	}
+
+	stopConsole()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	unauthorized := 0
+	for _, m := range messages {
+		// Chrome logs every 4xx answer to fetch; the one expected is the
+		// router asking for its admin token.
+		if m.Source == "network" && strings.Contains(m.Text, "401") && strings.Contains(m.URL, "/admin/routes/clear") {
+			unauthorized++
+			continue
+		}
+		if m.Type == chromedp.ConsoleError || m.Type == chromedp.ConsoleException || m.Type == chromedp.ConsoleWarning {
+			t.Errorf("console %s: %s (%s:%d)", m.Type, m.Text, m.URL, m.Line)
+		}
+	}
+	if unauthorized != 1 {
+		t.Errorf("%d 401s logged for the clear, want exactly 1 (the first try without a token)", unauthorized)
+	}
+	t.Logf("%d console messages, %d polls, test took %v", len(messages), pollState.Polls, time.Since(start).Round(time.Millisecond))
+	if err := ctx.Err(); errors.Is(err, context.DeadlineExceeded) {
+		t.Fatal("over the 60 s budget")
+	}
+}
