@@ -96,6 +96,7 @@ type Gateway struct {
 	upMu      sync.Mutex
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
 
+	static    staticModels
 	exchanges sync.Pool
 	now       func() time.Time
 }
