@@ -295,3 +295,23 @@ func TestLoRAAdapterRoutesOnlyToItsReplicas(t *testing.T) {
 		}
 	}
 }
+
+func TestStaticUpstreamModelsAreLearned(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e1", startEngine(t, "learned-model"), nil)
+	r.table.AddStatic("e2", startEngine(t, testModel), []string{testModel})
+	r.g.RefreshStaticModels()
+	snap := r.table.Snapshot()
+	if got := snap.Replicas[snap.Find("e1")].Models; len(got) != 1 || got[0] != "learned-model" {
+		t.Fatalf("learned %v", got)
+	}
+	// Requests for the learned model now go only to e1.
+	for range 5 {
+		if res := r.post(t, "/v1/completions", `{"model":"learned-model","prompt":"x","max_tokens":1}`); res.header["x-kvmesh-replica"] != "e1" {
+			t.Fatalf("went to %v (%d %s)", res.header["x-kvmesh-replica"], res.status, res.body)
+		}
+	}
+	if res := r.get(t, "/v1/models"); !strings.Contains(res.body, `"id":"learned-model"`) {
+		t.Fatalf("models: %s", res.body)
+	}
+}

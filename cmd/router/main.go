@@ -123,8 +123,14 @@ func run(args []string) error {
 		g.SetCluster(node)
 		go g.ReportInflight(100*time.Millisecond, ctx.Done())
 	}
+	go g.DiscoverStatic(10*time.Second, ctx.Done())
 	if o.configPath != "" {
-		if err := routerconfig.Watch(ctx, o.configPath, 200*time.Millisecond, func() { _ = reloader.Reload() }); err != nil {
+		reload := func() {
+			if reloader.Reload() == nil {
+				go g.RefreshStaticModels()
+			}
+		}
+		if err := routerconfig.Watch(ctx, o.configPath, 200*time.Millisecond, reload); err != nil {
 			log.Warn().Err(err).Msg("config file not watched: changes need a restart")
 		}
 	}
