@@ -315,3 +315,23 @@ func TestStaticUpstreamModelsAreLearned(t *testing.T) {
 		t.Fatalf("models: %s", res.body)
 	}
 }
+
+type brokenTokenizer struct{}
+
+func (brokenTokenizer) Encode(string, bool) ([]uint32, error) { return nil, fmt.Errorf("tokenizer down") }
+func (brokenTokenizer) EncodeChat(tokenize.Chat) (string, []uint32, error) {
+	return "", nil, fmt.Errorf("tokenizer down")
+}
+
+func TestTokenizerFailureDegradesToLoadOnly(t *testing.T) {
+	r := newRouter(t, Settings{Models: map[string]Model{testModel: {Tokenizer: brokenTokenizer{}}}}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: startEngine(t, testModel), KVEvents: true, BlockSize: 16}, now)
+	r.table.SetLoad("a", fleet.Load{}, true, now)
+	f := bloom.NewFilter(64, 0.01)
+	r.table.SetFilter("a", f, 1, 0, now)
+	res := r.post(t, "/v1/chat/completions", chatBody)
+	if res.status != 200 || res.header["x-kvmesh-replica"] != "a" || res.header["x-kvmesh-mode"] != "balance" || res.header["x-kvmesh-prompt-tokens"] != "0" {
+		t.Fatalf("got %d %v %s", res.status, res.header, res.body)
+	}
+}

@@ -182,6 +182,10 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	ex.req.Keys = ex.keys
 	s.Policy.Route(&ex.req, ex.cands, &ex.d)
 	ex.decideTime = time.Since(t0)
+	if ex.tokenizeErr != nil && ex.d.Mode == routing.ModeCold {
+		// Without tokens there is no prefix to place: this was load only.
+		ex.d.Mode = routing.ModeBalance
+	}
 
 	for _, ci := range ex.d.Order {
 		if len(ex.targets) >= s.MaxAttempts {
