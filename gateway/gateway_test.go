@@ -318,7 +318,9 @@ func TestStaticUpstreamModelsAreLearned(t *testing.T) {
 
 type brokenTokenizer struct{}
 
-func (brokenTokenizer) Encode(string, bool) ([]uint32, error) { return nil, fmt.Errorf("tokenizer down") }
+func (brokenTokenizer) Encode(string, bool) ([]uint32, error) {
+	return nil, fmt.Errorf("tokenizer down")
+}
 func (brokenTokenizer) EncodeChat(tokenize.Chat) (string, []uint32, error) {
 	return "", nil, fmt.Errorf("tokenizer down")
 }
