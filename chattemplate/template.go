@@ -98,8 +98,9 @@ type Input struct {
 	// (the template sees tools = none, as transformers passes it).
 	Tools json.RawMessage
 	// Kwargs is the chat_template_kwargs JSON object; its keys become extra
-	// template variables (they may override bos_token/eos_token, as in
-	// transformers, but not messages, tools or add_generation_prompt).
+	// template variables. As in vLLM, which merges them over its own
+	// arguments, they may replace add_generation_prompt, tools, documents,
+	// continue_final_message and the special tokens; "messages" is refused.
 	Kwargs json.RawMessage
 	// AddGenerationPrompt asks the template to open the assistant turn.
 	AddGenerationPrompt bool
@@ -207,10 +208,7 @@ func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, err
 
 // Render renders the template for one request.
 func (t *Template) Render(in Input) (out string, err error) {
-	if in.ContinueFinalMessage && in.AddGenerationPrompt {
-		return "", &InputError{Field: "request", Reason: "continue_final_message and add_generation_prompt are not compatible"}
-	}
-	vars, messages, err := t.buildVars(in)
+	vars, messages, cont, err := t.buildVars(in)
 	if err != nil {
 		return "", err
 	}
@@ -235,7 +233,7 @@ func (t *Template) Render(in Input) (out string, err error) {
 		}
 		out = buf.String()
 	}
-	if in.ContinueFinalMessage {
+	if cont {
 		return cutAfterFinalMessage(out, messages)
 	}
 	return out, nil
@@ -260,8 +258,15 @@ func (t *Template) execute(vars map[string]jinja.Value) (out string, err error) 
 	return out, nil
 }
 
-func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, error) {
-	vars := make(map[string]jinja.Value, 12)
+// buildVars assembles the template variables as vLLM and transformers do:
+// special tokens, messages, tools, documents and add_generation_prompt,
+// then chat_template_kwargs on top — vLLM merges them over its own
+// arguments, so they may replace add_generation_prompt, tools, documents,
+// continue_final_message and special tokens (chat_template and tokenize are
+// dropped; messages cannot be replaced). It reports the effective
+// continue_final_message.
+func (t *Template) buildVars(in Input) (vars map[string]jinja.Value, msgList *jinja.List, cont bool, err error) {
+	vars = make(map[string]jinja.Value, 16)
 	// transformers passes only the special tokens a tokenizer has (Qwen has
 	// no BOS), so an empty one stays undefined ("is defined" is false).
 	if in.BOSToken != "" {
@@ -270,23 +275,10 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 	if in.EOSToken != "" {
 		vars["eos_token"] = jinja.NewString(in.EOSToken)
 	}
-	if !isNull(in.Kwargs) {
-		kw, err := decodeJSON(string(in.Kwargs))
-		if err != nil {
-			return nil, nil, &InputError{Field: "chat_template_kwargs", Reason: err.Error()}
-		}
-		if !kw.IsDict() {
-			return nil, nil, &InputError{Field: "chat_template_kwargs", Reason: "must be a JSON object"}
-		}
-		d := kw.AsDict()
-		for _, k := range d.Keys {
-			vars[k], _ = d.Get(k)
-		}
-	}
 
 	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, false, err
 	}
 	vars["messages"] = msgs
 
@@ -299,7 +291,6 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 			return normalizeTools(v.AsList())
 		}
 		var tools jinja.Value
-		var err error
 		if t.values != nil {
 			tools, err = t.values.decodePrep(in.Tools, 0, 't', prep, 0)
 		} else {
@@ -308,14 +299,49 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 		if err != nil {
 			var ie *InputError
 			if errors.As(err, &ie) {
-				return nil, nil, err
+				return nil, nil, false, err
 			}
-			return nil, nil, &InputError{Field: "tools", Reason: err.Error()}
+			return nil, nil, false, &InputError{Field: "tools", Reason: err.Error()}
 		}
 		vars["tools"] = tools
 	}
 	vars["documents"] = jinja.None()
 	vars["add_generation_prompt"] = jinja.NewBool(in.AddGenerationPrompt)
+	cont = in.ContinueFinalMessage
+
+	if !isNull(in.Kwargs) {
+		kw, err := decodeJSON(string(in.Kwargs))
+		if err != nil {
+			return nil, nil, false, &InputError{Field: "chat_template_kwargs", Reason: err.Error()}
+		}
+		if !kw.IsDict() {
+			return nil, nil, false, &InputError{Field: "chat_template_kwargs", Reason: "must be a JSON object"}
+		}
+		d := kw.AsDict()
+		for _, k := range d.Keys {
+			v, _ := d.Get(k)
+			switch k {
+			case "chat_template", "tokenize":
+				// vLLM drops these
+			case "messages", "conversation":
+				return nil, nil, false, &InputError{Field: "chat_template_kwargs", Reason: fmt.Sprintf("may not set %q", k)}
+			case "continue_final_message":
+				cont = v.IsTruthy() // an argument of apply_chat_template, not a variable
+			case "tools", "documents":
+				// transformers takes these as given: a list of mappings or none
+				if !v.IsNone() && !isListOfDicts(v) {
+					return nil, nil, false, &InputError{Field: "chat_template_kwargs", Reason: fmt.Sprintf("%q must be a list of objects", k)}
+				}
+				vars[k] = v
+			default:
+				vars[k] = v
+			}
+		}
+	}
+	if cont && vars["add_generation_prompt"].IsTruthy() {
+		return nil, nil, false, &InputError{Field: "request", Reason: "continue_final_message and add_generation_prompt are not compatible"}
+	}
+
 	vars["raise_exception"] = raiseExceptionValue
 	vars["strftime_now"] = strftimeNowValue
 	vars[overriddenFilters["tojson"]] = tojsonValue
@@ -323,7 +349,19 @@ func (t *Template) buildVars(in Input) (map[string]jinja.Value, *jinja.List, err
 	vars[pyStrFilterName] = pyStrValue
 	vars[overriddenFilters["list"]] = listValue
 	vars[overriddenFilters["format"]] = formatValue
-	return vars, msgs.AsList(), nil
+	return vars, msgs.AsList(), cont, nil
+}
+
+func isListOfDicts(v jinja.Value) bool {
+	if !v.IsList() {
+		return false
+	}
+	for _, item := range v.AsList().Items {
+		if !item.IsDict() {
+			return false
+		}
+	}
+	return true
 }
 
 // decodeMessages decodes the messages array into what vLLM hands the

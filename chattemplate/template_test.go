@@ -221,7 +221,7 @@ func TestKwargsAndSpecialTokens(t *testing.T) {
 	}
 	got, err := tmpl.Render(Input{
 		Messages:            json.RawMessage(`[{"role":"user","content":"x"}]`),
-		Kwargs:              json.RawMessage(`{"enable_thinking": false, "eos_token": "<E>", "messages": "ignored", "add_generation_prompt": "ignored"}`),
+		Kwargs:              json.RawMessage(`{"enable_thinking": false, "eos_token": "<E>", "add_generation_prompt": false, "tokenize": true, "chat_template": "x"}`),
 		AddGenerationPrompt: true,
 		BOSToken:            "<s>",
 		EOSToken:            "</s>",
@@ -229,8 +229,15 @@ func TestKwargsAndSpecialTokens(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := "<s>|<E>|False|1|True"; got != want {
+	// vLLM merges chat_template_kwargs over its own arguments, so
+	// add_generation_prompt there wins over the request field.
+	if want := "<s>|<E>|False|1|False"; got != want {
 		t.Errorf("got %q want %q", got, want)
+	}
+	_, err = tmpl.Render(Input{Messages: json.RawMessage(`[]`), Kwargs: json.RawMessage(`{"messages": []}`)})
+	var ie *InputError
+	if !errors.As(err, &ie) || ie.Field != "chat_template_kwargs" {
+		t.Errorf("messages in chat_template_kwargs: want InputError, got %v", err)
 	}
 	// No BOS (Qwen): transformers leaves bos_token undefined.
 	tmpl, err = Compile(`{{ bos_token is defined }}|{{ eos_token }}`)
@@ -328,4 +335,37 @@ func TestConcurrentRender(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+func TestKwargsOverrideArgumentsAsVLLM(t *testing.T) {
+	tmpl, err := Compile(llama3Template)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := json.RawMessage(`[{"role":"user","content":"Hi"},{"role":"assistant","content":"The answer is"}]`)
+	got, err := tmpl.Render(Input{Messages: msgs, Kwargs: json.RawMessage(`{"continue_final_message": true}`), BOSToken: "<s>"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "<s><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nThe answer is"; got != want {
+		t.Errorf("continue_final_message from kwargs: got %q", got)
+	}
+	_, err = tmpl.Render(Input{Messages: msgs, AddGenerationPrompt: true, Kwargs: json.RawMessage(`{"continue_final_message": 1}`)})
+	var ie *InputError
+	if !errors.As(err, &ie) {
+		t.Errorf("continue (kwargs) + generation prompt: want InputError, got %v", err)
+	}
+
+	// Tools given as a kwarg reach the template as sent (no model_dump).
+	tools, err := Compile(qwenToolsTemplate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err = tools.Render(Input{Messages: json.RawMessage(`[]`), Kwargs: json.RawMessage(`{"tools": [{"name": "raw"}]}`)})
+	if err != nil || got != "\n"+`{"name": "raw"}` {
+		t.Errorf("tools from kwargs: %q, %v", got, err)
+	}
+	if _, err := tools.Render(Input{Messages: json.RawMessage(`[]`), Kwargs: json.RawMessage(`{"tools": [1]}`)}); !errors.As(err, &ie) {
+		t.Errorf("non-object tools in kwargs: want InputError, got %v", err)
+	}
 }
