@@ -337,3 +337,27 @@ func TestTokenizerFailureDegradesToLoadOnly(t *testing.T) {
 		t.Fatalf("got %d %v %s", res.status, res.header, res.body)
 	}
 }
+
+// TestSilentReplicasAreTriedBeforeGivingUp: when every replica's sidecar
+// fell silent (offline, stale), the router still tries them by load.
+func TestSilentReplicasAreTriedBeforeGivingUp(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table = fleet.NewTable(fleet.TableConfig{StaleAfter: time.Millisecond, DropAfter: 2 * time.Millisecond})
+	r.g.table = r.table
+	past := time.Now().Add(-time.Second)
+	r.table.Upsert(fleet.Info{Name: "quiet", Models: []string{testModel}, URL: startEngine(t, testModel), KVEvents: true, BlockSize: 16}, past)
+	r.table.SetLoad("quiet", fleet.Load{}, true, past)
+	r.table.Expire(time.Now())
+	if rep := r.table.Snapshot().Replicas[0]; rep.Online || !rep.Stale {
+		t.Fatalf("setup: %+v", rep)
+	}
+	res := r.post(t, "/v1/chat/completions", chatBody)
+	if res.status != 200 || res.header["x-kvmesh-replica"] != "quiet" {
+		t.Fatalf("got %d %v %s", res.status, res.header, res.body)
+	}
+	// A replica whose engine is reported down is not tried.
+	r.table.SetLoad("quiet", fleet.Load{}, false, time.Now())
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 503 {
+		t.Fatalf("unhealthy engine tried: %d", res.status)
+	}
+}

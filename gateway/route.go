@@ -165,6 +165,17 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		return &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", ex.model)}
 	}
 	if len(ex.cands) == 0 {
+		// No replica is known to be up. Those whose sidecar merely fell
+		// silent (stale, e.g. a CPU-starved host) may well still serve: try
+		// them by load before giving up; the proxy moves on if they fail.
+		for i := range snap.Replicas {
+			r := &snap.Replicas[i]
+			if r.Stale && r.URL != "" && serves(r, ex.model) {
+				ex.cands = append(ex.cands, routing.Candidate{Name: r.Name, Static: r.Protocol == fleet.ProtocolStatic, MatchedTokens: i})
+			}
+		}
+	}
+	if len(ex.cands) == 0 {
 		if len(ms.Fallback) == 0 {
 			return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
 		}
