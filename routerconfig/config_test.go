@@ -229,3 +229,19 @@ func TestReloadUnderLoadDropsNothing(t *testing.T) {
 	}
 	t.Logf("%d requests, 0 failed, across %d reloads", ok.Load(), reloads.Load())
 }
+
+func TestExampleConfigIsValid(t *testing.T) {
+	t.Setenv("BACKUP_API_KEY", "k")
+	c, err := Load("example.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Routing.PrefillPerToken != 30*time.Microsecond || len(c.Models) != 2 || c.Upstream.FirstByteTimeout != 10*time.Minute {
+		t.Fatalf("%+v", c)
+	}
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	c.Models[0].Tokenizer = "builtin" // the example's directory is not on this machine
+	if _, err := b.Build(c); err != nil {
+		t.Fatal(err)
+	}
+}
