@@ -45,9 +45,13 @@ COMPOSE_ENV   := $(if $(KVMESH_TOKENIZER_DIR),KVMESH_TOKENIZER_SPEC=/tokenizer)
 
 .PHONY: images up down e2e
 
-# One FROM-scratch image holding every binary; the context is bin/ only, so
-# the build needs no network.
-images: build
+# One FROM-scratch image holding the cluster's binaries (loadtest stays out:
+# it runs on the host); the context is bin/ only, so the build needs no
+# network.
+IMAGE_BINARIES := router sidecar enginesim healthcheck
+images:
+	@mkdir -p bin
+	$(GO) build -trimpath -ldflags='-s -w' -o bin/ $(addprefix ./cmd/,$(IMAGE_BINARIES))
 	docker build -q -f deploy/docker/Dockerfile -t $(IMAGE) bin
 
 # Start the demo and wait (bounded) until both routers are ready.
