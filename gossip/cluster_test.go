@@ -188,10 +188,7 @@ func TestKilledSidecarLeavesRoutingWithinOneSecond(t *testing.T) {
 	s, g := startTestSidecar(t, "a", r.Addr())
 	g.Add(5)
 	waitFor(t, 3*time.Second, "key at router", func() bool { return hasKey(tb, "a", 5) })
-	// Abrupt stop: no leave message, no last load record (as kill -9).
-	close(s.stop)
-	<-s.done
-	s.abort()
+	s.crash() // no leave message, no last load record (as kill -9)
 	killed := time.Now()
 	waitFor(t, time.Second, "replica offline", func() bool { rep, _ := replica(tb, "a"); return !rep.Online })
 	d := time.Since(killed)
@@ -258,4 +255,17 @@ func TestParseKey(t *testing.T) {
 	if k, err := ParseKey(""); k != nil || err != nil {
 		t.Fatal("empty key")
 	}
+}
+
+// crash stops a sidecar as kill -9 would: no last load record, no leave.
+func (s *SidecarNode) crash() {
+	s.abort() // first, so the loop's final load record cannot get out
+	close(s.stop)
+	<-s.done
+	s.mu.Lock()
+	for _, rp := range s.routers {
+		close(rp.quit)
+	}
+	s.routers = map[string]*routerPeer{}
+	s.mu.Unlock()
 }

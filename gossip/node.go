@@ -400,6 +400,9 @@ func (n *node) leave(timeout time.Duration) error {
 	if n.down.Swap(true) {
 		return nil
 	}
+	if timeout <= 0 {
+		timeout = 250 * time.Millisecond // memberlist would wait forever
+	}
 	err := n.ml.Leave(timeout)
 	if serr := n.ml.Shutdown(); err == nil {
 		err = serr

@@ -23,7 +23,9 @@ type RouterConfig struct {
 	OnClearRoutes func(names []string)
 	// Tick paces table expiry and in-flight reports (default 100 ms).
 	Tick time.Duration
-	// ResyncEvery rate-limits snapshot requests per replica (default 500 ms).
+	// ResyncEvery rate-limits snapshot requests per replica (default 500 ms);
+	// while requests go unanswered the wait doubles, up to 8×, so an
+	// overloaded sidecar or network is not buried under snapshot requests.
 	ResyncEvery time.Duration
 }
 
@@ -61,6 +63,10 @@ type sidecarPeer struct {
 	// mirror lacks; two in a row mean a snapshot or delta was lost.
 	behind     int
 	lastResync time.Time
+	resyncWait time.Duration // current backoff; reset by a snapshot
+	// hidden: the table dropped the filter for silence, the mirror kept it;
+	// it is shown again once a load record proves it current.
+	hidden bool
 	// awaitGen: after a route clear, filter state of generations below it
 	// is ignored until the sidecar publishes a fresh one.
 	awaitGen uint64
@@ -314,12 +320,17 @@ func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 	st := p.mirror.State()
 	if st == nil || st.Generation < l.FilterGen || st.Generation == l.FilterGen && st.Seq < l.FilterSeq {
 		p.behind++
-		if p.behind >= 2 {
+		if p.behind >= 3 {
 			r.requestResync(p, now)
 		}
 		return
 	}
 	p.behind = 0
+	if p.hidden {
+		// Back from silence with nothing missed: show the filter again.
+		p.hidden = false
+		r.publish(p, now)
+	}
 }
 
 func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
@@ -337,6 +348,8 @@ func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
 	}
 	p.awaitGen = 0
 	p.behind = 0
+	p.resyncWait = 0
+	p.hidden = false
 	// Replay deltas that overtook the snapshot.
 	pending := p.pending
 	p.pending = nil
@@ -403,8 +416,16 @@ func (r *RouterNode) publish(p *sidecarPeer, now time.Time) {
 }
 
 func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time) {
-	if now.Sub(p.lastResync) < r.cfg.ResyncEvery {
+	if p.resyncWait == 0 {
+		p.resyncWait = r.cfg.ResyncEvery
+	}
+	if now.Sub(p.lastResync) < p.resyncWait {
 		return
+	}
+	if !p.lastResync.IsZero() && now.Sub(p.lastResync) < 4*p.resyncWait {
+		p.resyncWait = min(2*p.resyncWait, 8*r.cfg.ResyncEvery)
+	} else {
+		p.resyncWait = r.cfg.ResyncEvery
 	}
 	p.lastResync = now
 	p.behind = 0
@@ -423,17 +444,18 @@ func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time) {
 }
 
 func (r *RouterNode) tick() {
-	now := r.now()
 	type report struct {
 		to  *memberlist.Node
 		msg Message
 	}
 	var reports []report
 	r.mu.Lock()
+	now := r.now()
 	for _, name := range r.table.Expire(now) {
 		if p := r.replicas[name]; p != nil {
-			p.mirror.Reset()
-			p.pending = nil
+			// The table no longer shows the filter; the mirror keeps it in
+			// case the sidecar was only slow (see onLoad).
+			p.hidden = true
 			p.behind = 0
 			r.log.Info().Str("replica", name).Msg("sidecar silent: replica offline")
 		}

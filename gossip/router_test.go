@@ -1,0 +1,194 @@
+package gossip
+
+import (
+	"testing"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/fleet"
+)
+
+// feedRouter drives a router's message handling directly (no sidecar
+// process): a fake member "sidecar/a" and hand-made messages.
+type feedRouter struct {
+	t   *testing.T
+	r   *RouterNode
+	tb  *fleet.Table
+	now time.Time
+}
+
+func newFeedRouter(t *testing.T) *feedRouter {
+	f := &feedRouter{t: t, now: time.Unix(1_900_000_000, 0)}
+	f.r, f.tb = startTestRouter(t, "r1")
+	f.r.mu.Lock()
+	defer f.r.mu.Unlock()
+	f.r.now = func() time.Time { return f.now }
+	f.r.membership(event{kind: evJoin, member: member{
+		node: &memberlist.Node{Name: "sidecar/a"},
+		meta: Meta{Role: RoleSidecar, Name: "a", Models: []string{"m"}, Protocol: "vllm", BlockSize: 16,
+			SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight, Epoch: 7},
+	}})
+	return f
+}
+
+func (f *feedRouter) deliver(m Message) {
+	f.t.Helper()
+	m.From = "sidecar/a"
+	// Through the codec, as on the wire.
+	dm, err := Decode(m.Append(nil))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.r.mu.Lock()
+	f.r.handle(&dm)
+	f.r.mu.Unlock()
+}
+
+func (f *feedRouter) snapshot(epoch, gen, seq uint64, keys ...uint64) {
+	filter := bloom.NewFilter(1024, 0.001)
+	for _, k := range keys {
+		filter.Add(k)
+	}
+	s := bloom.Snapshot{Epoch: epoch, Generation: gen, Seq: seq, M: filter.M(), K: filter.K(), Keys: len(keys), Words: filter.AppendWords(nil)}
+	f.deliver(Message{Kind: KindSnapshot, Epoch: epoch, Payload: s.AppendBinary(nil)})
+}
+
+func (f *feedRouter) delta(epoch, gen, seq uint64, keys ...uint64) {
+	d := bloom.Delta{Epoch: epoch, Generation: gen, Seq: seq, Keys: keys}
+	f.deliver(Message{Kind: KindDelta, Epoch: epoch, Payload: d.AppendBinary(nil)})
+}
+
+func (f *feedRouter) load(epoch, seq, gen, fseq uint64, healthy bool) {
+	f.deliver(Message{Kind: KindLoad, Epoch: epoch, Seq: seq, Load: Load{Healthy: healthy, Waiting: 1, FilterGen: gen, FilterSeq: fseq}})
+}
+
+// advance moves the router's clock (under its lock: its loop reads it).
+func (f *feedRouter) advance(d time.Duration) {
+	f.r.mu.Lock()
+	f.now = f.now.Add(d)
+	f.r.mu.Unlock()
+}
+
+func (f *feedRouter) has(key uint64) bool { return hasKey(f.tb, "a", key) }
+
+func (f *feedRouter) resyncs() uint64 { return f.r.d.stats.Resyncs.Load() }
+
+func TestRouterAppliesDeltasAndResyncsOnGap(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 100)
+	f.delta(7, 1, 1, 101)
+	f.delta(7, 1, 2, 102)
+	if !f.has(100) || !f.has(101) || !f.has(102) {
+		t.Fatal("snapshot + deltas not applied")
+	}
+	if rep, _ := replica(f.tb, "a"); rep.FilterGeneration != 1 || rep.FilterKeys != 3 {
+		t.Fatalf("%+v", rep)
+	}
+	f.delta(7, 1, 4, 104) // 3 was lost
+	if f.has(104) || f.resyncs() != 1 {
+		t.Fatalf("gap: has %v, resyncs %d", f.has(104), f.resyncs())
+	}
+	f.delta(7, 1, 5, 105) // still a gap, but rate-limited
+	if f.resyncs() != 1 {
+		t.Fatalf("resync not rate limited: %d", f.resyncs())
+	}
+	f.advance(time.Second)
+	f.snapshot(7, 1, 5, 100, 101, 102, 103, 104, 105) // the answer
+	if !f.has(103) || !f.has(105) {
+		t.Fatal("resync snapshot not applied")
+	}
+	f.snapshot(7, 1, 2, 100) // a late, older snapshot must not roll back
+	if !f.has(105) {
+		t.Fatal("older snapshot replaced newer state")
+	}
+}
+
+func TestRouterBuffersDeltasAheadOfTheirSnapshot(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 1)
+	// Generation 2's first deltas overtake its snapshot (UDP vs TCP).
+	f.delta(7, 2, 1, 21)
+	f.delta(7, 2, 2, 22)
+	if f.has(21) || f.resyncs() != 0 {
+		t.Fatal("delta of an unknown generation applied or resynced")
+	}
+	f.snapshot(7, 2, 0, 20)
+	if !f.has(20) || !f.has(21) || !f.has(22) {
+		t.Fatal("buffered deltas not replayed after their snapshot")
+	}
+	f.delta(7, 1, 9, 19) // old generation: ignored, no resync
+	if f.has(19) || f.resyncs() != 0 {
+		t.Fatal("old-generation delta applied or resynced")
+	}
+}
+
+func TestRouterLoadRecordsDriveResyncAndEpochs(t *testing.T) {
+	f := newFeedRouter(t)
+	// The sidecar says generation 3 seq 4 exists; the router has nothing.
+	for seq := uint64(1); seq <= 2; seq++ {
+		f.load(7, seq, 3, 4, true)
+	}
+	if f.resyncs() != 0 {
+		t.Fatal("resync before three load records")
+	}
+	f.load(7, 3, 3, 4, true)
+	if f.resyncs() != 1 {
+		t.Fatalf("resyncs %d, want 1", f.resyncs())
+	}
+	f.snapshot(7, 3, 4, 30)
+	f.load(7, 2, 3, 4, true) // reordered old record: ignored
+	if rep, _ := replica(f.tb, "a"); rep.Load.Waiting != 1 || !f.has(30) {
+		t.Fatalf("%+v", rep)
+	}
+	// Engine restart at the sidecar: a new epoch. Nothing of the old holds.
+	f.load(8, 1, 1, 0, true)
+	if f.has(30) {
+		t.Fatal("filter of the old epoch survived a new epoch")
+	}
+	f.snapshot(8, 1, 0, 31)
+	if !f.has(31) {
+		t.Fatal("new epoch's snapshot not applied")
+	}
+	// Unhealthy: offline at once, filter gone.
+	f.load(8, 2, 1, 0, false)
+	if rep, _ := replica(f.tb, "a"); rep.Online || f.has(31) {
+		t.Fatalf("unhealthy replica still usable: %+v", rep)
+	}
+}
+
+func TestRouterShowsKeptFilterAfterSilenceIfCurrent(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 1)
+	f.load(7, 1, 1, 0, true)
+	f.advance(time.Second) // silent past DropAfter
+	f.r.mu.Lock()
+	dropped := f.tb.Expire(f.now)
+	f.r.mu.Unlock()
+	if len(dropped) != 1 || f.has(1) {
+		t.Fatalf("dropped %v, has %v", dropped, f.has(1))
+	}
+	f.r.mu.Lock()
+	f.r.sidecars["sidecar/a"].hidden = true // as tick does
+	f.r.mu.Unlock()
+	f.load(7, 2, 1, 0, true) // back, nothing missed
+	if rep, _ := replica(f.tb, "a"); !rep.Online || !f.has(1) || f.resyncs() != 0 {
+		t.Fatalf("not restored without a snapshot: %+v resyncs %d", rep, f.resyncs())
+	}
+}
+
+func TestRouterIgnoresFiltersOfAnotherKeyScheme(t *testing.T) {
+	f := newFeedRouter(t)
+	f.r.mu.Lock()
+	f.r.membership(event{kind: evUpdate, member: member{
+		node: &memberlist.Node{Name: "sidecar/a"},
+		meta: Meta{Role: RoleSidecar, Name: "a", SchemeVersion: blockkey.SchemeVersion + 1, Capabilities: CapKVEvents, Epoch: 7},
+	}})
+	f.r.mu.Unlock()
+	f.snapshot(7, 1, 0, 5)
+	if rep, _ := replica(f.tb, "a"); rep.KVEvents || f.has(5) {
+		t.Fatalf("foreign key scheme used for matching: %+v", rep)
+	}
+}
