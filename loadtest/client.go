@@ -110,9 +110,27 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 		rec.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
 		return rec
 	}
+	readStream(ctx, resp.Body, start, &rec)
+	rec.E2E = time.Since(start)
+	return rec
+}
+
+// classify names a transport failure, telling our own deadline apart.
+func classify(ctx context.Context, err error, phase string) string {
+	if ctx.Err() != nil {
+		return phase + ": " + context.Cause(ctx).Error()
+	}
+	return phase + ": " + err.Error()
+}
+
+// readStream reads an OpenAI chat SSE stream into rec: TTFT at the first
+// chunk with content, usage from the chunk that carries it, and an error
+// for a broken, erroring or content-free stream. Any byte sequence is
+// handled without panicking.
+func readStream(ctx context.Context, body io.Reader, start time.Time, rec *report.Record) {
 	contentChunks := 0
 	sawUsage, done := false, false
-	br := bufio.NewReaderSize(resp.Body, 64<<10)
+	br := bufio.NewReaderSize(body, 64<<10)
 	for !done {
 		line, err := br.ReadSlice('\n')
 		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
@@ -168,20 +186,10 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 			}
 		}
 	}
-	rec.E2E = time.Since(start)
 	if rec.Err == "" && rec.TTFT == 0 {
 		rec.Err = "stream had no content"
 	}
 	if rec.Err == "" && !sawUsage {
 		rec.OutputTokens = contentChunks
 	}
-	return rec
-}
-
-// classify names a transport failure, telling our own deadline apart.
-func classify(ctx context.Context, err error, phase string) string {
-	if ctx.Err() != nil {
-		return phase + ": " + context.Cause(ctx).Error()
-	}
-	return phase + ": " + err.Error()
 }

@@ -1,6 +1,7 @@
 package loadtest
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -179,4 +180,54 @@ func TestSmokeClusterRealBinaries(t *testing.T) {
 	if kv := res.Report.Policies["kvaware"]; kv.HitRateActual < 0.3 {
 		t.Fatalf("kvaware actual hit rate %.2f on a shared-prefix workload", kv.HitRateActual)
 	}
+}
+
+func TestReadStream(t *testing.T) {
+	const ok = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"content\":\" a\"}}]}\n\n" +
+		"data: {\"choices\":[{\"delta\":{\"content\":\" b\"}}]}\n\n" +
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n" +
+		"data: [DONE]\n\n"
+	cases := []struct {
+		name, body                string
+		err                       string
+		prompt, out, cached, ttft int // ttft: 1 when set
+	}{
+		{"ok", ok, "", 40, 2, 32, 1},
+		{"no usage", strings.Replace(ok, "\"usage\"", "\"x\"", 1), "", 7, 2, 0, 1},
+		{"no done", strings.TrimSuffix(ok, "data: [DONE]\n\n"), "stream ended without [DONE]", 40, 2, 32, 1},
+		{"error event", "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\ndata: {\"error\":{\"message\":\"upstream died\"}}\n\n", "stream error: upstream died", 7, 0, 0, 1},
+		{"empty", "data: [DONE]\n\n", "stream had no content", 7, 0, 0, 0},
+		{"garbage", "data: {nope\n\n", "stream: bad chunk", 7, 0, 0, 0},
+	}
+	for _, c := range cases {
+		rec := report.Record{PromptTokens: 7}
+		readStream(context.Background(), strings.NewReader(c.body), time.Now(), &rec)
+		if !strings.HasPrefix(rec.Err, c.err) || (c.err == "") != (rec.Err == "") {
+			t.Errorf("%s: err %q, want %q", c.name, rec.Err, c.err)
+		}
+		if rec.PromptTokens != c.prompt || rec.OutputTokens != c.out || rec.ActualCached != c.cached || (rec.TTFT > 0) != (c.ttft == 1) {
+			t.Errorf("%s: record %+v", c.name, rec)
+		}
+	}
+}
+
+func FuzzReadStream(f *testing.F) {
+	f.Add([]byte("data: {\"choices\":[{\"delta\":{\"content\":\" a\"}}]}\n\ndata: [DONE]\n\n"))
+	f.Add([]byte("data: {\"usage\":{\"prompt_tokens\":3,\"prompt_tokens_details\":null}}\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var rec report.Record
+		readStream(context.Background(), bytes.NewReader(data), time.Now(), &rec)
+		if rec.Err == "" && rec.TTFT <= 0 {
+			t.Fatalf("success without a first token: %+v", rec)
+		}
+	})
+}
+
+func FuzzSumCounter(f *testing.F) {
+	f.Add([]byte("kvmesh_router_degradations_total{a=\"b\"} 3\n"))
+	f.Add([]byte("kvmesh_router_degradations_total 1e3\nkvmesh_router_degradations_total{x=\"}\"} NaN\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		_, _ = sumCounter(bytes.NewReader(data), "kvmesh_router_degradations_total")
+	})
 }
