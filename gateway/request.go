@@ -210,10 +210,7 @@ func (p *parsed) parsePrompt() error {
 }
 
 func unmarshalPrompt(raw json.RawMessage, dst *string) error {
-	if err := json.Unmarshal(raw, dst); err != nil {
-		return badRequest("prompt: %v", err)
-	}
-	return nil
+	return setString(dst, raw, "prompt")
 }
 
 // withIncludeUsage returns body with stream_options.include_usage set to
