@@ -3,6 +3,7 @@ package chattemplate
 import (
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -48,16 +49,34 @@ func longChat(chars, perMessage int) json.RawMessage {
 // Llama-3 template: the whole cost the router pays per chat request before
 // tokenizing (JSON → ordered values, then template execution).
 //
-//   - cached: the earlier turns were seen before (a growing conversation),
-//     so their decoded values come from the shared cache;
-//   - cold: no cache, every message decoded.
+//   - cached: the same chat again; every message's prepared value comes
+//     from the shared cache;
+//   - growing: each request adds a new ~2 KB user turn to the same earlier
+//     turns (the router's common case): one miss, the rest hits;
+//   - cold: no cache, every message decoded and prepared.
 func BenchmarkRenderLlama3_32k(b *testing.B) {
 	tmpl, err := Compile(llama3Template)
 	if err != nil {
 		b.Fatal(err)
 	}
 	in := Input{Messages: longChat(128<<10, 640), AddGenerationPrompt: true, BOSToken: "<|begin_of_text|>", EOSToken: "<|eot_id|>"}
-	for _, mode := range []string{"cached", "cold"} {
+	// newTurn returns the chat with a fresh last user turn (~2 KB), as a
+	// growing conversation sends it: every earlier message is a cache hit,
+	// the new one a miss.
+	prefix := in.Messages[:len(in.Messages)-1]
+	turn := strings.Repeat("and one more question about the routing of long chats ", 36)
+	var buf []byte // reused: Render keeps no reference to the request bytes
+	newTurn := func(n int) Input {
+		buf = append(buf[:0], prefix...)
+		buf = append(buf, `,{"role":"user","content":"`...)
+		buf = strconv.AppendInt(buf, int64(n), 10)
+		buf = append(buf, turn...)
+		buf = append(buf, `"}]`...)
+		next := in
+		next.Messages = buf
+		return next
+	}
+	for _, mode := range []string{"cached", "growing", "cold"} {
 		b.Run(mode, func(b *testing.B) {
 			t := *tmpl
 			if mode == "cold" {
@@ -70,8 +89,14 @@ func BenchmarkRenderLlama3_32k(b *testing.B) {
 			b.SetBytes(int64(len(out)))
 			b.ReportAllocs()
 			cpu0 := processCPU()
+			n := 0
 			for b.Loop() {
-				if _, err := t.Render(in); err != nil {
+				req := in
+				if mode == "growing" {
+					n++
+					req = newTurn(n)
+				}
+				if _, err := t.Render(req); err != nil {
 					b.Fatal(err)
 				}
 			}
