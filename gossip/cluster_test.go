@@ -269,3 +269,25 @@ func (s *SidecarNode) crash() {
 	s.routers = map[string]*routerPeer{}
 	s.mu.Unlock()
 }
+
+func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {
+	// Reserve the router's address, point the sidecar at it, then start the router there.
+	probe, err := StartRouter(RouterConfig{Config: baseConfig("probe")}, fleet.NewTable(fleet.TableConfig{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := probe.Addr()
+	_ = probe.Leave(0)
+	_, g := startTestSidecar(t, "a", addr)
+	time.Sleep(300 * time.Millisecond)
+	tb := fleet.NewTable(fleet.TableConfig{})
+	cfg := baseConfig("r1")
+	cfg.BindAddr = addr
+	r, err := StartRouter(RouterConfig{Config: cfg}, tb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Leave(0) })
+	g.Add(3)
+	waitFor(t, 5*time.Second, "late router fed", func() bool { return hasKey(tb, "a", 3) })
+}

@@ -309,6 +309,7 @@ type node struct {
 	metaMu sync.Mutex
 	down   atomic.Bool // left or shut down
 	addr   string
+	quit   chan struct{} // closed when the member stops
 
 	sendBuf sync.Pool
 }
@@ -332,13 +333,39 @@ func start(cfg Config, meta Meta) (*node, error) {
 	// Cached: memberlist's LocalNode is mutated in place by UpdateNode.
 	ln := ml.LocalNode()
 	n.addr = net.JoinHostPort(ln.Addr.String(), strconv.Itoa(int(ln.Port)))
+	n.quit = make(chan struct{})
 	if len(cfg.Join) > 0 {
 		if _, err := ml.Join(cfg.Join); err != nil {
-			// Not fatal: peers that come up later join us.
-			cfg.Logger.Warn().Err(err).Strs("join", cfg.Join).Msg("join failed; waiting for peers")
+			// Not fatal: the peers may not be up yet; keep trying.
+			cfg.Logger.Warn().Err(err).Strs("join", cfg.Join).Msg("join failed; retrying")
 		}
+		go n.rejoin(cfg.Join)
 	}
 	return n, nil
+}
+
+// rejoin joins the configured peers again whenever this member is alone
+// (they were not up at start, or every peer was lost), every second at first
+// and backing off to every 10 s.
+func (n *node) rejoin(peers []string) {
+	wait := time.Second
+	for {
+		select {
+		case <-n.quit:
+			return
+		case <-time.After(wait):
+		}
+		if n.down.Load() || n.ml.NumMembers() > 1 {
+			wait = time.Second
+			continue
+		}
+		if k, err := n.ml.Join(peers); err == nil && k > 0 {
+			n.log.Info().Strs("join", peers).Msg("joined the cluster")
+			wait = time.Second
+			continue
+		}
+		wait = min(2*wait, 10*time.Second)
+	}
 }
 
 func (n *node) setMeta(m Meta) error {
@@ -400,6 +427,7 @@ func (n *node) leave(timeout time.Duration) error {
 	if n.down.Swap(true) {
 		return nil
 	}
+	close(n.quit)
 	if timeout <= 0 {
 		timeout = 250 * time.Millisecond // memberlist would wait forever
 	}
@@ -447,6 +475,7 @@ func (n *node) stats() StatsSnapshot {
 // abort stops the member without a word to the cluster, as a crash would.
 func (n *node) abort() {
 	if !n.down.Swap(true) {
+		close(n.quit)
 		_ = n.ml.Shutdown()
 	}
 }
