@@ -228,7 +228,7 @@ func TestSegmentCacheHitDoesNotAllocate(t *testing.T) {
 	allocs := testing.AllocsPerRun(100, func() {
 		dst, _ = tok.AppendEncode(dst[:0], prompt, true)
 	})
-	if allocs != 0 {
+	if allocs != 0 && !raceEnabled {
 		t.Fatalf("cached encode allocates %.1f times per run", allocs)
 	}
 	runtime.KeepAlive(dst)
