@@ -233,6 +233,7 @@ func (r *RouterNode) membership(ev event) {
 		delete(r.replicas, p.meta.Name)
 		r.table.Remove(p.meta.Name)
 	}
+	blockSizeChanged := p.meta.BlockSize != m.meta.BlockSize
 	p.node, p.meta = m.node, m.meta
 	r.replicas[m.meta.Name] = p
 	r.table.Upsert(fleet.Info{
@@ -243,6 +244,13 @@ func (r *RouterNode) membership(ev event) {
 		KVEvents:  r.usesFilter(p),
 		BlockSize: m.meta.BlockSize,
 	}, r.now())
+	if blockSizeChanged && p.mirror.State() != nil {
+		// The table dropped the filter (keys of another block size); the
+		// sidecar learned its block size after keying, so ask again.
+		p.mirror.Reset()
+		p.pending = nil
+		r.requestResync(p, r.now())
+	}
 }
 
 // usesFilter: routers ignore filters of sidecars that compute keys with

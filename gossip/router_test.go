@@ -192,3 +192,21 @@ func TestRouterIgnoresFiltersOfAnotherKeyScheme(t *testing.T) {
 		t.Fatalf("foreign key scheme used for matching: %+v", rep)
 	}
 }
+
+func TestRouterResyncsWhenBlockSizeIsLearned(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 1)
+	f.r.mu.Lock()
+	f.r.membership(event{kind: evUpdate, member: member{
+		node: &memberlist.Node{Name: "sidecar/a"},
+		meta: Meta{Role: RoleSidecar, Name: "a", BlockSize: 32, SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents, Epoch: 7},
+	}})
+	f.r.mu.Unlock()
+	if f.has(1) || f.resyncs() != 1 {
+		t.Fatalf("block size change: has %v resyncs %d", f.has(1), f.resyncs())
+	}
+	f.snapshot(7, 1, 0, 1)
+	if rep, _ := replica(f.tb, "a"); !f.has(1) || rep.BlockSize != 32 {
+		t.Fatalf("%+v", rep)
+	}
+}
