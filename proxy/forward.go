@@ -95,7 +95,11 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 		start := time.Now()
 		resp, err := f.dispatch(up, req)
 		if err == nil && !retryable(resp.StatusCode()) {
-			obs.FirstByte(i, time.Since(start))
+			// For a stream the first token is the first event, not the
+			// headers (engines send those before prefill); relay reports it.
+			if !isEventStream(resp) {
+				obs.FirstByte(i, time.Since(start))
+			}
 			f.relay(ctx, req, i, resp, start, obs)
 			return i
 		}
@@ -214,7 +218,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *f
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
-	if !bytes.HasPrefix(resp.Header.ContentType(), []byte("text/event-stream")) {
+	if !isEventStream(resp) {
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
 		// Read straight into the client response's pooled body buffer.
 		ctx.Response.ResetBody()
@@ -245,7 +249,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *f
 	strip := req.StripUsage
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
 		// The handler has returned: ctx must not be touched from here on.
-		res := relayEvents(w, resp, strip)
+		res := relayEvents(w, resp, strip, func() { obs.FirstByte(i, time.Since(start)) })
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
@@ -286,16 +290,27 @@ func readAll(resp *fasthttp.Response, limit int) ([]byte, error) {
 
 // relayEvents copies SSE events from resp to w, flushing after each read so
 // every event leaves as soon as it arrived, and notes usage on the way.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool) Result {
+func isEventStream(resp *fasthttp.Response) bool {
+	return bytes.HasPrefix(resp.Header.ContentType(), []byte("text/event-stream"))
+}
+
+// relayEvents copies the events; first is called when the first body bytes
+// arrive (the first token); never if none came.
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, first func()) Result {
 	res := Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
 	buf := make([]byte, 32<<10)
 	var pending []byte
 	done := false
+	firstSeen := false
 	for {
 		n, rerr := body.Read(buf)
 		if n > 0 {
+			if !firstSeen {
+				firstSeen = true
+				first()
+			}
 			data := buf[:n]
 			if len(pending) > 0 {
 				pending = append(pending, data...)

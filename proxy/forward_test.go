@@ -43,6 +43,7 @@ type recorder struct {
 	attempts []int
 	first    []int
 	header   []int
+	ttft     time.Duration
 	finish   map[int]Result
 	done     chan struct{}
 }
@@ -52,8 +53,9 @@ func newRecorder() *recorder {
 }
 
 func (r *recorder) Attempt(i int) { r.mu.Lock(); r.attempts = append(r.attempts, i); r.mu.Unlock() }
-func (r *recorder) FirstByte(i int, _ time.Duration) {
+func (r *recorder) FirstByte(i int, ttft time.Duration) {
 	r.mu.Lock()
+	r.ttft = ttft
 	r.first = append(r.first, i)
 	r.mu.Unlock()
 }
@@ -342,5 +344,28 @@ func TestErrorBodyIsValidJSON(t *testing.T) {
 	want := `{"error":{"message":"bad \"x\"\u0000\n","type":"invalid_request_error","code":400}}`
 	if got != want {
 		t.Fatalf("got %s", got)
+	}
+}
+
+// TestStreamTTFTIsTheFirstEvent: engines send stream headers before
+// prefill; the first token is the first event.
+func TestStreamTTFTIsTheFirstEvent(t *testing.T) {
+	slow := serve(t, func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("text/event-stream")
+		ctx.Response.ImmediateHeaderFlush = true
+		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			time.Sleep(150 * time.Millisecond) // prefill
+			fmt.Fprint(w, "data: {\"choices\":[]}\n\ndata: [DONE]\n\n")
+			_ = w.Flush()
+		})
+	})
+	rec := newRecorder()
+	url := router(t, upstreams(t, slow), false, rec)
+	if status, _, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil); err != nil || status != 200 {
+		t.Fatal(status, err)
+	}
+	<-rec.done
+	if rec.ttft < 140*time.Millisecond || len(rec.first) != 1 {
+		t.Fatalf("ttft %v, first-byte calls %v", rec.ttft, rec.first)
 	}
 }
