@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/cdproto/cdp"
+	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 
 	"github.com/kvmesh/kvmesh/loadtest/cluster"
@@ -123,22 +125,22 @@ func sendRound(ctx context.Context, router string, round int) (predicted int, er
 	return predicted, nil
 }
 
-// demoTraffic keeps four clients busy for d with a mix a real fleet sees:
+// demoTraffic keeps eight clients busy for d with a mix a real fleet sees:
 // a few shared system prompts (hits after their first request) and some
 // one-off prompts (cold).
 func demoTraffic(ctx context.Context, router string, d time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	var wg sync.WaitGroup
-	errs := make(chan error, 4)
-	for w := range 4 {
+	errs := make(chan error, 8)
+	for w := range 8 {
 		wg.Go(func() {
 			for i := 0; ctx.Err() == nil; i++ {
 				prompt := fmt.Sprintf("One-off question %d from client %d about %d things.", i, w, i*7919%1000)
 				if i%4 != 3 {
 					prompt = strings.Repeat(fmt.Sprintf("System prompt %d: you answer questions about fleet number %d. ", (i+w)%5, (i+w)%5), 30+10*((i+w)%5)) + prompt
 				}
-				body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 24})
+				body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 48})
 				req, _ := http.NewRequestWithContext(ctx, "POST", router+"/v1/completions", bytes.NewReader(body))
 				res, err := http.DefaultClient.Do(req)
 				if err != nil {
@@ -395,6 +397,37 @@ func TestConsoleInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("screenshot: %s (%d KB)", shot, len(png)>>10)
+
+	// A phone-sized screen in the dark scheme: nothing but the table's own
+	// scroller may be wider than the screen.
+	step("narrow and dark", chromedp.EmulateViewport(400, 860),
+		chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {
+			_, err := cdp.Call(ctx, tg, emulation.SetEmulatedMedia, emulation.SetEmulatedMediaParams{
+				Features: []*emulation.MediaFeature{{Name: "prefers-color-scheme", Value: "dark"}},
+			})
+			return err
+		}), chromedp.Sleep(400*time.Millisecond))
+	layout, err := chromedp.Run(bctx, chromedp.Evaluate[struct {
+		ScrollWidth, InnerWidth int
+		Background               string
+	}](`({ScrollWidth: document.documentElement.scrollWidth, InnerWidth: window.innerWidth,
+		Background: getComputedStyle(document.body).backgroundColor})`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if layout.ScrollWidth > layout.InnerWidth {
+		wide, _ := chromedp.Run(bctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > window.innerWidth + 1).slice(0, 8).map(e => e.tagName + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))`))
+		t.Errorf("at %d px the page is %d px wide; beyond: %v", layout.InnerWidth, layout.ScrollWidth, wide)
+	}
+	if layout.Background != "rgb(11, 17, 32)" {
+		t.Errorf("dark scheme background %s", layout.Background)
+	}
+	if png, err = chromedp.Run(bctx, chromedp.FullScreenshot(100)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(out, "console-narrow-dark.png"), png, 0o644); err != nil {
+		t.Fatal(err)
+	}
 
 	pollState, err := chromedp.Run(bctx, chromedp.Evaluate[struct {
 		Polls, Errors int
