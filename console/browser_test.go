@@ -409,7 +409,7 @@ func TestConsoleInBrowser(t *testing.T) {
 		}), chromedp.Sleep(400*time.Millisecond))
 	layout, err := chromedp.Run(bctx, chromedp.Evaluate[struct {
 		ScrollWidth, InnerWidth int
-		Background               string
+		Background              string
 	}](`({ScrollWidth: document.documentElement.scrollWidth, InnerWidth: window.innerWidth,
 		Background: getComputedStyle(document.body).backgroundColor})`))
 	if err != nil {
