@@ -9,6 +9,7 @@ import (
 	"io"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -100,7 +101,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if !isEventStream(resp) {
 				obs.FirstByte(i, time.Since(start))
 			}
-			f.relay(ctx, req, i, resp, start, obs)
+			f.relay(ctx, req, up, i, resp, start, obs)
 			return i
 		}
 		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
@@ -214,7 +215,7 @@ var skippedResponseHeaders = [][]byte{
 
 // relay writes resp into ctx: SSE streams event by event, anything else
 // buffered.
-func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
+func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, up *Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
@@ -249,7 +250,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, i int, resp *f
 	strip := req.StripUsage
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
 		// The handler has returned: ctx must not be touched from here on.
-		res := relayEvents(w, resp, strip, func() { obs.FirstByte(i, time.Since(start)) })
+		res := relayEvents(w, resp, strip, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) })
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
@@ -268,6 +269,9 @@ func (f *Forwarder) maxBody() int {
 }
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
+
+// errStalled ends a stream whose next event is overdue.
+var errStalled = errors.New("proxy: upstream stream stalled (first-byte or idle timeout)")
 
 // errBodyTooLarge reports an upstream answer over the buffering limit.
 var errBodyTooLarge = errors.New("proxy: upstream response over the size limit")
@@ -296,10 +300,20 @@ func isEventStream(resp *fasthttp.Response) bool {
 
 // relayEvents copies the events; first is called when the first body bytes
 // arrive (the first token); never if none came.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, first func()) Result {
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func()) Result {
 	res := Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
+	// A watchdog ends a stream whose first event or next event is overdue:
+	// closing the body unblocks the Read below.
+	var stalled atomic.Bool
+	watchdog := time.AfterFunc(firstByte, func() {
+		stalled.Store(true)
+		if closer != nil {
+			_ = closer.CloseWithError(errStalled)
+		}
+	})
+	defer watchdog.Stop()
 	buf := make([]byte, 32<<10)
 	var pending []byte
 	done := false
@@ -307,6 +321,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, first fun
 	for {
 		n, rerr := body.Read(buf)
 		if n > 0 {
+			watchdog.Reset(idle)
 			if !firstSeen {
 				firstSeen = true
 				first()
@@ -337,6 +352,9 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, first fun
 				}
 				_ = w.Flush()
 				return res
+			}
+			if stalled.Load() {
+				rerr = errStalled
 			}
 			res.Err = rerr
 			if closer != nil {

@@ -369,3 +369,58 @@ func TestStreamTTFTIsTheFirstEvent(t *testing.T) {
 		t.Fatalf("ttft %v, first-byte calls %v", rec.ttft, rec.first)
 	}
 }
+
+// TestStalledStreamsEnd: a stream whose first event, or next event, is
+// overdue ends with an error event; a slow but flowing one does not.
+func TestStalledStreamsEnd(t *testing.T) {
+	engine := func(firstDelay, gap time.Duration, n int) string {
+		return serve(t, func(ctx *fasthttp.RequestCtx) {
+			ctx.SetContentType("text/event-stream")
+			ctx.Response.ImmediateHeaderFlush = true
+			ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+				time.Sleep(firstDelay)
+				for range n {
+					fmt.Fprint(w, "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n")
+					if w.Flush() != nil {
+						return
+					}
+					time.Sleep(gap)
+				}
+				fmt.Fprint(w, "data: [DONE]\n\n")
+				_ = w.Flush()
+			})
+		})
+	}
+	opts := Options{FirstByteTimeout: 300 * time.Millisecond, IdleTimeout: 150 * time.Millisecond}
+	cases := []struct {
+		name       string
+		url        string
+		wantBroken bool
+	}{
+		{"first event late", engine(600*time.Millisecond, 0, 1), true},
+		{"gap too long", engine(0, 400*time.Millisecond, 2), true},
+		{"slow but flowing", engine(200*time.Millisecond, 100*time.Millisecond, 8), false},
+	}
+	for _, c := range cases {
+		up, err := NewUpstream("u", c.url, "", opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec := newRecorder()
+		url := router(t, []*Upstream{up}, false, rec)
+		start := time.Now()
+		_, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		<-rec.done
+		broken := strings.Contains(string(body), `"type":"upstream_error"`)
+		if broken != c.wantBroken || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+			t.Errorf("%s: broken=%v after %v: %q", c.name, broken, time.Since(start), body)
+		}
+		if c.wantBroken && time.Since(start) > 550*time.Millisecond {
+			t.Errorf("%s: took %v to give up", c.name, time.Since(start))
+		}
+		up.Close()
+	}
+}

@@ -72,6 +72,9 @@ type Upstream struct {
 	// (a fallback endpoint's own API key).
 	authorization string
 	hc            *fasthttp.HostClient
+	// firstByte and idle bound a stream's wait for its first event and the
+	// silence between events (enforced by the relay).
+	firstByte, idle time.Duration
 }
 
 // NewUpstream returns an upstream for base URL rawURL (http or https; a path
@@ -100,7 +103,9 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		Name:   name,
 		URL:    rawURL,
 		host:   u.Host,
-		prefix: strings.TrimSuffix(u.EscapedPath(), "/"),
+		prefix:    strings.TrimSuffix(u.EscapedPath(), "/"),
+		firstByte: opt.FirstByteTimeout,
+		idle:      opt.IdleTimeout,
 	}
 	if apiKey != "" {
 		up.authorization = "Bearer " + apiKey
@@ -114,7 +119,10 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 			if err != nil {
 				return nil, err
 			}
-			return &deadlineConn{Conn: c, firstByte: opt.FirstByteTimeout, idle: opt.IdleTimeout}, nil
+			// After the first bytes (a stream's headers may come before
+			// prefill) the connection only has a backstop; the relay times
+			// the first event and the gaps between events itself.
+			return &deadlineConn{Conn: c, firstByte: opt.FirstByteTimeout, idle: max(opt.IdleTimeout, opt.FirstByteTimeout)}, nil
 		},
 		MaxConns:                      opt.MaxConns,
 		MaxConnWaitTimeout:            opt.MaxConnWait,
