@@ -100,9 +100,9 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		}
 	}
 	up := &Upstream{
-		Name:   name,
-		URL:    rawURL,
-		host:   u.Host,
+		Name:      name,
+		URL:       rawURL,
+		host:      u.Host,
 		prefix:    strings.TrimSuffix(u.EscapedPath(), "/"),
 		firstByte: opt.FirstByteTimeout,
 		idle:      opt.IdleTimeout,
