@@ -23,7 +23,7 @@ type TableConfig struct {
 	// routed by load only. Default 350 ms (three missed 10 Hz load records).
 	StaleAfter time.Duration
 	// DropAfter takes a silent sidecar offline and drops its filter, whatever
-	// memberlist thinks of it. Default 600 ms; with Expire run every 100 ms a
+	// memberlist thinks of it. Default 500 ms; with Expire run every 50 ms a
 	// vanished sidecar is out of routing within 1 s.
 	DropAfter time.Duration
 }
@@ -33,7 +33,7 @@ func (c TableConfig) withDefaults() TableConfig {
 		c.StaleAfter = 350 * time.Millisecond
 	}
 	if c.DropAfter <= 0 {
-		c.DropAfter = 600 * time.Millisecond
+		c.DropAfter = 500 * time.Millisecond
 	}
 	return c
 }

@@ -21,7 +21,8 @@ type RouterConfig struct {
 	// route records another router cleared, so the router can drop its own
 	// speculative records too. It runs on the node's loop: do not block.
 	OnClearRoutes func(names []string)
-	// Tick paces table expiry and in-flight reports (default 100 ms).
+	// Tick paces table expiry (default 50 ms: a silent sidecar is out of
+	// routing within DropAfter + Tick) and in-flight reports (every other tick).
 	Tick time.Duration
 	// ResyncEvery rate-limits snapshot requests per replica (default 500 ms);
 	// while requests go unanswered the wait doubles, up to 8×, so an
@@ -42,6 +43,7 @@ type RouterNode struct {
 	replicas map[string]*sidecarPeer // by replica name
 	routers  map[string]*memberlist.Node
 	inflight map[string]inflight // this router's in-flight work, by replica
+	ticks    uint64
 
 	stop chan struct{}
 	done chan struct{}
@@ -84,7 +86,7 @@ func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
 		return nil, errors.New("gossip: StartRouter needs a table")
 	}
 	if cfg.Tick <= 0 {
-		cfg.Tick = 100 * time.Millisecond
+		cfg.Tick = 50 * time.Millisecond
 	}
 	if cfg.ResyncEvery <= 0 {
 		cfg.ResyncEvery = 500 * time.Millisecond
@@ -467,6 +469,11 @@ func (r *RouterNode) tick() {
 			p.behind = 0
 			r.log.Info().Str("replica", name).Msg("sidecar silent: replica offline")
 		}
+	}
+	r.ticks++
+	if r.ticks%2 != 0 { // in-flight reports at half the tick rate
+		r.mu.Unlock()
+		return
 	}
 	for _, p := range r.sidecars {
 		if p.meta.Capabilities&CapInflight == 0 {
