@@ -244,7 +244,7 @@ func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 	}
 	if bs := s.set.BlockSize(); bs > 0 && int64(bs) != s.blockSize.Load() {
 		s.blockSize.Store(int64(bs))
-		defer s.announce()
+		go s.announce() // a metadata update waits for its broadcast: not on the event path
 	}
 	s.maybeRebuildLocked(time.Now())
 	s.mu.Unlock()
