@@ -283,6 +283,12 @@ func (r *RouterNode) handle(m *Message) {
 	}
 	now := r.now()
 	if m.Epoch != p.epoch {
+		if p.epoch != 0 && m.Kind != KindLoad {
+			// Epochs are random, so they cannot be ordered: the load
+			// record (10 Hz) is the authority on the current one, and a
+			// late filter message of another epoch must not win.
+			return
+		}
 		// A new boot or a new epoch after an engine restart: nothing held
 		// for the old one is true any more.
 		p.epoch, p.loadSeq, p.behind, p.awaitGen = m.Epoch, 0, 0, 0

@@ -210,3 +210,16 @@ func TestRouterResyncsWhenBlockSizeIsLearned(t *testing.T) {
 		t.Fatalf("%+v", rep)
 	}
 }
+
+func TestRouterIgnoresLateFilterOfAnOldEpoch(t *testing.T) {
+	f := newFeedRouter(t)
+	f.load(7, 1, 1, 0, true)
+	f.snapshot(7, 1, 0, 70)
+	f.load(8, 2, 1, 0, true) // engine restarted: epoch 8
+	f.snapshot(8, 1, 0, 80)
+	f.snapshot(7, 1, 3, 70, 71) // epoch 7's snapshot arrives late
+	f.delta(7, 1, 4, 72)
+	if f.has(70) || f.has(72) || !f.has(80) {
+		t.Fatalf("old epoch won: has70 %v has72 %v has80 %v", f.has(70), f.has(72), f.has(80))
+	}
+}
