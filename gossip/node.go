@@ -83,8 +83,8 @@ func ParseKey(s string) ([]byte, error) {
 // and LZW triples the latency), and a short TCP timeout so a vanished peer
 // does not hold a snapshot sender for 10 s.
 func (c *Config) memberlistConfig(role Role, d *delegate) (*memberlist.Config, error) {
-	if c.Name == "" {
-		return nil, errors.New("gossip: a member needs a name")
+	if c.Name == "" || len(c.Name) > 200 {
+		return nil, fmt.Errorf("gossip: member name %q: want 1..200 bytes", c.Name)
 	}
 	mc := memberlist.DefaultLANConfig()
 	mc.Name = role.String() + "/" + c.Name
