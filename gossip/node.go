@@ -14,7 +14,6 @@ package gossip
 import (
 	"bytes"
 	"encoding/base64"
-	"errors"
 	"fmt"
 	"log"
 	"net"
