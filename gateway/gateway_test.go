@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -360,4 +361,41 @@ func TestSilentReplicasAreTriedBeforeGivingUp(t *testing.T) {
 	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 503 {
 		t.Fatalf("unhealthy engine tried: %d", res.status)
 	}
+}
+
+// TestInflightReturnsToZero: after served, streamed, retried, failed and
+// abandoned requests, no in-flight request or prefill token is left over.
+func TestInflightReturnsToZero(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "dead", Models: []string{testModel}, URL: refusedURL(t), KVEvents: true, BlockSize: 16}, now)
+	r.table.SetLoad("dead", fleet.Load{}, true, now)
+	r.table.Upsert(fleet.Info{Name: "live", Models: []string{testModel}, URL: startEngine(t, testModel), KVEvents: true, BlockSize: 16}, now)
+	r.table.SetLoad("live", fleet.Load{}, true, now)
+	stream := strings.Replace(chatBody, `"max_tokens":4`, `"max_tokens":64,"stream":true`, 1)
+	for i := range 20 {
+		body := chatBody
+		if i%2 == 0 {
+			body = stream
+		}
+		if res := r.post(t, "/v1/chat/completions", body); res.status != 200 {
+			t.Fatalf("%d %s", res.status, res.body)
+		}
+	}
+	// A client that hangs up mid-stream.
+	c, err := net.Dial("tcp", strings.TrimPrefix(r.url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(stream), stream)
+	buf := make([]byte, 256)
+	_, _ = c.Read(buf)
+	_ = c.Close()
+	waitFor(t, func() bool {
+		busy := false
+		r.g.inflight.each(func(_ string, l *replicaLoad) {
+			busy = busy || l.requests.Load() != 0 || l.prefill.Load() != 0
+		})
+		return !busy
+	})
 }
