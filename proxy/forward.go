@@ -164,6 +164,7 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 		ureq.Header.Del(h)
 	}
 	ureq.Header.Del(fasthttp.HeaderAcceptEncoding)
+	ureq.Header.Del(fasthttp.HeaderExpect) // the router already read the body
 	if req.DropAuthorization {
 		ureq.Header.Del(fasthttp.HeaderAuthorization)
 	}
@@ -270,6 +271,9 @@ func (f *Forwarder) maxBody() int {
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b }}
 
+// maxPendingEvent bounds how much of an unfinished SSE event is held back.
+const maxPendingEvent = 1 << 20
+
 // errStalled ends a stream whose next event is overdue.
 var errStalled = errors.New("proxy: upstream stream stalled (first-byte or idle timeout)")
 
@@ -341,6 +345,14 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 					_ = closer.CloseWithError(werr) // closes the upstream connection: the engine aborts
 				}
 				return res
+			}
+			if len(rest) > maxPendingEvent {
+				// An event this large without its blank line: pass it on
+				// as is rather than buffer without bound.
+				if _, werr := w.Write(rest); werr == nil {
+					werr = w.Flush()
+				}
+				rest = nil
 			}
 			pending = append(pending[:0], rest...)
 		}
