@@ -140,7 +140,7 @@ func demoTraffic(ctx context.Context, router string, d time.Duration) error {
 				if i%4 != 3 {
 					prompt = strings.Repeat(fmt.Sprintf("System prompt %d: you answer questions about fleet number %d. ", (i+w)%5, (i+w)%5), 30+10*((i+w)%5)) + prompt
 				}
-				body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 48})
+				body, _ := json.Marshal(map[string]any{"model": "sim", "prompt": prompt, "max_tokens": 160})
 				req, _ := http.NewRequestWithContext(ctx, "POST", router+"/v1/completions", bytes.NewReader(body))
 				res, err := http.DefaultClient.Do(req)
 				if err != nil {
@@ -205,7 +205,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	timeScale := 0.05
 	if demo > 0 {
-		timeScale = 0.5
+		timeScale = 1
 	}
 	cl, err := cluster.Start(ctx, cluster.Config{
 		BinDir: bin, OutDir: out, Replicas: 3, Routers: 1, Policy: "kvaware",
@@ -381,12 +381,14 @@ func TestConsoleInBrowser(t *testing.T) {
 		t.Errorf("token kept in sessionStorage: %q (%v)", stored, err)
 	}
 
+	// Let the page show the rebuilt filter (in a demo, the traffic still
+	// running), then keep a picture.
+	var demoErr chan error
 	if demo > 0 {
-		if err := demoTraffic(ctx, router, demo); err != nil {
-			t.Fatal(err)
-		}
+		demoErr = make(chan error, 1)
+		go func() { demoErr <- demoTraffic(ctx, router, demo+5*time.Second) }()
+		time.Sleep(demo)
 	}
-	// Let the page show the rebuilt filter, then keep a picture.
 	time.Sleep(2200 * time.Millisecond)
 	png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100))
 	if err != nil {
@@ -397,6 +399,11 @@ func TestConsoleInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("screenshot: %s (%d KB)", shot, len(png)>>10)
+	if demoErr != nil {
+		if err := <-demoErr; err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	// A phone-sized screen in the dark scheme: nothing but the table's own
 	// scroller may be wider than the screen.
