@@ -7,14 +7,21 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 
 	"github.com/chromedp/cdproto/cdp"
 	"github.com/chromedp/cdproto/emulation"
@@ -40,16 +47,17 @@ func chromium() string {
 }
 
 // artifactDir is where the screenshot and the cluster's logs stay after the
-// test: $KVMESH_ARTIFACTS/console, or a fresh temporary directory.
+// test: a new kvmesh-console-* directory in $KVMESH_ARTIFACTS or in the
+// system's temporary directory.
 func artifactDir(t *testing.T) string {
-	if base := os.Getenv("KVMESH_ARTIFACTS"); base != "" {
-		dir := filepath.Join(base, "console")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
+	base := os.Getenv("KVMESH_ARTIFACTS")
+	if base != "" {
+		if err := os.MkdirAll(base, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		return dir
 	}
-	dir, err := os.MkdirTemp("", "kvmesh-console-")
+	// A fresh directory per run: the process logs are checked below.
+	dir, err := os.MkdirTemp(base, "kvmesh-console-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -79,6 +87,100 @@ func replicas(ctx context.Context, router string) (map[string]replica, error) {
 		out[r.Name] = r
 	}
 	return out, nil
+}
+
+func get(t *testing.T, url string) string {
+	t.Helper()
+	res, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+type sample struct {
+	Labels map[string]string `json:"labels"`
+	Value  string            `json:"value"`
+}
+
+// goParse reads Prometheus text with Prometheus' own parser: the kvmesh_
+// counters, gauges and untyped series, values spelt as JavaScript's
+// String(number) does.
+func goParse(t *testing.T, text string) map[string][]sample {
+	t.Helper()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := p.TextToMetricFamilies(strings.NewReader(text))
+	if err != nil {
+		t.Fatalf("expfmt: %v", err)
+	}
+	out := map[string][]sample{}
+	for name, f := range families {
+		if !strings.HasPrefix(name, "kvmesh_") {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			var v float64
+			switch f.GetType() {
+			case dto.MetricType_COUNTER:
+				v = m.GetCounter().GetValue()
+			case dto.MetricType_GAUGE:
+				v = m.GetGauge().GetValue()
+			case dto.MetricType_UNTYPED:
+				v = m.GetUntyped().GetValue()
+			default:
+				continue // histograms: the page reads none
+			}
+			s := sample{Labels: map[string]string{}, Value: jsNumber(v)}
+			for _, l := range m.GetLabel() {
+				s.Labels[l.GetName()] = l.GetValue()
+			}
+			out[name] = append(out[name], s)
+		}
+		sortSamples(out[name])
+	}
+	return out
+}
+
+func jsNumber(v float64) string {
+	switch {
+	case math.IsNaN(v):
+		return "NaN"
+	case math.IsInf(v, 1):
+		return "Infinity"
+	case math.IsInf(v, -1):
+		return "-Infinity"
+	}
+	return strconv.FormatFloat(v, 'f', -1, 64)
+}
+
+func sampleKey(s sample) string {
+	keys := make([]string, 0, len(s.Labels))
+	for k, v := range s.Labels {
+		keys = append(keys, k+"="+strconv.Quote(v))
+	}
+	sort.Strings(keys)
+	return strings.Join(keys, ",")
+}
+
+func sortSamples(s []sample) {
+	sort.Slice(s, func(i, j int) bool { return sampleKey(s[i]) < sampleKey(s[j]) })
+}
+
+func equalSamples(a, b []sample) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if sampleKey(a[i]) != sampleKey(b[i]) || a[i].Value != b[i].Value {
+			return false
+		}
+	}
+	return true
 }
 
 // fleetState is the router's and the sidecars' view, for a failure message.
@@ -380,6 +482,51 @@ func TestConsoleInBrowser(t *testing.T) {
 	if err != nil || stored != adminToken {
 		t.Errorf("token kept in sessionStorage: %q (%v)", stored, err)
 	}
+
+	// Clearing every replica takes two clicks, and the kept token.
+	step("clear all, first click", chromedp.Click(chromedp.CSS("#clear-all")))
+	if s := text("#clear-all"); s != "Confirm: clear all?" {
+		t.Errorf("after one click the clear-all button says %q", s)
+	}
+	step("clear all, second click", chromedp.Click(chromedp.CSS("#clear-all")))
+	poll("waiting for the clear-all confirmation", `[...document.querySelectorAll('.toast')].some(e => e.textContent.includes('cleared for all replicas'))`, 5*time.Second)
+	if log, err := os.ReadFile(filepath.Join(out, "router-0.log")); err != nil || !bytes.Contains(log, []byte(`"replicas":"all"`)) {
+		t.Errorf("router log has no clear of all replicas (%v)", err)
+	}
+
+	// The page's Prometheus text parser agrees with Prometheus' own, on the
+	// router's real /metrics and on escapes, specials and timestamps.
+	metricsText := get(t, router+"/metrics")
+	crafted := `# HELP kvmesh_x_total help with \\ and \n escapes` + "\n# TYPE kvmesh_x_total counter\n" +
+		`kvmesh_x_total{mode="pre\"fix",path="a\\b",nl="x\ny"} 3 1700000000000` + "\n" +
+		`kvmesh_x_total{mode="balance"} 1.5e3` + "\n" +
+		"kvmesh_y NaN\nkvmesh_z +Inf\nkvmesh_v -Inf\n" + `kvmesh_w{a="}",b=",",c="{x=1}"} -2` + "\n"
+	for name, input := range map[string]string{"router /metrics": metricsText, "crafted": crafted} {
+		want := goParse(t, input)
+		lit, _ := json.Marshal(input)
+		got, err := chromedp.Run(bctx, chromedp.Evaluate[map[string][]sample](`(() => {
+			const m = window.kvmeshConsole.parseMetrics(`+string(lit)+`);
+			return Object.fromEntries([...m].map(([k, v]) => [k, v.map(s => ({labels: s.labels, value: String(s.value)}))]));
+		})()`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		compared := 0
+		for family, samples := range want {
+			g := got[family]
+			sortSamples(g)
+			if !equalSamples(g, samples) {
+				t.Errorf("%s: %s: page parsed %v, Prometheus %v", name, family, g, samples)
+			}
+			compared += len(samples)
+		}
+		if compared == 0 {
+			t.Errorf("%s: nothing compared", name)
+		}
+		t.Logf("parser agrees with expfmt on %d samples of %s", compared, name)
+	}
+	t.Logf("one poll reads %d bytes of /metrics and %d of /admin/replicas (uncompressed)",
+		len(metricsText), len(get(t, router+"/admin/replicas")))
 
 	// Let the page show the rebuilt filter (in a demo, the traffic still
 	// running), then keep a picture.
