@@ -159,14 +159,16 @@ func splitHostPort(s, defHost string, defPort int) (string, int, error) {
 // Stats count what a node received, sent and rejected. Read them with Load.
 type Stats struct {
 	Received      [KindInflight + 1]atomic.Uint64 // decoded messages by kind
-	ReceivedBytes atomic.Uint64                   // bytes of kvmesh messages received
+	ReceivedBytes [KindInflight + 1]atomic.Uint64 // their bytes, by kind
 	Sent          [KindInflight + 1]atomic.Uint64 // messages sent by kind
 	SentBytes     atomic.Uint64
 	SendErrors    atomic.Uint64
 	// BadMessages failed to decode (ours: wrong magic, truncated, garbage).
 	BadMessages atomic.Uint64
-	// Dropped were decoded fine but found the inbox full.
-	Dropped atomic.Uint64
+	// Dropped were decoded fine but found the inbox full; QueueFull were
+	// dropped earlier by memberlist (its handoff queue was full).
+	Dropped   atomic.Uint64
+	QueueFull atomic.Uint64
 	// RejectedLabel, RejectedDecrypt and RejectedMalformed are packets and
 	// streams memberlist refused: wrong cluster label, wrong key (or
 	// plaintext into an encrypted cluster), or unparseable.
@@ -192,6 +194,8 @@ func (s *logSink) Write(p []byte) (int, error) {
 		s.stats.RejectedLabel.Add(1)
 	case strings.Contains(line, "ecrypt"), strings.Contains(line, "ncryption is configured"):
 		s.stats.RejectedDecrypt.Add(1)
+	case strings.Contains(line, "handler queue full"):
+		s.stats.QueueFull.Add(1)
 	case strings.Contains(line, "invalid checksum"), strings.Contains(line, "missing message type"),
 		strings.Contains(line, "not supported"), strings.Contains(line, "invalid msgType"),
 		strings.Contains(line, "Failed to decode"):
@@ -259,7 +263,7 @@ func (d *delegate) NotifyMsg(b []byte) {
 		return
 	}
 	d.stats.Received[m.Kind].Add(1)
-	d.stats.ReceivedBytes.Add(uint64(len(b)))
+	d.stats.ReceivedBytes[m.Kind].Add(uint64(len(b)))
 	select {
 	case d.inbox <- m:
 	default:
@@ -440,10 +444,11 @@ func (n *node) leave(timeout time.Duration) error {
 // StatsSnapshot is a copy of a node's counters, for metrics and status.
 type StatsSnapshot struct {
 	Members int
-	// Received and Sent count messages by kind name ("load", "delta", ...).
-	Received, Sent                                    map[string]uint64
+	// Received and Sent count messages by kind name ("load", "delta", ...),
+	// ReceivedBytesByKind their bytes; ReceivedBytes is the total.
+	Received, Sent, ReceivedBytesByKind               map[string]uint64
 	ReceivedBytes, SentBytes, SendErrors              uint64
-	BadMessages, Dropped                              uint64
+	BadMessages, Dropped, QueueFull                   uint64
 	RejectedLabel, RejectedDecrypt, RejectedMalformed uint64
 	Resyncs                                           uint64
 }
@@ -451,21 +456,24 @@ type StatsSnapshot struct {
 func (n *node) stats() StatsSnapshot {
 	s := &n.d.stats
 	out := StatsSnapshot{
-		Members:           n.ml.NumMembers(),
-		Received:          map[string]uint64{},
-		Sent:              map[string]uint64{},
-		ReceivedBytes:     s.ReceivedBytes.Load(),
-		SentBytes:         s.SentBytes.Load(),
-		SendErrors:        s.SendErrors.Load(),
-		BadMessages:       s.BadMessages.Load(),
-		Dropped:           s.Dropped.Load(),
-		RejectedLabel:     s.RejectedLabel.Load(),
-		RejectedDecrypt:   s.RejectedDecrypt.Load(),
-		RejectedMalformed: s.RejectedMalformed.Load(),
-		Resyncs:           s.Resyncs.Load(),
+		Members:             n.ml.NumMembers(),
+		Received:            map[string]uint64{},
+		Sent:                map[string]uint64{},
+		ReceivedBytesByKind: map[string]uint64{},
+		SentBytes:           s.SentBytes.Load(),
+		SendErrors:          s.SendErrors.Load(),
+		BadMessages:         s.BadMessages.Load(),
+		Dropped:             s.Dropped.Load(),
+		QueueFull:           s.QueueFull.Load(),
+		RejectedLabel:       s.RejectedLabel.Load(),
+		RejectedDecrypt:     s.RejectedDecrypt.Load(),
+		RejectedMalformed:   s.RejectedMalformed.Load(),
+		Resyncs:             s.Resyncs.Load(),
 	}
 	for k := KindLoad; k <= KindInflight; k++ {
 		out.Received[k.String()] = s.Received[k].Load()
+		out.ReceivedBytesByKind[k.String()] = s.ReceivedBytes[k].Load()
+		out.ReceivedBytes += s.ReceivedBytes[k].Load()
 		out.Sent[k.String()] = s.Sent[k].Load()
 	}
 	return out
