@@ -77,8 +77,9 @@ type sidecarPeer struct {
 	inflSeq  uint64
 }
 
-// maxPending bounds the deltas buffered ahead of a snapshot.
-const maxPending = 64
+// maxPending bounds the deltas buffered ahead of a snapshot (≈ 6 s of
+// deltas at 40 a second).
+const maxPending = 256
 
 // StartRouter joins the cluster as a router and starts feeding table.
 func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
@@ -408,19 +409,18 @@ func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
 		return
 	}
 	st := p.mirror.State()
-	switch {
-	case st != nil && d.Generation < st.Generation:
-		// From a generation already replaced.
-	case st != nil && d.Generation == st.Generation:
-		// A lost delta: nothing but a snapshot can fill the hole.
+	if st != nil && d.Generation < st.Generation {
+		return // from a generation already replaced
+	}
+	// Keep it for the snapshot that will cover what is missing: the next
+	// generation's snapshot still on its way (TCP) while its deltas (UDP)
+	// overtook it, or the answer to a resync for a hole in this one.
+	if len(p.pending) < maxPending {
+		p.pending = append(p.pending, d)
+	}
+	if st != nil && d.Generation == st.Generation || len(p.pending) >= maxPending {
+		// A hole in the current generation: only a snapshot can fill it.
 		r.requestResync(p, now)
-	default:
-		// A generation whose snapshot is still on its way.
-		if len(p.pending) < maxPending {
-			p.pending = append(p.pending, d)
-		} else {
-			r.requestResync(p, now)
-		}
 	}
 }
 

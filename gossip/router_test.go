@@ -223,3 +223,22 @@ func TestRouterIgnoresLateFilterOfAnOldEpoch(t *testing.T) {
 		t.Fatalf("old epoch won: has70 %v has72 %v has80 %v", f.has(70), f.has(72), f.has(80))
 	}
 }
+
+func TestRouterKeepsDeltasThatOvertakeTheResyncSnapshot(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 1)
+	f.delta(7, 1, 1, 2)
+	f.delta(7, 1, 3, 4) // 2 lost: resync requested, 3 kept
+	f.delta(7, 1, 4, 5)
+	if f.resyncs() != 1 || f.has(4) {
+		t.Fatalf("resyncs %d has4 %v", f.resyncs(), f.has(4))
+	}
+	f.snapshot(7, 1, 3, 1, 2, 3, 4) // the answer, taken at seq 3
+	if !f.has(3) || !f.has(5) {
+		t.Fatal("delta 4, which overtook the snapshot, was not replayed")
+	}
+	f.delta(7, 1, 5, 6)
+	if !f.has(6) || f.resyncs() != 1 {
+		t.Fatalf("stream did not continue: has6 %v resyncs %d", f.has(6), f.resyncs())
+	}
+}
