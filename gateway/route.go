@@ -113,6 +113,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		Body:              body,
 		StripUsage:        strip,
 		DropAuthorization: len(s.APIKeys) > 0,
+		Stream:            p.stream,
 	}
 	ex.start = g.now()
 	// ex belongs to the proxy from here: it is released on the last Finish,

@@ -31,6 +31,10 @@ type Request struct {
 	// DropAuthorization keeps the client's Authorization from the upstream
 	// (the router checked it against its own keys).
 	DropAuthorization bool
+	// Stream is true when the client asked for a stream: the answer is then
+	// relayed as it arrives. Otherwise it is read whole before relaying,
+	// which is cheaper, and a failure while reading it can still be retried.
+	Stream bool
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -175,7 +179,7 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	up.prepare(ureq, req.Path)
 	ureq.SetBodyRaw(req.Body)
 	resp := fasthttp.AcquireResponse()
-	resp.StreamBody = true
+	resp.StreamBody = req.Stream
 	if err := up.hc.Do(ureq, resp); err != nil {
 		fasthttp.ReleaseResponse(resp)
 		return nil, err
@@ -220,8 +224,30 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, up *Upstream, 
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
+	if isEventStream(resp) && resp.BodyStream() == nil {
+		// An event stream read whole (the request did not ask to stream):
+		// relay it at once, still reading and stripping usage.
+		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
+		bw := bufio.NewWriter(ctx.Response.BodyWriter())
+		done := false
+		rest, _ := writeEvents(bw, resp.Body(), req.StripUsage, &res, &done)
+		_, _ = bw.Write(rest)
+		_ = bw.Flush()
+		fasthttp.ReleaseResponse(resp)
+		res.Elapsed = time.Since(start)
+		obs.Finish(i, res)
+		return
+	}
 	if !isEventStream(resp) {
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
+		if resp.BodyStream() == nil { // read whole by the client already
+			ctx.Response.SetBody(resp.Body())
+			res.PromptTokens, res.CachedTokens = usageFromBody(resp.Body())
+			fasthttp.ReleaseResponse(resp)
+			res.Elapsed = time.Since(start)
+			obs.Finish(i, res)
+			return
+		}
 		// Read straight into the client response's pooled body buffer.
 		ctx.Response.ResetBody()
 		buf := copyBufs.Get().(*[]byte)

@@ -76,7 +76,8 @@ func (r *recorder) Finish(i int, res Result) {
 func router(t testing.TB, targets []*Upstream, strip bool, rec *recorder) string {
 	f := &Forwarder{Log: zerolog.Nop()}
 	return serve(t, func(ctx *fasthttp.RequestCtx) {
-		req := &Request{Path: string(ctx.Path()), Header: &ctx.Request.Header, Body: append([]byte(nil), ctx.PostBody()...), StripUsage: strip}
+		req := &Request{Path: string(ctx.Path()), Header: &ctx.Request.Header, Body: append([]byte(nil), ctx.PostBody()...), StripUsage: strip,
+			Stream: string(ctx.Path()) == "/v1/chat/completions"}
 		f.Forward(ctx, req, targets, rec)
 	})
 }

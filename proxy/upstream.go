@@ -128,6 +128,7 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		MaxConnWaitTimeout:            opt.MaxConnWait,
 		MaxIdleConnDuration:           opt.MaxIdleConn,
 		MaxIdemponentCallAttempts:     2,
+		MaxResponseBodySize:           64 << 20, // buffered (non-streamed) answers
 		RetryIfErr:                    retryStaleConn,
 		DisableHeaderNamesNormalizing: true,
 		DisablePathNormalizing:        true,
@@ -187,10 +188,16 @@ type deadlineConn struct {
 	net.Conn
 	firstByte, idle time.Duration
 	waiting         atomic.Bool
+	// deadline is the read deadline last set; it is only moved when it
+	// would change by more than an eighth of the timeout, since a read per
+	// chunk would otherwise reset a runtime timer each time.
+	deadline time.Time
+	forced   atomic.Bool
 }
 
 func (c *deadlineConn) Write(p []byte) (int, error) {
 	c.waiting.Store(true)
+	c.forced.Store(true)
 	return c.Conn.Write(p)
 }
 
@@ -199,12 +206,17 @@ func (c *deadlineConn) Read(p []byte) (int, error) {
 	if c.waiting.Load() {
 		d = c.firstByte
 	}
-	if err := c.Conn.SetReadDeadline(time.Now().Add(d)); err != nil {
-		return 0, err
+	want := time.Now().Add(d)
+	if c.forced.Swap(false) || want.Sub(c.deadline) > d/8 {
+		if err := c.Conn.SetReadDeadline(want); err != nil {
+			return 0, err
+		}
+		c.deadline = want
 	}
 	n, err := c.Conn.Read(p)
-	if n > 0 {
+	if n > 0 && c.waiting.Load() {
 		c.waiting.Store(false)
+		c.forced.Store(true) // switch to the idle timeout at the next read
 	}
 	return n, err
 }
