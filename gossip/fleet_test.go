@@ -97,9 +97,12 @@ func startHarness(t *testing.T, nSidecars, nRouters int) *harness {
 		h.sidecars = append(h.sidecars, &harnessSidecar{name: name, node: s, gens: g, set: residentset.New(residentset.Options{}), nextToken: 1})
 	}
 	t.Cleanup(func() { // crash-stop all at once: 50 graceful leaves take long on a busy machine
+		var wg sync.WaitGroup
 		for _, s := range h.sidecars {
-			s.node.crash()
+			wg.Add(1)
+			go func() { defer wg.Done(); s.node.crash() }()
 		}
+		wg.Wait()
 	})
 	defer func() {
 		if t.Failed() {
