@@ -298,7 +298,7 @@ func testEngineRestart(t *testing.T, s *stack) {
 	s.docker("restart", "--time", "1", s.container(engine))
 
 	var after sidecarStatus
-	took, ok := eventually(20*time.Second, func() bool {
+	took, ok := eventually(10*time.Second, func() bool {
 		after = s.sidecarStatus(victim)
 		return after.EngineHealthy && after.Connected && after.FilterGeneration > before.FilterGeneration && after.ResidentBlocks == 0
 	})

@@ -259,19 +259,42 @@ func (s *stack) docker(args ...string) {
 }
 
 // port returns the loopback host:port a service's container port is
-// published on (looked up once: compose v1 takes a second per call).
+// published on. One `docker ps` reads them all (compose v1 takes seconds per
+// `port` call on a loaded machine); a miss re-reads once.
 func (s *stack) port(svc, port string) string {
 	s.t.Helper()
 	key := svc + " " + port
 	if a, ok := s.ports[key]; ok {
 		return a
 	}
-	a := strings.TrimSpace(s.compose(30*time.Second, "port", svc, port))
-	if a == "" {
+	s.readPorts()
+	a, ok := s.ports[key]
+	if !ok {
 		s.t.Fatalf("%s: port %s not published", svc, port)
 	}
-	s.ports[key] = a
 	return a
+}
+
+func (s *stack) readPorts() {
+	s.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "docker", "ps", "--filter", "label=com.docker.compose.project="+s.project,
+		"--format", `{{.Label "com.docker.compose.service"}}|{{.Ports}}`).CombinedOutput()
+	if err != nil {
+		s.t.Fatalf("docker ps: %v\n%s", err, out)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		svc, ports, _ := strings.Cut(line, "|")
+		// 127.0.0.1:49153->8000/tcp, 127.0.0.1:49154->9100/tcp
+		for _, p := range strings.Split(ports, ", ") {
+			host, ctr, ok := strings.Cut(p, "->")
+			if !ok {
+				continue
+			}
+			s.ports[svc+" "+strings.TrimSuffix(ctr, "/tcp")] = host
+		}
+	}
 }
 
 // sidecarStatus reads replicaN's sidecar /status through its published port.
