@@ -335,6 +335,13 @@ func TestConsoleInBrowser(t *testing.T) {
 	bctx, cancelBrowser := chromedp.NewContext(alloc)
 	defer cancelBrowser()
 
+	// Start the browser on bctx, so that it lives as long as bctx and not
+	// as long as the console subscription below.
+	if err := chromedp.Do(bctx, chromedp.Navigate("about:blank")); err != nil {
+		t.Fatalf("starting %s: %v", exe, err)
+	}
+	t.Logf("browser up at %v", time.Since(start).Round(time.Millisecond))
+
 	// Collect the console from before the page loads.
 	var mu sync.Mutex
 	var messages []chromedp.ConsoleMessage
@@ -614,6 +621,14 @@ func TestConsoleInBrowser(t *testing.T) {
 		t.Errorf("%d 401s logged for the clear, want exactly 1 (the first try without a token)", unauthorized)
 	}
 	t.Logf("%d console messages, %d polls, test took %v", len(messages), pollState.Polls, time.Since(start).Round(time.Millisecond))
+
+	// The router goes away: the page says so and keeps the last fleet view.
+	cl.Stop()
+	poll("waiting for the unreachable badge", `document.getElementById('live').dataset.state === 'error' &&
+		document.getElementById('live-text').textContent.includes('unreachable')`, 6*time.Second)
+	if rows, err := chromedp.Run(bctx, chromedp.Evaluate[int](`document.querySelectorAll('#replica-rows tr[data-replica]').length`)); err != nil || rows != 3 {
+		t.Errorf("after the router stopped the table has %d rows (%v), want the last 3", rows, err)
+	}
 	if err := ctx.Err(); errors.Is(err, context.DeadlineExceeded) {
 		t.Fatal("over the 60 s budget")
 	}
