@@ -462,7 +462,14 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	target := cl.Names[0]
 	step("clicking clear", chromedp.Click(chromedp.CSS(`button[data-clear="`+target+`"]`)))
-	poll("waiting for the token prompt", `document.getElementById('token-dialog').open`, 5*time.Second)
+	poll("waiting for the token prompt", `document.getElementById('token-dialog').open &&
+		document.getElementById('token-error').hidden`, 5*time.Second)
+	// A wrong token first: the router refuses it and the page asks again.
+	step("entering a wrong token",
+		chromedp.SendKeys(chromedp.CSS("#token-input"), "not-the-token"),
+		chromedp.Click(chromedp.CSS("#token-submit")))
+	poll("waiting for the token to be refused", `document.getElementById('token-dialog').open &&
+		!document.getElementById('token-error').hidden && document.getElementById('token-input').value === ''`, 5*time.Second)
 	step("entering the token",
 		chromedp.SendKeys(chromedp.CSS("#token-input"), adminToken),
 		chromedp.Click(chromedp.CSS("#token-submit")))
@@ -607,7 +614,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	defer mu.Unlock()
 	unauthorized := 0
 	for _, m := range messages {
-		// Chrome logs every 4xx answer to fetch; the one expected is the
+		// Chrome logs every 4xx answer to fetch; the ones expected are the
 		// router asking for its admin token.
 		if m.Source == "network" && strings.Contains(m.Text, "401") && strings.Contains(m.URL, "/admin/routes/clear") {
 			unauthorized++
@@ -617,8 +624,8 @@ func TestConsoleInBrowser(t *testing.T) {
 			t.Errorf("console %s: %s (%s:%d)", m.Type, m.Text, m.URL, m.Line)
 		}
 	}
-	if unauthorized != 1 {
-		t.Errorf("%d 401s logged for the clear, want exactly 1 (the first try without a token)", unauthorized)
+	if unauthorized != 2 {
+		t.Errorf("%d 401s logged for the clear, want exactly 2 (no token, then a wrong one)", unauthorized)
 	}
 	t.Logf("%d console messages, %d polls, test took %v", len(messages), pollState.Polls, time.Since(start).Round(time.Millisecond))
 
