@@ -122,8 +122,18 @@ func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duratio
 	if req.AffinityKey == 0 || len(d.Order) < 2 {
 		return
 	}
+	// Only replicas whose blocks routers can see are homes: a prefix placed
+	// on a load-only replica could never be found again.
 	var homeBuf [stackCands]int
-	home := append(homeBuf[:0], d.Order...)
+	home := homeBuf[:0]
+	for _, i := range d.Order {
+		if cands[i].PrefixAware {
+			home = append(home, i)
+		}
+	}
+	if len(home) == 0 {
+		return
+	}
 	rendezvousOrder(home, cands, req.AffinityKey)
 	h := home[boundedHome(home, cands, p.cfg.LoadBound)]
 	if ttft[h] > ttft[d.Order[0]]+p.cfg.ColdSlack {

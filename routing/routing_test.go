@@ -83,6 +83,17 @@ func TestColdPrefixesLandWhereEveryRouterAgrees(t *testing.T) {
 	}
 }
 
+func TestColdPrefixesGoOnlyToPrefixAwareHomes(t *testing.T) {
+	for key := uint64(1); key < 100; key++ {
+		cands := fleetOf(3)
+		cands[2].PrefixAware = false // unselected: load only
+		d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 500, AffinityKey: key * 0x9e3779b97f4a7c15, Now: t0}, cands)
+		if d.Pick == 2 {
+			t.Fatalf("key %d: a cold prefix was placed on a load-only replica", key)
+		}
+	}
+}
+
 func TestColdPlacementSpreadsKeys(t *testing.T) {
 	counts := map[int]int{}
 	for key := uint64(1); key <= 800; key++ {
