@@ -127,8 +127,10 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		"trace": {
 			Name: "trace", About: fmt.Sprintf("Mooncake conversation trace %s, %d requests from %v at %g× speed", traceFile, tp.Limit, tp.Start, tp.Speedup),
 			// enginesim's default capacity (≈100 GiB of an 8B model's KV):
-			// the whole trace's demand is about the fleet's.
+			// the whole trace's demand is about the fleet's. Mooncake
+			// prompts reach 126k tokens.
 			Replicas: 8, TimeScale: 0.5, Duration: 0, MinKVBlocks: 51200,
+			EngineArgs: []string{"--max-model-len", "131072"},
 			Policies: []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				f, err := os.Open(traceFile)
