@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"strings"
 	"unicode"
 	"unicode/utf8"
@@ -96,39 +95,47 @@ func contentText(raw json.RawMessage) (string, error) {
 func appendBuiltin(ids []uint32, text string) []uint32 {
 	for len(text) > 0 {
 		n := builtinPiece(text)
-		h := fnv.New32a()
-		_, _ = h.Write([]byte(text[:n]))
-		ids = append(ids, 256+h.Sum32()%(builtinVocab-256))
+		ids = append(ids, 256+fnv1a(text[:n])%(builtinVocab-256))
 		text = text[n:]
 	}
 	return ids
 }
 
+// fnv1a is 32-bit FNV-1a, inline so hashing a piece does not allocate.
+func fnv1a(s string) uint32 {
+	h := uint32(2166136261)
+	for i := 0; i < len(s); i++ {
+		h ^= uint32(s[i])
+		h *= 16777619
+	}
+	return h
+}
+
 // builtinPiece returns the byte length of the first token of text.
 func builtinPiece(text string) int {
 	i := 0
-	r, size := utf8.DecodeRuneInString(text)
+	r, size := builtinRune(text)
 	if r == ' ' && len(text) > 1 {
-		next, nsize := utf8.DecodeRuneInString(text[1:])
-		if !unicode.IsSpace(next) {
+		next, nsize := builtinRune(text[1:])
+		if !builtinSpace(next) {
 			i, r, size = 1, next, nsize
 		}
 	}
 	switch {
-	case unicode.IsLetter(r) || unicode.IsDigit(r):
+	case builtinWord(r):
 		i += size
 		for i < len(text) {
-			r, size = utf8.DecodeRuneInString(text[i:])
-			if !unicode.IsLetter(r) && !unicode.IsDigit(r) {
+			r, size = builtinRune(text[i:])
+			if !builtinWord(r) {
 				break
 			}
 			i += size
 		}
-	case unicode.IsSpace(r):
+	case builtinSpace(r):
 		i += size
 		for i < len(text) {
-			r, size = utf8.DecodeRuneInString(text[i:])
-			if !unicode.IsSpace(r) {
+			r, size = builtinRune(text[i:])
+			if !builtinSpace(r) {
 				break
 			}
 			i += size
@@ -137,4 +144,25 @@ func builtinPiece(text string) int {
 		i += size
 	}
 	return i
+}
+
+func builtinRune(s string) (rune, int) {
+	if s[0] < utf8.RuneSelf {
+		return rune(s[0]), 1
+	}
+	return utf8.DecodeRuneInString(s)
+}
+
+func builtinWord(r rune) bool {
+	if r < utf8.RuneSelf {
+		return 'a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9'
+	}
+	return unicode.IsLetter(r) || unicode.IsDigit(r)
+}
+
+func builtinSpace(r rune) bool {
+	if r < utf8.RuneSelf {
+		return r == ' ' || '\t' <= r && r <= '\r'
+	}
+	return unicode.IsSpace(r)
 }

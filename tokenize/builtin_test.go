@@ -2,6 +2,7 @@ package tokenize
 
 import (
 	"encoding/json"
+	"strings"
 	"testing"
 )
 
@@ -44,5 +45,22 @@ func TestBuiltinChatSharesPrefixAcrossTurns(t *testing.T) {
 func TestBuiltinRejectsInvalidUTF8(t *testing.T) {
 	if _, err := (Builtin{}).Encode("a\xffb", false); err == nil {
 		t.Fatal("invalid UTF-8 accepted")
+	}
+}
+
+func TestBuiltinIdsAreStable(t *testing.T) {
+	// enginesim and routers of different builds must agree.
+	ids, _ := Builtin{}.Encode("Hello world", false)
+	if len(ids) != 2 || ids[0] != 256+0xf55c314b%(builtinVocab-256) {
+		t.Fatalf("ids %v changed", ids)
+	}
+}
+
+func BenchmarkBuiltinEncode4KB(b *testing.B) {
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 92)
+	b.SetBytes(int64(len(text)))
+	b.ReportAllocs()
+	for b.Loop() {
+		_, _ = Builtin{}.Encode(text, true)
 	}
 }
