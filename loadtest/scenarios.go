@@ -131,7 +131,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			// prompts reach 126k tokens.
 			Replicas: 8, TimeScale: 0.5, Duration: 0, MinKVBlocks: 51200,
 			EngineArgs: []string{"--max-model-len", "131072"},
-			Policies: []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
+			Policies:   []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				f, err := os.Open(traceFile)
 				if err != nil {
