@@ -16,7 +16,7 @@ type kvaware struct {
 	cfg Config
 
 	mu   sync.Mutex
-	spec map[uint64]specRecord
+	spec specRecords
 
 	degraded     atomic.Bool
 	degradations atomic.Uint64
@@ -28,7 +28,7 @@ type specRecord struct {
 }
 
 func newKVAware(cfg Config) *kvaware {
-	return &kvaware{cfg: cfg, spec: make(map[uint64]specRecord)}
+	return &kvaware{cfg: cfg, spec: newSpecRecords(cfg.SpeculativeTTL, cfg.SpeculativeMaxKeys)}
 }
 
 func (*kvaware) Name() string { return "kvaware" }
@@ -44,15 +44,7 @@ func (p *kvaware) Degraded() bool { return p.degraded.Load() }
 func (p *kvaware) ClearRecords(names []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(names) == 0 {
-		clear(p.spec)
-		return
-	}
-	for k, r := range p.spec {
-		if slices.Contains(names, r.replica) {
-			delete(p.spec, k)
-		}
-	}
+	p.spec.clear(names)
 }
 
 const stackCands = 64
@@ -181,7 +173,7 @@ func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for j, k := range req.Keys {
-		r, ok := p.spec[k]
+		r, ok := p.spec.get(k)
 		if !ok || r.expires < now {
 			break
 		}
@@ -205,18 +197,58 @@ func (p *kvaware) record(req *Request, replica string) {
 	expires := req.Now.Add(p.cfg.SpeculativeTTL).UnixNano()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if len(p.spec)+len(req.Keys) > p.cfg.SpeculativeMaxKeys {
-		now := req.Now.UnixNano()
-		for k, r := range p.spec {
-			if r.expires < now {
-				delete(p.spec, k)
+	p.spec.rotate(req.Now.UnixNano(), len(req.Keys))
+	for _, k := range req.Keys {
+		p.spec.cur[k] = specRecord{replica: replica, expires: expires}
+	}
+}
+
+// specRecords keeps speculative records in two generations: new records go
+// to cur; when cur is older than the TTL or full, prev is dropped whole and
+// cur becomes prev. Every record thus lives at least one TTL (or until the
+// bound forces a rotation) and memory stays bounded without ever scanning.
+type specRecords struct {
+	ttl       int64
+	maxKeys   int
+	cur, prev map[uint64]specRecord
+	curSince  int64
+}
+
+func newSpecRecords(ttl time.Duration, maxKeys int) specRecords {
+	return specRecords{ttl: int64(ttl), maxKeys: max(maxKeys/2, 1), cur: map[uint64]specRecord{}, prev: map[uint64]specRecord{}}
+}
+
+func (s *specRecords) get(k uint64) (specRecord, bool) {
+	if r, ok := s.cur[k]; ok {
+		return r, true
+	}
+	r, ok := s.prev[k]
+	return r, ok
+}
+
+// rotate makes room for n more records at time now.
+func (s *specRecords) rotate(now int64, n int) {
+	if s.curSince == 0 {
+		s.curSince = now
+	}
+	if now-s.curSince < s.ttl && len(s.cur)+n <= s.maxKeys {
+		return
+	}
+	s.prev, s.cur = s.cur, s.prev
+	clear(s.cur)
+	s.curSince = now
+}
+
+func (s *specRecords) clear(names []string) {
+	for _, m := range []map[uint64]specRecord{s.cur, s.prev} {
+		if len(names) == 0 {
+			clear(m)
+			continue
+		}
+		for k, r := range m {
+			if slices.Contains(names, r.replica) {
+				delete(m, k)
 			}
 		}
-		if len(p.spec)+len(req.Keys) > p.cfg.SpeculativeMaxKeys {
-			clear(p.spec) // bounded memory beats perfect recall
-		}
-	}
-	for _, k := range req.Keys {
-		p.spec[k] = specRecord{replica: replica, expires: expires}
 	}
 }

@@ -137,6 +137,23 @@ func TestSpeculativeRecordsCoLocateSiblingsUntilTheyExpire(t *testing.T) {
 	}
 }
 
+func TestSpeculativeRecordsStayBounded(t *testing.T) {
+	p, _ := New("kvaware", Config{SpeculativeMaxKeys: 1000})
+	kv := p.(*kvaware)
+	for i := range 500 {
+		keys := []uint64{uint64(i)*10 + 1, uint64(i)*10 + 2, uint64(i)*10 + 3}
+		route(t, p, &Request{PromptTokens: 48, Keys: keys, BlockSize: 16, Now: t0}, fleetOf(2))
+	}
+	if n := len(kv.spec.cur) + len(kv.spec.prev); n > 1000 {
+		t.Fatalf("%d speculative records kept, bound is 1000", n)
+	}
+	// The newest records survive rotation.
+	d := route(t, p, &Request{PromptTokens: 48, Keys: []uint64{4991, 4992, 4993}, BlockSize: 16, Now: t0}, fleetOf(2))
+	if d.PredictedCachedTokens != 48 {
+		t.Fatalf("newest record lost: predicted %d", d.PredictedCachedTokens)
+	}
+}
+
 func TestClearRecordsForgetsSpeculation(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
