@@ -333,10 +333,15 @@ func TestBandwidth50x4(t *testing.T) {
 		sm, sb := kind("snapshot")
 		stream := db + lb + (dm+lm)*overhead // deltas and load records on the wire
 		t.Logf("router r%d: deltas+loads %.2f MB/s on the wire (%.1f B per stored block → %.2f MB/s at 50×2,000/s); "+
-			"resync snapshots %.2f MB/s (%d); msgs %d deltas %d loads; resyncs %d; queue-full drops %d",
+			"resync snapshots %.2f MB/s (%d); msgs %d deltas %d loads; resyncs %v; queue-full drops %d",
 			i, float64(stream)/elapsed.Seconds()/1e6, float64(stream)/float64(stored), float64(stream)/float64(stored)*100_000/1e6,
-			float64(sb)/elapsed.Seconds()/1e6, sm, dm, lm, b.Resyncs-a.Resyncs, b.QueueFull-a.QueueFull)
+			float64(sb)/elapsed.Seconds()/1e6, sm, dm, lm, b.ResyncReasons, b.QueueFull-a.QueueFull)
 	}
+	var sendErrs uint64
+	for _, s := range h.sidecars {
+		sendErrs += s.node.Stats().SendErrors
+	}
+	t.Logf("sidecar send errors: %d", sendErrs)
 	t.Logf("visibility under this load: p50 %v p99 %v max %v over %d arrivals, %d never arrived",
 		pct(lat, 0.5), pct(lat, 0.99), pct(lat, 1), len(lat), lost)
 }

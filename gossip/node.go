@@ -176,7 +176,8 @@ type Stats struct {
 	RejectedDecrypt   atomic.Uint64
 	RejectedMalformed atomic.Uint64
 	// Resyncs are snapshot requests (sent by a router, received by a sidecar).
-	Resyncs atomic.Uint64
+	Resyncs       atomic.Uint64
+	ResyncReasons [resyncReasons]atomic.Uint64 // router: gap, behind, block size
 }
 
 // logSink forwards memberlist's log lines to zerolog and counts the ones
@@ -451,6 +452,8 @@ type StatsSnapshot struct {
 	BadMessages, Dropped, QueueFull                   uint64
 	RejectedLabel, RejectedDecrypt, RejectedMalformed uint64
 	Resyncs                                           uint64
+	// ResyncReasons (router): "gap", "behind", "block_size".
+	ResyncReasons map[string]uint64
 }
 
 func (n *node) stats() StatsSnapshot {

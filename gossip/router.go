@@ -252,7 +252,7 @@ func (r *RouterNode) membership(ev event) {
 		// sidecar learned its block size after keying, so ask again.
 		p.mirror.Reset()
 		p.pending = nil
-		r.requestResync(p, r.now())
+		r.requestResync(p, r.now(), resyncBlockSize)
 	}
 }
 
@@ -338,7 +338,7 @@ func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 	if st == nil || st.Generation < l.FilterGen || st.Generation == l.FilterGen && st.Seq < l.FilterSeq {
 		p.behind++
 		if p.behind >= 3 {
-			r.requestResync(p, now)
+			r.requestResync(p, now, resyncBehind)
 		}
 		return
 	}
@@ -376,7 +376,7 @@ func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
 	for _, d := range pending {
 		if d.Generation == s.Generation && d.Seq > s.Seq {
 			if !p.mirror.ApplyDelta(d) {
-				r.requestResync(p, now)
+				r.requestResync(p, now, resyncGap)
 				break
 			}
 		}
@@ -420,7 +420,7 @@ func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
 	}
 	if st != nil && d.Generation == st.Generation || len(p.pending) >= maxPending {
 		// A hole in the current generation: only a snapshot can fill it.
-		r.requestResync(p, now)
+		r.requestResync(p, now, resyncGap)
 	}
 }
 
@@ -431,7 +431,15 @@ func (r *RouterNode) publish(p *sidecarPeer, now time.Time) {
 	}
 }
 
-func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time) {
+// Why a router asked for a snapshot (counted in Stats.ResyncReasons).
+const (
+	resyncGap       = iota // a delta is missing
+	resyncBehind           // load records announce state the mirror lacks
+	resyncBlockSize        // the sidecar announced another block size
+	resyncReasons
+)
+
+func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time, why int) {
 	if p.resyncWait == 0 {
 		p.resyncWait = r.cfg.ResyncEvery
 	}
@@ -446,6 +454,7 @@ func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time) {
 	p.lastResync = now
 	p.behind = 0
 	r.d.stats.Resyncs.Add(1)
+	r.d.stats.ResyncReasons[why].Add(1)
 	var held uint64
 	if st := p.mirror.State(); st != nil {
 		held = st.Epoch
