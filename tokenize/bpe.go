@@ -118,6 +118,7 @@ func pairKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
 type mergeTable struct {
 	slots []mergeSlot
 	shift uint
+	n     int
 }
 
 type mergeSlot struct{ key, val uint64 }
@@ -139,11 +140,25 @@ func newMergeTable(n int) *mergeTable {
 
 func (t *mergeTable) home(key uint64) uint64 { return (key * 0x9E3779B97F4A7C15) >> t.shift }
 
-// set inserts or replaces (a later duplicate merge wins, as in HF).
+// set inserts or replaces (a later duplicate merge wins, as in HF),
+// growing the table to keep it at most three quarters full.
 func (t *mergeTable) set(key, val uint64) {
+	if 4*(t.n+1) > 3*len(t.slots) {
+		bigger := newMergeTable(2 * len(t.slots))
+		for _, s := range t.slots {
+			if s.key != emptyKey {
+				bigger.set(s.key, s.val)
+			}
+		}
+		*t = *bigger
+	}
 	mask := uint64(len(t.slots) - 1)
 	for i := t.home(key); ; i = (i + 1) & mask {
-		if s := &t.slots[i]; s.key == key || s.key == emptyKey {
+		s := &t.slots[i]
+		if s.key == emptyKey {
+			t.n++
+		}
+		if s.key == key || s.key == emptyKey {
 			s.key, s.val = key, val
 			return
 		}

@@ -380,3 +380,18 @@ func TestLoadDirConfig(t *testing.T) {
 		t.Error("a directory without tokenizer.json loaded")
 	}
 }
+
+func TestMergeTableGrows(t *testing.T) {
+	m := newMergeTable(1)
+	for k := uint64(0); k < 10000; k++ {
+		m.set(k*7919, k)
+	}
+	for k := uint64(0); k < 10000; k++ {
+		if v, ok := m.get(k * 7919); !ok || v != k {
+			t.Fatalf("key %d: %d %v", k, v, ok)
+		}
+	}
+	if _, ok := m.get(3); ok {
+		t.Fatal("absent key found")
+	}
+}

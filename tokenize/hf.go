@@ -69,7 +69,7 @@ func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
 		Normalizer    json.RawMessage `json:"normalizer"`
 		PreTokenizer  json.RawMessage `json:"pre_tokenizer"`
 		PostProcessor json.RawMessage `json:"post_processor"`
-		Model         json.RawMessage `json:"model"`
+		Model         modelJSON       `json:"model"`
 	}
 	if err := json.Unmarshal(tokenizerJSON, &f); err != nil {
 		return nil, fmt.Errorf("tokenize: tokenizer.json: %w", err)
@@ -186,34 +186,31 @@ func (t *HF) setAddedTokens(tokens []addedToken) error {
 	return nil
 }
 
-func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
-	var kind struct {
-		Type   string          `json:"type"`
-		Merges json.RawMessage `json:"merges"`
+// modelJSON is tokenizer.json's model, decoded in the same pass as the rest
+// of the file; vocab and merges stay raw until the type is known.
+type modelJSON struct {
+	Type                    string          `json:"type"`
+	Dropout                 *float64        `json:"dropout"`
+	UnkToken                *string         `json:"unk_token"`
+	ContinuingSubwordPrefix *string         `json:"continuing_subword_prefix"`
+	EndOfWordSuffix         *string         `json:"end_of_word_suffix"`
+	FuseUnk                 bool            `json:"fuse_unk"`
+	ByteFallback            bool            `json:"byte_fallback"`
+	IgnoreMerges            bool            `json:"ignore_merges"`
+	RawVocab                json.RawMessage `json:"vocab"`
+	Merges                  json.RawMessage `json:"merges"`
+	Vocab                   map[string]uint32
+}
+
+func parseBPE(j modelJSON, byteLevel bool) (*bpeModel, error) {
+	if j.Type == "" && j.Merges != nil {
+		j.Type = "BPE" // untagged, as serde reads it
 	}
-	if err := json.Unmarshal(raw, &kind); err != nil {
-		return nil, fmt.Errorf("tokenize: model: %w", err)
+	if j.Type != "BPE" {
+		return nil, &UnsupportedError{"model", j.Type}
 	}
-	if kind.Type == "" && kind.Merges != nil {
-		kind.Type = "BPE" // untagged, as serde reads it
-	}
-	if kind.Type != "BPE" {
-		return nil, &UnsupportedError{"model", kind.Type}
-	}
-	var j struct {
-		Type                    string            `json:"type"`
-		Dropout                 *float64          `json:"dropout"`
-		UnkToken                *string           `json:"unk_token"`
-		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
-		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
-		FuseUnk                 bool              `json:"fuse_unk"`
-		ByteFallback            bool              `json:"byte_fallback"`
-		IgnoreMerges            bool              `json:"ignore_merges"`
-		Vocab                   map[string]uint32 `json:"vocab"`
-		Merges                  json.RawMessage   `json:"merges"`
-	}
-	if err := json.Unmarshal(raw, &j); err != nil {
-		return nil, fmt.Errorf("tokenize: model: %w", err)
+	if err := json.Unmarshal(j.RawVocab, &j.Vocab); err != nil {
+		return nil, fmt.Errorf("tokenize: model vocab: %w", err)
 	}
 	if j.Dropout != nil && *j.Dropout > 0 {
 		return nil, &UnsupportedError{"model", "BPE with dropout (not deterministic)"}
@@ -247,26 +244,24 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 			m.fallbackIDs[b] = int32(id)
 		}
 	}
-	pairs, err := parseMerges(j.Merges)
-	if err != nil {
-		return nil, err
-	}
-	m.merges = newMergeTable(len(pairs))
-	for rank, p := range pairs {
-		a, okA := j.Vocab[p[0]]
-		b, okB := j.Vocab[p[1]]
+	m.merges = newMergeTable(countMerges(j.Merges))
+	var buf []byte
+	err := eachMerge(j.Merges, func(rank int, left, right []byte) error {
+		a, okA := j.Vocab[string(left)]
+		b, okB := j.Vocab[string(right)]
 		if !okA || !okB {
-			return nil, fmt.Errorf("tokenize: model: merge %d (%q %q) uses a token missing from the vocabulary", rank, p[0], p[1])
+			return fmt.Errorf("tokenize: model: merge %d (%q %q) uses a token missing from the vocabulary", rank, left, right)
 		}
-		right := p[1]
-		if m.prefix != "" {
-			right = strings.TrimPrefix(right, m.prefix)
-		}
-		merged, ok := j.Vocab[p[0]+right]
+		buf = append(append(buf[:0], left...), bytes.TrimPrefix(right, []byte(m.prefix))...)
+		merged, ok := j.Vocab[string(buf)]
 		if !ok {
-			return nil, fmt.Errorf("tokenize: model: merge %d (%q %q) makes a token missing from the vocabulary", rank, p[0], p[1])
+			return fmt.Errorf("tokenize: model: merge %d (%q %q) makes a token missing from the vocabulary", rank, left, right)
 		}
 		m.merges.set(pairKey(a, b), uint64(rank)<<32|uint64(merged))
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	m.vocab = j.Vocab
 	if byteLevel {
@@ -298,33 +293,120 @@ func parseBPE(raw json.RawMessage, byteLevel bool) (*bpeModel, error) {
 	return m, nil
 }
 
-// parseMerges reads merges as ["a b", ...] or [["a", "b"], ...].
-func parseMerges(raw json.RawMessage) ([][2]string, error) {
+// countMerges estimates the number of merges to size the table (which
+// grows if the guess is short).
+func countMerges(raw json.RawMessage) int {
+	return bytes.Count(raw, []byte(`",`)) + 1
+}
+
+// eachMerge walks merges given as ["a b", ...] or [["a", "b"], ...] in
+// already validated JSON, without building strings: most merge strings
+// have no escapes and are handed over as slices of raw.
+func eachMerge(raw json.RawMessage, fn func(rank int, a, b []byte) error) error {
 	if isNull(raw) {
-		return nil, nil
+		return nil
 	}
-	trimmed := bytes.TrimLeft(raw, " \t\r\n")
-	trimmed = bytes.TrimLeft(bytes.TrimPrefix(trimmed, []byte("[")), " \t\r\n")
-	if len(trimmed) > 0 && trimmed[0] == '"' {
-		var list []string
-		if err := json.Unmarshal(raw, &list); err != nil {
-			return nil, fmt.Errorf("tokenize: merges: %w", err)
+	p := mergeParser{data: raw}
+	if !p.expect('[') {
+		return p.fail()
+	}
+	for rank := 0; ; rank++ {
+		p.space()
+		if p.peek() == ']' {
+			return nil
 		}
-		out := make([][2]string, len(list))
-		for k, s := range list {
-			a, b, ok := strings.Cut(s, " ")
-			if !ok {
-				return nil, fmt.Errorf("tokenize: merges: entry %d %q is not two tokens", k, s)
+		var a, b []byte
+		var ok bool
+		switch p.peek() {
+		case '"':
+			var s []byte
+			if s, ok = p.str(); !ok {
+				return p.fail()
 			}
-			out[k] = [2]string{a, b}
+			k := bytes.IndexByte(s, ' ')
+			if k < 0 {
+				return fmt.Errorf("tokenize: merges: entry %d %q is not two tokens", rank, s)
+			}
+			a, b = s[:k], s[k+1:]
+		case '[':
+			p.pos++
+			p.space()
+			if a, ok = p.str(); !ok || !p.expect(',') {
+				return p.fail()
+			}
+			p.space()
+			if b, ok = p.str(); !ok || !p.expect(']') {
+				return p.fail()
+			}
+		default:
+			return p.fail()
 		}
-		return out, nil
+		if err := fn(rank, a, b); err != nil {
+			return err
+		}
+		p.space()
+		if p.peek() == ',' {
+			p.pos++
+		}
 	}
-	var out [][2]string
-	if err := json.Unmarshal(raw, &out); err != nil {
-		return nil, fmt.Errorf("tokenize: merges: %w", err)
+}
+
+type mergeParser struct {
+	data []byte
+	pos  int
+}
+
+func (p *mergeParser) space() {
+	for p.pos < len(p.data) && (p.data[p.pos] == ' ' || p.data[p.pos] == '\n' || p.data[p.pos] == '\t' || p.data[p.pos] == '\r') {
+		p.pos++
 	}
-	return out, nil
+}
+
+func (p *mergeParser) peek() byte {
+	if p.pos < len(p.data) {
+		return p.data[p.pos]
+	}
+	return 0
+}
+
+func (p *mergeParser) expect(c byte) bool {
+	p.space()
+	if p.peek() != c {
+		return false
+	}
+	p.pos++
+	return true
+}
+
+func (p *mergeParser) fail() error {
+	return fmt.Errorf("tokenize: merges: unexpected JSON at byte %d", p.pos)
+}
+
+// str reads a JSON string at pos; escaped ones go through encoding/json.
+func (p *mergeParser) str() ([]byte, bool) {
+	if p.peek() != '"' {
+		return nil, false
+	}
+	start := p.pos
+	escaped := false
+	for i := start + 1; i < len(p.data); i++ {
+		switch p.data[i] {
+		case '\\':
+			escaped = true
+			i++
+		case '"':
+			p.pos = i + 1
+			if !escaped {
+				return p.data[start+1 : i], true
+			}
+			var s string
+			if json.Unmarshal(p.data[start:i+1], &s) != nil {
+				return nil, false
+			}
+			return []byte(s), true
+		}
+	}
+	return nil, false
 }
 
 // parsePostProcessor returns the ids a single sequence gets before and
