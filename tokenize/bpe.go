@@ -35,6 +35,60 @@ type bpeModel struct {
 	prefix       string // continuing_subword_prefix
 	suffix       string // end_of_word_suffix
 	cache        *pieceCache
+	// splitMeta: no token holds "▁" after another character, so no merge
+	// can join across the start of a "▁" run and a piece may be cut there
+	// with the same result. SentencePiece-style models feed BPE whole
+	// segments as one piece; cut into words they use the piece caches and
+	// a small heap.
+	splitMeta bool
+}
+
+const metaspace = "▁"
+
+// checkSplitMeta decides splitMeta from the vocabulary (call when final).
+func (m *bpeModel) checkSplitMeta() {
+	if m.byteLevel || m.prefix != "" || m.suffix != "" {
+		return
+	}
+	if _, ok := m.vocab[metaspace]; !ok {
+		return
+	}
+	for tok := range m.vocab {
+		for i := 1; i < len(tok); {
+			k := strings.Index(tok[i:], metaspace)
+			if k < 0 {
+				break
+			}
+			j := i + k
+			if !strings.HasSuffix(tok[:j], metaspace) {
+				return
+			}
+			i = j + len(metaspace)
+		}
+	}
+	m.splitMeta = true
+}
+
+// appendPieces appends the ids of a piece, cut before each "▁" run when
+// splitMeta allows.
+func (m *bpeModel) appendPieces(dst []uint32, piece string, sc *bpeScratch) []uint32 {
+	if !m.splitMeta {
+		return m.appendPiece(dst, piece, sc)
+	}
+	start := 0
+	for i := 1; i < len(piece); {
+		k := strings.Index(piece[i:], metaspace)
+		if k < 0 {
+			break
+		}
+		j := i + k
+		if !strings.HasSuffix(piece[:j], metaspace) {
+			dst = m.appendPiece(dst, piece[start:j], sc)
+			start = j
+		}
+		i = j + len(metaspace)
+	}
+	return m.appendPiece(dst, piece[start:], sc)
 }
 
 // selfMerging flags a vocab value whose token, run through BPE on its own,

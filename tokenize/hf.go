@@ -290,6 +290,7 @@ func parseBPE(j modelJSON, byteLevel bool) (*bpeModel, error) {
 		m.markSelfMerging()
 	}
 	m.indexShort()
+	m.checkSplitMeta()
 	return m, nil
 }
 
@@ -566,7 +567,7 @@ func (e *encoder) emit(next int, s string, first bool) bool {
 	if next < len(e.t.pre) {
 		return e.t.pre[next].pretokenize(e, s, first, next+1)
 	}
-	e.out = e.t.model.appendPiece(e.out, s, &e.sc)
+	e.out = e.t.model.appendPieces(e.out, s, &e.sc)
 	return len(e.out) < e.limit
 }
 

@@ -99,3 +99,27 @@ func TestPathologicalInputs(t *testing.T) {
 		}
 	}
 }
+
+// TestSplitMetaIsExact: cutting SentencePiece-style pieces before "▁" runs
+// (allowed by the Llama-2 vocabulary) gives the ids of whole-piece BPE.
+func TestSplitMetaIsExact(t *testing.T) {
+	for _, model := range []string{"llama2", "llama2-auto"} {
+		tok, g := goldenTokenizer(t, model)
+		if !tok.model.splitMeta {
+			t.Fatalf("%s: splitMeta not enabled", model)
+		}
+		whole, _ := goldenVariant(t, model, "nocache", WithSegmentCacheBytes(0))
+		whole.model.splitMeta = false
+		texts := []string{prose(t)[:20000]}
+		for _, c := range g.Encode {
+			texts = append(texts, c.Text)
+		}
+		for _, s := range texts {
+			a, _ := tok.Encode(s, true)
+			b, _ := whole.Encode(s, true)
+			if !slices.Equal(a, b) {
+				t.Fatalf("%s %q: split %v, whole %v", model, s[:min(len(s), 80)], a, b)
+			}
+		}
+	}
+}
