@@ -291,3 +291,28 @@ func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {
 	g.Add(3)
 	waitFor(t, 5*time.Second, "late router fed", func() bool { return hasKey(tb, "a", 3) })
 }
+
+func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	s, g := startTestSidecar(t, "a", r.Addr())
+	g.Add(1)
+	waitFor(t, 3*time.Second, "key 1", func() bool { return hasKey(tb, "a", 1) })
+	time.Sleep(300 * time.Millisecond) // let start-up snapshots settle
+	snapshots := r.Stats().Received["snapshot"]
+	var lost atomic.Int32
+	r.mu.Lock()
+	r.lose = func(m *Message) bool {
+		return m.Kind == KindDelta && lost.CompareAndSwap(0, 1) // the next delta only
+	}
+	r.mu.Unlock()
+	g.Add(2)
+	waitFor(t, 2*time.Second, "delta lost", func() bool { return lost.Load() == 1 })
+	g.Add(3)
+	waitFor(t, 3*time.Second, "keys 2 and 3 after the resync", func() bool { return hasKey(tb, "a", 2) && hasKey(tb, "a", 3) })
+	if got := r.Stats().Received["snapshot"]; got != snapshots {
+		t.Fatalf("%d snapshots sent for one lost delta", got-snapshots)
+	}
+	if s.Stats().Resends == 0 {
+		t.Fatal("no delta resent")
+	}
+}

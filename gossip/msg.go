@@ -11,7 +11,7 @@ const (
 	KindLoad        Kind = iota + 1 // sidecar → router, ~10 Hz
 	KindSnapshot                    // sidecar → router: a whole filter generation
 	KindDelta                       // sidecar → router: keys added since the previous delta
-	KindResync                      // router → sidecar: send me a snapshot
+	KindResync                      // router → sidecar: send the deltas I miss, or a snapshot
 	KindClearRoutes                 // router → sidecars and routers
 	KindInflight                    // router → sidecar: what this router has in flight there
 )
@@ -69,9 +69,13 @@ type Message struct {
 	// sidecar state the router holds (0 when none).
 	Epoch uint64
 	// Seq: load-record sequence (KindLoad), in-flight report sequence
-	// (KindInflight) or clear id (KindClearRoutes). Filter messages carry
+	// (KindInflight), clear id (KindClearRoutes), or the last delta the
+	// router holds of generation Gen (KindResync). Filter messages carry
 	// their generation and sequence inside bloom's encoding.
 	Seq uint64
+	// Gen is the filter generation a resync asks to continue (KindResync);
+	// 0 asks for a snapshot.
+	Gen uint64
 
 	Load Load
 	// Payload is bloom's encoding of a snapshot or delta (KindSnapshot,
@@ -114,6 +118,7 @@ func (m *Message) Append(dst []byte) []byte {
 	case KindSnapshot, KindDelta:
 		w.b = append(w.b, m.Payload...)
 	case KindResync:
+		w.uvarint(m.Gen)
 	case KindClearRoutes:
 		w.uvarint(uint64(len(m.Names)))
 		for _, n := range m.Names {
@@ -168,6 +173,7 @@ func Decode(b []byte) (Message, error) {
 			r.fail(fmt.Errorf("gossip: payload of %d bytes", len(m.Payload)))
 		}
 	case KindResync:
+		m.Gen = r.uvarint()
 	case KindClearRoutes:
 		n := r.int(maxNames)
 		for i := 0; i < n && r.err == nil; i++ {

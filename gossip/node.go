@@ -178,6 +178,8 @@ type Stats struct {
 	// Resyncs are snapshot requests (sent by a router, received by a sidecar).
 	Resyncs       atomic.Uint64
 	ResyncReasons [resyncReasons]atomic.Uint64 // router: gap, behind, block size
+	// Resends are deltas a sidecar sent again to answer a resync.
+	Resends atomic.Uint64
 }
 
 // logSink forwards memberlist's log lines to zerolog and counts the ones
@@ -454,6 +456,7 @@ type StatsSnapshot struct {
 	Resyncs                                           uint64
 	// ResyncReasons (router): "gap", "behind", "block_size".
 	ResyncReasons map[string]uint64
+	Resends       uint64 // sidecar: deltas sent again for a resync
 }
 
 func (n *node) stats() StatsSnapshot {
@@ -472,6 +475,11 @@ func (n *node) stats() StatsSnapshot {
 		RejectedDecrypt:     s.RejectedDecrypt.Load(),
 		RejectedMalformed:   s.RejectedMalformed.Load(),
 		Resyncs:             s.Resyncs.Load(),
+		Resends:             s.Resends.Load(),
+		ResyncReasons: map[string]uint64{
+			"gap": s.ResyncReasons[resyncGap].Load(), "behind": s.ResyncReasons[resyncBehind].Load(),
+			"block_size": s.ResyncReasons[resyncBlockSize].Load(),
+		},
 	}
 	for k := KindLoad; k <= KindInflight; k++ {
 		out.Received[k.String()] = s.Received[k].Load()

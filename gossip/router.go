@@ -47,6 +47,9 @@ type RouterNode struct {
 
 	stop chan struct{}
 	done chan struct{}
+
+	// lose, set by tests under mu, drops chosen messages as a lossy network would.
+	lose func(*Message) bool
 }
 
 type inflight struct{ requests, prefillTokens int }
@@ -66,6 +69,9 @@ type sidecarPeer struct {
 	behind     int
 	lastResync time.Time
 	resyncWait time.Duration // current backoff; reset by a snapshot
+	// resyncStreak counts resyncs without progress; from the second on the
+	// router asks for a snapshot instead of the missing deltas.
+	resyncStreak int
 	// hidden: the table dropped the filter for silence, the mirror kept it;
 	// it is shown again once a load record proves it current.
 	hidden bool
@@ -271,6 +277,9 @@ func (r *RouterNode) dropSidecar(p *sidecarPeer) {
 }
 
 func (r *RouterNode) handle(m *Message) {
+	if r.lose != nil && r.lose(m) {
+		return
+	}
 	if m.Kind == KindClearRoutes {
 		r.clearLocked(m.Names)
 		if r.cfg.OnClearRoutes != nil {
@@ -366,6 +375,7 @@ func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
 	p.awaitGen = 0
 	p.behind = 0
 	p.resyncWait = 0
+	p.resyncStreak = 0
 	p.hidden = false
 	// Replay deltas that overtook the snapshot.
 	pending := p.pending
@@ -405,6 +415,9 @@ func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
 		return
 	}
 	if p.mirror.ApplyDelta(d) {
+		if len(p.pending) > 0 {
+			r.drainPending(p)
+		}
 		r.publish(p, now)
 		return
 	}
@@ -422,6 +435,31 @@ func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
 		// A hole in the current generation: only a snapshot can fill it.
 		r.requestResync(p, now, resyncGap)
 	}
+}
+
+// drainPending applies buffered deltas that now follow on (a resent delta
+// filled the hole before them) and forgets those already covered.
+func (r *RouterNode) drainPending(p *sidecarPeer) {
+	slices.SortFunc(p.pending, func(a, b bloom.Delta) int {
+		return cmpUint(a.Generation, b.Generation)*2 + cmpUint(a.Seq, b.Seq)
+	})
+	st := p.mirror.State()
+	keep := p.pending[:0]
+	for _, d := range p.pending {
+		switch {
+		case st == nil || d.Generation > st.Generation:
+			keep = append(keep, d) // its snapshot is still to come
+		case d.Generation < st.Generation || d.Seq <= st.Seq:
+			// covered
+		case d.Seq == st.Seq+1 && p.mirror.ApplyDelta(d):
+			st = p.mirror.State()
+			p.resyncStreak = 0
+		default:
+			keep = append(keep, d) // after another hole
+		}
+	}
+	clear(p.pending[len(keep):])
+	p.pending = keep
 }
 
 // publish hands the mirror's current filter to the table.
@@ -455,11 +493,13 @@ func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time, why int) {
 	p.behind = 0
 	r.d.stats.Resyncs.Add(1)
 	r.d.stats.ResyncReasons[why].Add(1)
-	var held uint64
-	if st := p.mirror.State(); st != nil {
-		held = st.Epoch
+	// First ask for just the missing deltas (the sidecar keeps recent ones);
+	// when that did not help, or nothing is held, ask for a snapshot.
+	msg := Message{Kind: KindResync, From: r.d.self}
+	if st := p.mirror.State(); st != nil && st.Epoch == p.epoch && p.resyncStreak < 2 {
+		msg.Epoch, msg.Gen, msg.Seq = st.Epoch, st.Generation, st.Seq
 	}
-	msg := Message{Kind: KindResync, From: r.d.self, Epoch: held}
+	p.resyncStreak++
 	to := p.node
 	go func() {
 		if err := r.send(to, &msg, false); err != nil {

@@ -242,3 +242,33 @@ func TestRouterKeepsDeltasThatOvertakeTheResyncSnapshot(t *testing.T) {
 		t.Fatalf("stream did not continue: has6 %v resyncs %d", f.has(6), f.resyncs())
 	}
 }
+
+func TestRouterAsksForMissingDeltasFirstThenASnapshot(t *testing.T) {
+	f := newFeedRouter(t)
+	f.snapshot(7, 1, 0, 1)
+	f.delta(7, 1, 1, 2)
+	f.delta(7, 1, 3, 4) // 2 lost
+	f.delta(7, 1, 4, 5)
+	if f.resyncs() != 1 {
+		t.Fatalf("resyncs %d", f.resyncs())
+	}
+	f.delta(7, 1, 2, 3) // the resent delta fills the hole; 3 and 4 follow from the buffer
+	if !f.has(3) || !f.has(4) || !f.has(5) {
+		t.Fatal("buffered deltas not applied after the hole was filled")
+	}
+	f.r.mu.Lock()
+	p := f.r.sidecars["sidecar/a"]
+	pending, streak := len(p.pending), p.resyncStreak
+	f.r.mu.Unlock()
+	if pending != 0 || streak != 0 {
+		t.Fatalf("pending %d streak %d after recovery", pending, streak)
+	}
+}
+
+func TestResyncMessageNamesWhatTheRouterHolds(t *testing.T) {
+	m := Message{Kind: KindResync, From: "router/r1", Epoch: 7, Gen: 3, Seq: 41}
+	got, err := Decode(m.Append(nil))
+	if err != nil || got.Gen != 3 || got.Seq != 41 || got.Epoch != 7 {
+		t.Fatalf("%+v %v", got, err)
+	}
+}

@@ -3,6 +3,7 @@ package gossip
 import (
 	"errors"
 	"slices"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -52,11 +53,14 @@ type SidecarNode struct {
 	engine atomic.Pointer[EngineLoad]
 	kick   chan struct{} // send a load record now
 
-	mu       sync.Mutex
-	routers  map[string]*routerPeer
-	meta     Meta
-	loadSeq  uint64
-	lastGen  genID
+	mu      sync.Mutex
+	routers map[string]*routerPeer
+	meta    Meta
+	loadSeq uint64
+	lastGen genID
+	// recent holds the last deltas sent (loop-owned), so a router that lost
+	// some gets them again instead of a whole snapshot.
+	recent   []sentDelta
 	snapMu   sync.Mutex
 	snapID   genID
 	snapSeq  uint64
@@ -68,6 +72,17 @@ type SidecarNode struct {
 }
 
 type genID struct{ epoch, gen uint64 }
+
+// sentDelta is one delta as sent, kept for resends.
+type sentDelta struct {
+	id  genID
+	seq uint64
+	msg Message
+}
+
+// maxRecent bounds the deltas kept for resends (≈ 12 s at 40 a second,
+// ≤ 1.3 KB each).
+const maxRecent = 512
 
 // routerPeer is a router this sidecar feeds.
 type routerPeer struct {
@@ -272,7 +287,9 @@ func (s *SidecarNode) handle(m *Message) {
 	switch m.Kind {
 	case KindResync:
 		s.d.stats.Resyncs.Add(1)
-		rp.want()
+		if !s.resendLocked(rp, m) {
+			rp.want()
+		}
 	case KindClearRoutes:
 		if (len(m.Names) == 0 || slices.Contains(m.Names, s.cfg.Name)) && s.cfg.OnClearRoutes != nil {
 			s.cfg.OnClearRoutes()
@@ -284,6 +301,32 @@ func (s *SidecarNode) handle(m *Message) {
 			rp.inflAt = time.Now()
 		}
 	}
+}
+
+// resendLocked answers a resync with the deltas the router misses, when it
+// holds the current generation and they are all still kept; it reports
+// false when only a snapshot will do.
+func (s *SidecarNode) resendLocked(rp *routerPeer, m *Message) bool {
+	if m.Gen == 0 || len(s.recent) == 0 {
+		return false
+	}
+	want := genID{m.Epoch, m.Gen}
+	last := s.recent[len(s.recent)-1]
+	if last.id != want || m.Seq >= last.seq {
+		return false // another generation by now, or nothing to resend
+	}
+	i := sort.Search(len(s.recent), func(i int) bool {
+		r := s.recent[i]
+		return r.id == want && r.seq > m.Seq
+	})
+	if i == len(s.recent) || s.recent[i].id != want || s.recent[i].seq != m.Seq+1 {
+		return false // the first missing delta is gone
+	}
+	for _, r := range s.recent[i:] {
+		_ = s.send(rp.node, &r.msg, false)
+	}
+	s.d.stats.Resends.Add(uint64(len(s.recent) - i))
+	return true
 }
 
 func (s *SidecarNode) inflightLocked(now time.Time) inflight {
@@ -336,6 +379,11 @@ func (s *SidecarNode) flushFilter() {
 		for _, rp := range routers {
 			_ = s.send(rp.node, &msg, false)
 		}
+		if len(s.recent) == maxRecent {
+			copy(s.recent, s.recent[1:])
+			s.recent = s.recent[:maxRecent-1]
+		}
+		s.recent = append(s.recent, sentDelta{genID{d.Epoch, d.Generation}, d.Seq, msg})
 		if d.Epoch != s.lastGen.epoch || d.Generation != s.lastGen.gen {
 			s.lastGen = genID{d.Epoch, d.Generation}
 			for _, rp := range routers {
