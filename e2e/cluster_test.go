@@ -34,6 +34,8 @@ func TestCluster(t *testing.T) {
 // seen an event and announced its block size before the fault scenarios run.
 // CrossRouterPrefixHit runs before this on purpose: it covers a replica's very
 // first event, when the block size it learns changes the sidecar's metadata.
+// (Routers drop a replica's filter when its announced block size changes and
+// get it back by a resync; warm waits for that.)
 func primeEngines(t *testing.T, s *stack) {
 	for i := 1; i <= replicas; i++ {
 		svc := fmt.Sprintf("replica%d", i)
@@ -47,9 +49,11 @@ func primeEngines(t *testing.T, s *stack) {
 	time.Sleep(time.Second) // metadata gossip settles
 }
 
-// warm sends a fresh conversation through router and waits until both
-// routers see a filter with keys for the replica that served it. It returns
-// the conversation, the answer and the replica.
+// warm sends a fresh conversation through router and waits until the given
+// routers see a filter with keys for the replica that served it, under the
+// block size the sidecar announced (a replica's first event announces it;
+// until that metadata arrives a router may still drop the filter). It
+// returns the conversation and the answer.
 func warm(t *testing.T, s *stack, router, seed string, routers ...string) ([]message, chatResult) {
 	t.Helper()
 	msgs := conversation(seed)
@@ -58,7 +62,10 @@ func warm(t *testing.T, s *stack, router, seed string, routers ...string) ([]mes
 		t.Fatalf("warm-up chat via %s: %v %d %s", router, err, r.Status, r.Body)
 	}
 	for _, rt := range routers {
-		if took, ok := eventually(3*time.Second, func() bool { return s.replicas(rt)[r.Replica].FilterKeys > 0 }); !ok {
+		if took, ok := eventually(3*time.Second, func() bool {
+			v := s.replicas(rt)[r.Replica]
+			return v.BlockSize > 0 && v.FilterKeys > 0
+		}); !ok {
 			t.Fatalf("%s: no filter keys for %s %v after the warm-up", rt, r.Replica, took)
 		}
 	}
@@ -78,6 +85,9 @@ func testCrossRouterPrefixHit(t *testing.T, s *stack) {
 	}
 	t.Logf("router2 → %s mode=%s prompt=%d predicted=%d engine=%d",
 		second.Replica, second.Mode, second.PromptTokens, second.PredictedCached, second.EngineCached)
+	if second.Replica != first.Replica || second.Mode != "prefix" {
+		t.Logf("router2's view after the request: %+v", s.replicas("router2"))
+	}
 	if second.Replica != first.Replica {
 		t.Errorf("router2 chose %s, the prefix lives on %s", second.Replica, first.Replica)
 	}

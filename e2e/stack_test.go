@@ -329,6 +329,7 @@ type replicaView struct {
 	Online           bool   `json:"online"`
 	Stale            bool   `json:"stale"`
 	KVEvents         bool   `json:"kv_events"`
+	BlockSize        int    `json:"block_size"`
 	FilterGeneration uint64 `json:"filter_generation"`
 	FilterKeys       int    `json:"filter_keys"`
 	StateAgeMS       int64  `json:"state_age_ms"`
