@@ -26,6 +26,12 @@
 // Prefix wraps any Model to stop after max_prefix_tokens ids: routing only
 // matches prefixes, and HF then stops splitting as soon as the budget is
 // spent.
+//
+// Known limits of HF: character classes come from Go's Unicode tables and
+// regexp2's case folding (HF uses Oniguruma), so characters newer than
+// either side's Unicode version, or "'ſ" under (?i), may split differently;
+// models other than BPE (WordPiece, Unigram) and normalizers such as
+// Precompiled are rejected at load.
 package tokenize
 
 import "encoding/json"
