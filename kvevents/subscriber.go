@@ -192,6 +192,9 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 	}
 	s.log.Info().Bool("bind", s.cfg.Bind).Msg("kv events socket up")
 	s.seq.reconnected()
+	if attempt > 0 && !s.cfg.Bind && s.seq.have {
+		s.checkContinuity(sctx)
+	}
 
 	in := make(chan received, 1024)
 	wg.Add(1)
@@ -215,6 +218,34 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 			s.onMessage(ctx, m.frames)
 		}
 	}
+}
+
+// checkContinuity runs after reconnecting to a publisher that went away:
+// an engine that restarted and has not stored anything yet sends nothing, so
+// its sequence numbers cannot reveal the restart. Its replay ring can: it
+// still holds our last batch only if it is the same publisher. Without a ring
+// to ask, continuity cannot be proved, and a set that may list blocks the
+// engine no longer has is worse than an empty one.
+func (s *Subscriber) checkContinuity(ctx context.Context) {
+	last, lastHash := s.seq.last, s.seq.lastHash
+	if s.cfg.ReplayEndpoint == "" {
+		s.reset("publisher connection lost and no replay endpoint to prove it did not restart")
+		s.seq.reconnected()
+		return
+	}
+	same := false
+	err := fetchReplay(ctx, s.cfg.ReplayEndpoint, last, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
+		same = seq == last && xxhash.Sum64(payload) == lastHash
+		return false // the first reply decides
+	})
+	switch {
+	case err != nil && ctx.Err() == nil:
+		s.stats.replayErrors.Add(1)
+		s.reset(fmt.Sprintf("publisher connection lost and its replay failed (%v): it may have restarted", err))
+	case err == nil && !same:
+		s.reset(fmt.Sprintf("publisher restarted while disconnected: its replay ring no longer holds batch %d", last))
+	}
+	s.seq.reconnected() // after a reset, the next number starts afresh
 }
 
 // receive only moves messages from the socket to in, so the socket stays

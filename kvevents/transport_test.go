@@ -587,3 +587,46 @@ func TestBindModeRestartFirstHeardMidStream(t *testing.T) {
 	publishRange(t, p2, 25, 27)
 	assertDelivered(t, rec, append(seqRange(0, 29), 25, 26, 27), 1)
 }
+
+// An engine that restarts and stores nothing yet sends no batch whose number
+// could reveal the restart; the reconnect itself must be checked against the
+// replay ring, or the sidecar keeps listing blocks the engine lost.
+func TestRestartWithoutNewBatchesResetsOnReconnect(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	p1 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay}, rec)
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 9)
+	waitFor(t, "10 batches", func() bool { return rec.count() == 10 })
+	if err := p1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "disconnect", func() bool { return !s.Stats().Connected })
+
+	p2 := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	waitSubscribed(t, p2)
+	waitFor(t, "reset on reconnect", func() bool { return s.Stats().Resets == 1 })
+	_, resets, _, _ := rec.snapshot()
+	if len(resets) != 1 || !strings.Contains(resets[0], "restarted") {
+		t.Fatalf("resets %q", resets)
+	}
+}
+
+// Without a replay endpoint nothing can prove the publisher is the same one.
+func TestReconnectWithoutReplayResets(t *testing.T) {
+	ep := freeEndpoint(t)
+	p1 := startPublisher(t, PublisherConfig{Endpoint: ep})
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: ep}, rec)
+	waitSubscribed(t, p1)
+	publishRange(t, p1, 0, 2)
+	waitFor(t, "3 batches", func() bool { return rec.count() == 3 })
+	if err := p1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "disconnect", func() bool { return !s.Stats().Connected })
+	p2 := startPublisher(t, PublisherConfig{Endpoint: ep})
+	waitSubscribed(t, p2)
+	waitFor(t, "reset on reconnect", func() bool { return s.Stats().Resets == 1 })
+}
