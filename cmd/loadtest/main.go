@@ -54,8 +54,8 @@ func run(args []string) error {
 	fs.Float64Var(&o.timeScale, "time-scale", 0, "enginesim --time-scale (default: the scenario's); TTFT is reported as wall / time-scale")
 	fs.DurationVar(&o.duration, "duration", 0, "wall length of the arrival phase (default: the scenario's)")
 	fs.Uint64Var(&o.seed, "seed", 1, "workload seed")
-	fs.StringVar(&o.jsonPath, "json", "", "write the report JSON here (with --scenario all, -NAME is added before the extension)")
-	fs.StringVar(&o.plotPath, "plot", "", "write the TTFT CDF plot (PNG) here")
+	fs.StringVar(&o.jsonPath, "json", "", "write the report JSON here (default: OUT/SCENARIO.json; with --scenario all, -NAME is added before the extension)")
+	fs.StringVar(&o.plotPath, "plot", "", "write the TTFT CDF plot (PNG) here (default: OUT/SCENARIO.png)")
 	fs.StringVar(&o.bin, "bin", "bin", "directory holding enginesim, sidecar and router")
 	fs.StringVar(&o.out, "out", "", "directory for process logs and per-request records (default: a new temp dir)")
 	fs.StringVar(&o.trace, "trace", loadtest.DefaultTrace, "Mooncake JSONL trace for --scenario trace")
@@ -161,13 +161,24 @@ func run(args []string) error {
 
 func writeOutputs(o options, many bool, res loadtest.Result) error {
 	name := func(path string) string {
-		if !many || path == "" {
+		if path == "" {
+			return ""
+		}
+		if !many {
 			return path
 		}
 		ext := filepath.Ext(path)
 		return strings.TrimSuffix(path, ext) + "-" + res.Report.Scenario + ext
 	}
-	if p := name(o.jsonPath); p != "" {
+	jsonPath, plotPath := name(o.jsonPath), name(o.plotPath)
+	if jsonPath == "" {
+		jsonPath = filepath.Join(o.out, res.Report.Scenario+".json")
+	}
+	if plotPath == "" {
+		plotPath = filepath.Join(o.out, res.Report.Scenario+".png")
+	}
+	fmt.Printf("report: %s  plot: %s\n", jsonPath, plotPath)
+	if p := jsonPath; p != "" {
 		f, err := os.Create(p)
 		if err != nil {
 			return err
@@ -180,7 +191,7 @@ func writeOutputs(o options, many bool, res loadtest.Result) error {
 			return err
 		}
 	}
-	if p := name(o.plotPath); p != "" {
+	if p := plotPath; p != "" {
 		title := fmt.Sprintf("TTFT CDF — %s, %d replicas, %d router(s)", res.Report.Scenario, res.Report.Replicas, res.Report.Routers)
 		if err := report.PlotCDF(p, title, res.Report.Order, res.TTFT); err != nil {
 			return err
