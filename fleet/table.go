@@ -141,8 +141,12 @@ func (t *Table) Upsert(info Info, now time.Time) {
 	e.r.KVEvents = info.KVEvents
 	if info.BlockSize != e.r.BlockSize {
 		// Keys of another block size mean nothing here: wait for a snapshot.
+		// A size announced for the first time changes nothing: the sidecar
+		// keyed its blocks with the size its events carried all along.
+		if e.r.BlockSize != 0 {
+			e.dropFilter()
+		}
 		e.r.BlockSize = info.BlockSize
-		e.dropFilter()
 	}
 	e.refreshOnline()
 	t.changedLocked()

@@ -133,6 +133,19 @@ func TestClearRoutesDropsFiltersUntilNextSnapshot(t *testing.T) {
 	}
 }
 
+func TestFirstAnnouncedBlockSizeKeepsFilter(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	info := sidecar("a")
+	info.BlockSize = 0 // not learned from events yet
+	tb.Upsert(info, t0)
+	tb.SetFilter("a", filterWith(1), 1, 1, t0)
+	info.BlockSize = 16
+	tb.Upsert(info, t0)
+	if r := tb.Snapshot().Replicas[0]; r.Filter == nil || r.BlockSize != 16 {
+		t.Fatalf("learning the block size dropped the filter: %+v", r)
+	}
+}
+
 func TestBlockSizeChangeDropsFilter(t *testing.T) {
 	tb := NewTable(TableConfig{})
 	tb.Upsert(sidecar("a"), t0)

@@ -242,7 +242,7 @@ func (r *RouterNode) membership(ev event) {
 		delete(r.replicas, p.meta.Name)
 		r.table.Remove(p.meta.Name)
 	}
-	blockSizeChanged := p.meta.BlockSize != m.meta.BlockSize
+	blockSizeChanged := p.meta.BlockSize != 0 && p.meta.BlockSize != m.meta.BlockSize
 	p.node, p.meta = m.node, m.meta
 	r.replicas[m.meta.Name] = p
 	r.table.Upsert(fleet.Info{
