@@ -3,10 +3,13 @@ package proxy
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -423,5 +426,19 @@ func TestStalledStreamsEnd(t *testing.T) {
 			t.Errorf("%s: took %v to give up", c.name, time.Since(start))
 		}
 		up.Close()
+	}
+}
+
+func TestStaleConnectionErrorsAreRetriedOnce(t *testing.T) {
+	for _, err := range []error{fasthttp.ErrConnectionClosed, &net.OpError{Op: "write", Err: os.NewSyscallError("write", syscall.EPIPE)}, syscall.ECONNRESET} {
+		if _, retry := retryStaleConn(nil, 1, err); !retry {
+			t.Errorf("%v not retried", err)
+		}
+		if _, retry := retryStaleConn(nil, 2, err); retry {
+			t.Errorf("%v retried twice", err)
+		}
+	}
+	if _, retry := retryStaleConn(nil, 1, errors.New("timeout")); retry {
+		t.Error("a timeout was retried on the same connection pool")
 	}
 }

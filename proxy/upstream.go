@@ -12,11 +12,13 @@
 package proxy
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -142,10 +144,13 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 }
 
 // retryStaleConn retries once when a pooled connection turned out closed
-// before any response byte: the server closed it while idle, so it cannot
-// have started the request.
+// before any response byte: the server closed it while idle (seen as a
+// closed connection, a broken pipe on write, or a reset), so it cannot have
+// started the request. Without this, an engine that restarted or timed out
+// idle connections fails the next request on each of them.
 func retryStaleConn(_ *fasthttp.Request, attempts int, err error) (bool, bool) {
-	return false, attempts < 2 && err == fasthttp.ErrConnectionClosed
+	stale := err == fasthttp.ErrConnectionClosed || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+	return false, attempts < 2 && stale
 }
 
 // Close drops the upstream's idle connections. In-flight requests finish.
