@@ -84,6 +84,9 @@ func (r *reader) rank(into *Batch) error {
 		return nil
 	}
 	v, err := r.int()
+	if err == nil && v < 0 {
+		return r.fail("negative data_parallel_rank %d", v)
+	}
 	into.DPRank = v
 	return err
 }
