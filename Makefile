@@ -1,7 +1,7 @@
 # kvmesh — build, test, bench. `make test` is the README's test command and what CI runs.
 GO        ?= go
 BINARIES  := router sidecar enginesim loadtest healthcheck
-FUZZTIME  ?= 10s
+FUZZTIME  ?= 5s
 export CGO_ENABLED ?= 0
 
 .PHONY: build test vet fmt-check unit fuzz bench bench-proxy clean
