@@ -28,6 +28,10 @@ type GenerationConfig struct {
 	// MaxDeltaKeys caps the keys of one delta; TakeDelta leaves the rest for
 	// the next call (0 = no cap).
 	MaxDeltaKeys int
+	// FirstGeneration numbers the first generation (default 1). A sidecar
+	// that starts a new epoch after an engine restart continues its old
+	// numbering, so operators see generations only grow.
+	FirstGeneration uint64
 }
 
 func (c GenerationConfig) withDefaults() GenerationConfig {
@@ -83,7 +87,7 @@ type Generations struct {
 // epoch.
 func NewGenerations(cfg GenerationConfig, epoch uint64, now time.Time) *Generations {
 	cfg = cfg.withDefaults()
-	g := &Generations{cfg: cfg, epoch: epoch, gen: 1, started: now}
+	g := &Generations{cfg: cfg, epoch: epoch, gen: max(cfg.FirstGeneration, 1), started: now}
 	g.filter = NewFilter(uint(cfg.Capacity), cfg.FPRate)
 	g.fill = cfg.RebuildFillRatio
 	if g.fill <= 0 || g.fill > 1 {

@@ -134,7 +134,7 @@ func New(cfg Config) (*Sidecar, error) {
 		set:      residentset.New(residentset.Options{}),
 		clearReq: make(chan struct{}, 1),
 	}
-	s.gens = s.newGenerations(time.Now())
+	s.gens = s.newGenerations(time.Now(), 1)
 	s.obs = observer{s.gens}
 	s.load.Store(&EngineMetrics{})
 	empty := []string{}
@@ -144,11 +144,12 @@ func New(cfg Config) (*Sidecar, error) {
 
 func (s *Sidecar) kvEvents() bool { return s.cfg.KVEvents != "" || s.cfg.KVEventsBind != "" }
 
-func (s *Sidecar) newGenerations(now time.Time) *bloom.Generations {
+func (s *Sidecar) newGenerations(now time.Time, first uint64) *bloom.Generations {
 	return bloom.NewGenerations(bloom.GenerationConfig{
-		Capacity:     s.cfg.Capacity,
-		FPRate:       s.cfg.FilterFPR,
-		MaxDeltaKeys: 150, // one delta per ~1.3 KB datagram
+		Capacity:        s.cfg.Capacity,
+		FPRate:          s.cfg.FilterFPR,
+		MaxDeltaKeys:    150, // one delta per ~1.3 KB datagram
+		FirstGeneration: first,
 	}, rand.Uint64()|1, now)
 }
 
@@ -256,7 +257,7 @@ func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 func (s *Sidecar) HandleReset(reason string) {
 	s.mu.Lock()
 	s.set.Reset(nil)
-	s.gens = s.newGenerations(time.Now())
+	s.gens = s.newGenerations(time.Now(), s.gens.Snapshot().Generation+1)
 	s.obs = observer{s.gens}
 	s.resets++
 	s.reasons = append(s.reasons, reason)

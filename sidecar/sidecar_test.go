@@ -288,7 +288,7 @@ func TestEngineRestartRebuildsSet(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 		return len(residentKeys(sc.s)) == len(keysA)
 	})
-	epoch1 := sc.s.Status().FilterEpoch
+	epoch1, gen1 := sc.s.Status().FilterEpoch, sc.s.Status().FilterGeneration
 	p1.Close()
 
 	p2 := connect()
@@ -314,6 +314,9 @@ func TestEngineRestartRebuildsSet(t *testing.T) {
 	st := sc.s.Status()
 	if st.FilterEpoch == epoch1 {
 		t.Fatal("filter epoch unchanged after engine restart")
+	}
+	if st.FilterGeneration <= gen1 {
+		t.Fatalf("filter generation went from %d to %d: operators must see it grow across a restart", gen1, st.FilterGeneration)
 	}
 	t.Logf("engine restart: resets=%d reasons=%q resident=%d", st.EngineResets, st.ResetReasons, st.ResidentBlocks)
 }
