@@ -176,9 +176,17 @@ func (s *SidecarNode) SetModels(models []string, blockSize int) error {
 		return nil
 	}
 	m.Models, m.BlockSize = slices.Clone(models), blockSize
+	s.mu.Unlock()
+	// memberlist gives up waiting for the broadcast after a timeout; the
+	// change is then remembered as not announced, so that calling again
+	// broadcasts it again rather than trusting a lost datagram.
+	if err := s.updateMeta(m); err != nil {
+		return err
+	}
+	s.mu.Lock()
 	s.meta = m
 	s.mu.Unlock()
-	return s.updateMeta(m)
+	return nil
 }
 
 // Routers counts the routers this sidecar feeds.

@@ -77,6 +77,7 @@ type Sidecar struct {
 	scrapeErrs atomic.Uint64
 	rebuilds   atomic.Uint64
 	clearReq   chan struct{}
+	announceMu sync.Mutex // one metadata announcement at a time
 
 	httpSrv *http.Server
 }
@@ -305,9 +306,14 @@ func (s *Sidecar) maintain(ctx context.Context) {
 			s.mu.Unlock()
 		case <-s.clearReq:
 			// A router cleared this replica's routes: publish the exact set
-			// afresh (no stale positives). At most once a second.
-			if time.Since(lastClear) < time.Second {
-				continue
+			// afresh (no stale positives). At most once a second, but never
+			// dropped: routers wait for a generation newer than the clear.
+			if wait := time.Second - time.Since(lastClear); wait > 0 {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(wait):
+				}
 			}
 			lastClear = time.Now()
 			s.mu.Lock()
@@ -412,14 +418,27 @@ func (s *Sidecar) refreshModels(ctx context.Context) bool {
 	return true
 }
 
-// announce puts the current models and block size in the node metadata.
+// announce puts the current models and block size in the node metadata,
+// retrying (bounded) while the cluster does not confirm the broadcast:
+// routers ignore a filter until they know the block size behind its keys.
 func (s *Sidecar) announce() {
 	n := s.node.Load()
 	if n == nil {
 		return
 	}
-	if err := n.SetModels(*s.models.Load(), int(s.blockSize.Load())); err != nil {
-		s.log.Warn().Err(err).Msg("metadata update")
+	s.announceMu.Lock()
+	defer s.announceMu.Unlock()
+	for attempt := 1; ; attempt++ {
+		err := n.SetModels(*s.models.Load(), int(s.blockSize.Load()))
+		if err == nil {
+			return
+		}
+		if attempt == 10 {
+			s.log.Warn().Err(err).Int("attempts", attempt).Msg("metadata update not confirmed; gossip will carry it")
+			return
+		}
+		s.log.Debug().Err(err).Int("attempt", attempt).Msg("metadata update not confirmed; retrying")
+		time.Sleep(500 * time.Millisecond)
 	}
 }
 
