@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -126,20 +127,33 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 	}{len(ids), ids})
 }
 
+// warmupGrace bounds how long a new router waits for the filters of replicas
+// it already knows; after it, a replica still without one is routed by load.
+const warmupGrace = 10 * time.Second
+
+// serveReady answers 200 once the router can route well: at least one live
+// replica, and every live replica with KV events has sent its filter (a
+// router started late catches up from snapshots before it takes traffic),
+// or warmupGrace has passed.
 func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 	snap := g.table.Snapshot()
-	live := 0
+	live, waiting := 0, 0
 	for i := range snap.Replicas {
-		if snap.Replicas[i].Online {
-			live++
+		r := &snap.Replicas[i]
+		if !r.Online {
+			continue
+		}
+		live++
+		if r.KVEvents && r.FilterGeneration == 0 {
+			waiting++
 		}
 	}
-	if live == 0 {
+	if live == 0 || waiting > 0 && g.now().Sub(g.started) < warmupGrace {
 		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
 		proxy503(ctx)
 		return
 	}
-	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live})
+	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live, "awaiting_filters": waiting})
 }
 
 func proxy503(ctx *fasthttp.RequestCtx) {

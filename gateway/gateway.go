@@ -99,11 +99,12 @@ type Gateway struct {
 	static    staticModels
 	exchanges sync.Pool
 	now       func() time.Time
+	started   time.Time
 }
 
 // New returns a gateway routing over table. cluster may be nil.
 func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) *Gateway {
-	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now}
+	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now, started: time.Now()}
 	g.fwd = proxy.Forwarder{Log: log}
 	g.inflight.init()
 	empty := map[string]*proxy.Upstream{}

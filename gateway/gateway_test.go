@@ -399,3 +399,19 @@ func TestInflightReturnsToZero(t *testing.T) {
 		return !busy
 	})
 }
+
+// A router is not ready while a live replica with KV events has not sent
+// its filter yet: it would route that replica's prefixes as cold.
+func TestReadyWaitsForFilters(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	r.table.SetLoad("a", fleet.Load{}, true, now)
+	if res := r.get(t, "/ready"); res.status != 503 {
+		t.Fatalf("ready before the replica's filter arrived: %d %s", res.status, res.body)
+	}
+	r.table.SetFilter("a", bloom.NewFilter(100, 0.01), 1, 0, time.Now())
+	if res := r.get(t, "/ready"); res.status != 200 {
+		t.Fatalf("not ready with every filter in: %d %s", res.status, res.body)
+	}
+}
