@@ -36,7 +36,7 @@ type exchange struct {
 	d        routing.Decision
 	cands    []routing.Candidate
 	matchAll []int
-	scratch  []int
+	snapIdx  []int // snapshot index of each candidate, parallel to cands
 	keys     []uint64
 	ids      []uint32
 	seed     uint64
@@ -64,7 +64,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
-	ex.cands, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
+	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
 }
 
@@ -159,8 +159,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 			PrefixAware: r.KVEvents && r.Selected && !r.Stale && r.Filter != nil,
 			Static:      r.Protocol == fleet.ProtocolStatic,
 		})
-		// MatchedTokens temporarily holds the snapshot index.
-		ex.cands[len(ex.cands)-1].MatchedTokens = i
+		ex.snapIdx = append(ex.snapIdx, i)
 	}
 	if !known {
 		return &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", ex.model)}
@@ -172,7 +171,8 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		for i := range snap.Replicas {
 			r := &snap.Replicas[i]
 			if r.Stale && r.URL != "" && serves(r, ex.model) {
-				ex.cands = append(ex.cands, routing.Candidate{Name: r.Name, Static: r.Protocol == fleet.ProtocolStatic, MatchedTokens: i})
+				ex.cands = append(ex.cands, routing.Candidate{Name: r.Name, Static: r.Protocol == fleet.ProtocolStatic})
+				ex.snapIdx = append(ex.snapIdx, i)
 			}
 		}
 	}
@@ -243,8 +243,8 @@ func (ex *exchange) addFallback(ms Model) {
 	}
 }
 
-// snapIndex returns the snapshot index of candidate ci (kept aside by match).
-func (ex *exchange) snapIndex(ci int) int { return ex.scratch[ci] }
+// snapIndex returns the snapshot index of candidate ci.
+func (ex *exchange) snapIndex(ci int) int { return ex.snapIdx[ci] }
 
 // tokens tokenizes the prompt; a failure degrades to load-only routing.
 func (ex *exchange) tokens(p *parsed, ms Model) {
@@ -298,14 +298,9 @@ func nullToNil(raw []byte) []byte {
 // match computes block keys and each candidate's matched prefix and load.
 func (ex *exchange) match(snap *fleet.Snapshot) {
 	g := ex.g
-	ex.scratch = ex.scratch[:0]
-	for i := range ex.cands {
-		ex.scratch = append(ex.scratch, ex.cands[i].MatchedTokens)
-		ex.cands[i].MatchedTokens = 0
-	}
 	bs := 0
 	for i := range ex.cands {
-		if r := &snap.Replicas[ex.scratch[i]]; ex.cands[i].PrefixAware && r.BlockSize > 0 {
+		if r := &snap.Replicas[ex.snapIdx[i]]; ex.cands[i].PrefixAware && r.BlockSize > 0 {
 			bs = r.BlockSize
 			break
 		}
@@ -334,7 +329,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 		snap.MatchPrefix(ex.keys, ex.matchAll)
 		otherSize := false
 		for i := range ex.cands {
-			r := &snap.Replicas[ex.scratch[i]]
+			r := &snap.Replicas[ex.snapIdx[i]]
 			if !ex.cands[i].PrefixAware {
 				continue
 			}
@@ -342,7 +337,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 				otherSize = true
 				continue
 			}
-			ex.cands[i].MatchedTokens = min(ex.matchAll[ex.scratch[i]]*bs, ex.promptTokens)
+			ex.cands[i].MatchedTokens = min(ex.matchAll[ex.snapIdx[i]]*bs, ex.promptTokens)
 		}
 		if otherSize {
 			ex.matchOtherSizes(snap, ids, bs)
@@ -359,7 +354,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 		}
 	}
 	for i := range ex.cands {
-		r := &snap.Replicas[ex.scratch[i]]
+		r := &snap.Replicas[ex.snapIdx[i]]
 		c := &ex.cands[i]
 		c.Waiting, c.Running = r.Load.Waiting, r.Load.Running
 		mine := g.inflight.get(r.Name)
@@ -372,12 +367,12 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 func (ex *exchange) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
 	var keys []uint64
 	for i := range ex.cands {
-		r := &snap.Replicas[ex.scratch[i]]
+		r := &snap.Replicas[ex.snapIdx[i]]
 		if !ex.cands[i].PrefixAware || r.BlockSize == done || r.BlockSize <= 0 {
 			continue
 		}
 		keys = blockkey.Append(keys[:0], ex.seed, ids, r.BlockSize)
 		snap.MatchPrefix(keys, ex.matchAll)
-		ex.cands[i].MatchedTokens = min(ex.matchAll[ex.scratch[i]]*r.BlockSize, ex.promptTokens)
+		ex.cands[i].MatchedTokens = min(ex.matchAll[ex.snapIdx[i]]*r.BlockSize, ex.promptTokens)
 	}
 }
