@@ -13,10 +13,12 @@ import (
 // for byte-level vocabularies), then merged pair by pair, lowest merge rank
 // first and leftmost among equals, exactly as tokenizers' Word::merge_all.
 type bpeModel struct {
-	// vocab maps a token to its id. For byte-level vocabularies the keys
-	// are the raw bytes the token stands for (the GPT-2 byte-to-char map
-	// undone), so pieces never need remapping.
-	vocab map[string]uint32
+	// vocab maps a token to its id while the model loads; tokens then
+	// freezes it (and vocab is dropped). For byte-level vocabularies the
+	// keys are the raw bytes the token stands for (the GPT-2 byte-to-char
+	// map undone), so pieces never need remapping.
+	vocab  map[string]uint32
+	tokens *vocabTable
 	// short holds the vocab entries of at most 7 bytes packed into integer
 	// keys (shortKey): most pieces are that short, and an integer probe is
 	// a cache miss cheaper than a string map lookup.
@@ -272,8 +274,11 @@ func (m *bpeModel) lookup(piece string) (uint32, bool) {
 		v, ok := m.short.get(shortKey(piece))
 		return uint32(v), ok
 	}
-	v, ok := m.vocab[piece]
-	return v, ok
+	if m.tokens == nil { // still loading
+		v, ok := m.vocab[piece]
+		return v, ok
+	}
+	return m.tokens.get(piece)
 }
 
 // indexShort builds the short-piece table; call after vocab is final.

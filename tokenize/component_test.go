@@ -99,9 +99,7 @@ func charTokenizer(t *testing.T, alphabet string, extra []string, merges []strin
 // tokens maps ids back to vocabulary strings for readable assertions.
 func tokens(tok *HF, ids []uint32) []string {
 	inv := map[uint32]string{}
-	for s, v := range tok.model.vocab {
-		inv[v&^selfMerging] = s
-	}
+	tok.model.tokens.all(func(s string, v uint32) { inv[v&^selfMerging] = s })
 	for _, m := range []*addedMatcher{tok.added, tok.addedNorm} {
 		if m != nil {
 			for _, a := range m.tokens {

@@ -129,7 +129,7 @@ func (t *HF) tokenID(content string) (uint32, bool) {
 	if content == "" {
 		return 0, false
 	}
-	v, ok := t.model.vocab[content]
+	v, ok := t.model.lookup(content)
 	return v &^ selfMerging, ok
 }
 
@@ -291,6 +291,7 @@ func parseBPE(j modelJSON, byteLevel bool) (*bpeModel, error) {
 	}
 	m.indexShort()
 	m.checkSplitMeta()
+	m.tokens, m.vocab = newVocabTable(m.vocab), nil
 	return m, nil
 }
 
