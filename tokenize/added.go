@@ -37,9 +37,51 @@ type addedMatcher struct {
 	anyLRWords bool
 }
 
+// trieNode keeps its edges as a byte-sorted slice: a chat prompt walks the
+// trie at every special token it holds, and a map lookup per byte (hashing
+// included) was most of the split time.
 type trieNode struct {
-	children map[byte]int32
-	tok      int32
+	labels  []byte  // sorted
+	targets []int32 // targets[i] is the child reached by labels[i]
+	tok     int32
+}
+
+// child returns the node reached from n by c, or -1.
+func (n *trieNode) child(c byte) int32 {
+	if len(n.labels) <= 8 {
+		for i, l := range n.labels {
+			if l == c {
+				return n.targets[i]
+			}
+		}
+		return -1
+	}
+	lo, hi := 0, len(n.labels)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if n.labels[m] < c {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	if lo < len(n.labels) && n.labels[lo] == c {
+		return n.targets[lo]
+	}
+	return -1
+}
+
+// addChild links a new child of n by c (absent before) to target.
+func (n *trieNode) addChild(c byte, target int32) {
+	i := 0
+	for i < len(n.labels) && n.labels[i] < c {
+		i++
+	}
+	n.labels = append(n.labels, 0)
+	n.targets = append(n.targets, 0)
+	copy(n.labels[i+1:], n.labels[i:])
+	copy(n.targets[i+1:], n.targets[i:])
+	n.labels[i], n.targets[i] = c, target
 }
 
 func newAddedMatcher(tokens []addedToken) *addedMatcher {
@@ -51,13 +93,10 @@ func newAddedMatcher(tokens []addedToken) *addedMatcher {
 		n := int32(0)
 		for k := 0; k < len(t.Content); k++ {
 			c := t.Content[k]
-			next, ok := a.nodes[n].children[c]
-			if !ok {
-				if a.nodes[n].children == nil {
-					a.nodes[n].children = make(map[byte]int32)
-				}
+			next := a.nodes[n].child(c)
+			if next < 0 {
 				next = int32(len(a.nodes))
-				a.nodes[n].children[c] = next
+				a.nodes[n].addChild(c, next)
 				a.nodes = append(a.nodes, trieNode{tok: -1})
 			}
 			n = next
@@ -87,8 +126,8 @@ func newAddedMatcher(tokens []addedToken) *addedMatcher {
 func (a *addedMatcher) longest(s string, p int) (int, int32) {
 	n, end, tok := int32(0), -1, int32(-1)
 	for k := p; k < len(s); k++ {
-		next, ok := a.nodes[n].children[s[k]]
-		if !ok {
+		next := a.nodes[n].child(s[k])
+		if next < 0 {
 			break
 		}
 		n = next
