@@ -7,6 +7,8 @@ import (
 
 	"github.com/ardanlabs/jinja"
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvmesh/kvmesh/admission"
 )
 
 // A growing multi-turn chat re-sends every earlier message on each request.
@@ -24,7 +26,11 @@ const (
 	minCachedElement = 256      // smaller values decode faster than they hash
 )
 
-var sharedValues = newValueCache(valueCacheBytes, minCachedElement)
+// sharedValues admits a value on its second sighting (package admission):
+// the newest turn of a chat is decoded, not cached, until the next request
+// of that chat shows it again. Cached values are pointerful, so one-offs
+// kept here would lengthen every GC mark phase for nothing.
+var sharedValues = newValueCache(valueCacheBytes, minCachedElement).withDoorkeeper(admission.New(1 << 16))
 
 // prepFunc turns a decoded value into what the template is given (a
 // message rebuilt as vLLM does, normalised tools). It must be a pure
@@ -45,7 +51,13 @@ type valueCache struct {
 	minElement int // values shorter than this are decoded, not cached
 	bytes      int
 	byKey      map[uint64]*cacheEntry
-	head       cacheEntry // sentinel: head.next is the most recently used
+	head       cacheEntry            // sentinel: head.next is the most recently used
+	door       *admission.Doorkeeper // nil: cache on first sight
+}
+
+func (c *valueCache) withDoorkeeper(d *admission.Doorkeeper) *valueCache {
+	c.door = d
+	return c
 }
 
 func newValueCache(maxBytes, minElement int) *valueCache {
@@ -81,7 +93,7 @@ func (c *valueCache) decodePrep(raw []byte, depth int, kind byte, prep prepFunc,
 	// keeping it as the entry's key costs little extra memory.
 	text := string(raw)
 	v, err := decodeAndPrep(text, depth, prep, index)
-	if err != nil || len(text) > c.maxBytes/4 {
+	if err != nil || len(text) > c.maxBytes/4 || !c.door.Admit(key) {
 		return v, err
 	}
 	c.mu.Lock()

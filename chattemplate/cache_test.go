@@ -6,6 +6,10 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/ardanlabs/jinja"
+
+	"github.com/kvmesh/kvmesh/admission"
 )
 
 func TestValueCacheHitAndEviction(t *testing.T) {
@@ -108,4 +112,30 @@ func TestCachedRenderIsStable(t *testing.T) {
 		}
 	}
 	wg.Wait()
+}
+
+// TestSharedCacheAdmitsOnSecondSighting: the process-wide cache keeps a
+// message only once it has been seen before, so one-off prompts neither
+// evict reusable entries nor add pointerful values for the GC to trace.
+func TestSharedCacheAdmitsOnSecondSighting(t *testing.T) {
+	c := newValueCache(1<<20, 0).withDoorkeeper(admission.New(1024))
+	raw := []byte(`[{"role":"user","content":"` + strings.Repeat("y", 300) + `"}]`)
+	decode := func() *jinja.Dict {
+		v, err := c.decodeArray(raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v.AsList().Get(0).AsDict()
+	}
+	decode()
+	if len(c.byKey) != 0 {
+		t.Fatalf("first sighting cached %d entries", len(c.byKey))
+	}
+	second := decode()
+	if len(c.byKey) != 1 {
+		t.Fatalf("second sighting: %d entries, want 1", len(c.byKey))
+	}
+	if decode() != second {
+		t.Fatal("third sighting was not served from the cache")
+	}
 }
