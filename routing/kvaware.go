@@ -22,8 +22,11 @@ type kvaware struct {
 	degradations atomic.Uint64
 }
 
+// specRecord names its replica by an index into specRecords.names, so the
+// record maps hold no pointers: at a million records, a map of strings
+// would be scanned by every GC cycle.
 type specRecord struct {
-	replica string
+	replica uint32
 	expires int64 // UnixNano
 }
 
@@ -177,11 +180,12 @@ func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []
 		if !ok || r.expires < now {
 			break
 		}
-		if owner < 0 || cands[owner].Name != r.replica {
+		if owner < 0 || cands[owner].Name != p.spec.names[r.replica] {
 			if j > 0 {
 				break // the chain continues elsewhere: keys are chained, so only one owner counts
 			}
-			owner = slices.IndexFunc(cands, func(c Candidate) bool { return c.Name == r.replica })
+			name := p.spec.names[r.replica]
+			owner = slices.IndexFunc(cands, func(c Candidate) bool { return c.Name == name })
 			if owner < 0 {
 				break
 			}
@@ -198,8 +202,9 @@ func (p *kvaware) record(req *Request, replica string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.spec.rotate(req.Now.UnixNano(), len(req.Keys))
+	r := specRecord{replica: p.spec.intern(replica), expires: expires}
 	for _, k := range req.Keys {
-		p.spec.cur[k] = specRecord{replica: replica, expires: expires}
+		p.spec.cur[k] = r
 	}
 }
 
@@ -212,10 +217,25 @@ type specRecords struct {
 	maxKeys   int
 	cur, prev map[uint64]specRecord
 	curSince  int64
+	names     []string          // replica names records refer to
+	index     map[string]uint32 // name → position in names
 }
 
 func newSpecRecords(ttl time.Duration, maxKeys int) specRecords {
-	return specRecords{ttl: int64(ttl), maxKeys: max(maxKeys/2, 1), cur: map[uint64]specRecord{}, prev: map[uint64]specRecord{}}
+	return specRecords{ttl: int64(ttl), maxKeys: max(maxKeys/2, 1), cur: map[uint64]specRecord{}, prev: map[uint64]specRecord{},
+		index: map[string]uint32{}}
+}
+
+// intern returns the index of replica in names, adding it if new. Names
+// stay until every record is cleared (a fleet has few replicas).
+func (s *specRecords) intern(replica string) uint32 {
+	if i, ok := s.index[replica]; ok {
+		return i
+	}
+	i := uint32(len(s.names))
+	s.names = append(s.names, replica)
+	s.index[replica] = i
+	return i
 }
 
 func (s *specRecords) get(k uint64) (specRecord, bool) {
@@ -240,13 +260,15 @@ func (s *specRecords) rotate(now int64, n int) {
 }
 
 func (s *specRecords) clear(names []string) {
+	if len(names) == 0 {
+		clear(s.cur)
+		clear(s.prev)
+		s.names, s.index = s.names[:0], map[string]uint32{}
+		return
+	}
 	for _, m := range []map[uint64]specRecord{s.cur, s.prev} {
-		if len(names) == 0 {
-			clear(m)
-			continue
-		}
 		for k, r := range m {
-			if slices.Contains(names, r.replica) {
+			if slices.Contains(names, s.names[r.replica]) {
 				delete(m, k)
 			}
 		}
