@@ -57,7 +57,7 @@ func chatPrompt(system, user uint64) []byte {
 
 // benchGateway builds a router over 50 prefix-aware replicas; ten of them
 // hold the keys of system prompt 0.
-func benchGateway(b *testing.B, tk tokenize.Model) *Gateway {
+func benchGateway(b testing.TB, tk tokenize.Model) *Gateway {
 	table := fleet.NewTable(fleet.TableConfig{StaleAfter: time.Hour, DropAfter: time.Hour})
 	now := time.Now()
 	_, warm, err := tk.EncodeChat(tokenize.Chat{Messages: mustMessages(chatPrompt(0, 0)), AddGenerationPrompt: true})
@@ -120,14 +120,26 @@ func BenchmarkDecision(b *testing.B) {
 			b.Run(name, func(b *testing.B) {
 				g := benchGateway(b, model)
 				s := g.Settings()
-				// Bodies prepared ahead so the loop times the router only.
-				bodies := make([][]byte, 512)
-				for i := range bodies {
-					sys := uint64(0)
+				// Every iteration's user turn is new (a numbered request
+				// over one of 512 texts), as is the system prompt when it
+				// is not meant to be cached: no segment-cache hit but the
+				// one being measured. Bodies are assembled in one reused
+				// buffer, so building them makes no garbage of its own.
+				system, _ := json.Marshal(text(0, 3584))
+				users := make([][]byte, 512)
+				for i := range users {
+					users[i], _ = json.Marshal(text(uint64(i+1), 512))
+				}
+				var buf []byte
+				body := func(i int) []byte {
+					buf = append(buf[:0], `{"model":"llama","messages":[{"role":"system","content":"`...)
 					if !systemCached {
-						sys = uint64(1000 + i)
+						buf = fmt.Appendf(buf, "Session %d. ", i)
 					}
-					bodies[i] = chatPrompt(sys, uint64(i+1))
+					buf = append(buf, system[1:]...)
+					buf = fmt.Appendf(buf, `},{"role":"user","content":"Request %d. `, i)
+					buf = append(buf, users[i%len(users)][1:]...)
+					return append(buf, `}]}`...)
 				}
 				runtime.LockOSThread() // thread CPU time must be this goroutine's
 				defer runtime.UnlockOSThread()
@@ -136,13 +148,7 @@ func BenchmarkDecision(b *testing.B) {
 				var parse time.Duration
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
-					body := bodies[i%len(bodies)]
-					if !systemCached && i >= len(bodies) {
-						// keep the system prompt unseen: a fresh one per iteration
-						b.StopTimer()
-						body = chatPrompt(uint64(1_000_000+i), uint64(i+1))
-						b.StartTimer()
-					}
+					body := body(i)
 					t0 := time.Now()
 					p, err := parseRequest(body, kindChat)
 					if err != nil {

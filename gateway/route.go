@@ -20,6 +20,10 @@ const defaultBlockSize = 16
 // affinityBlocks is how many leading blocks place a cold prefix.
 const affinityBlocks = 4
 
+// maxReusedIDs bounds the id buffer a pooled exchange keeps (1 MiB), so one
+// huge prompt does not pin its buffer for good.
+const maxReusedIDs = 1 << 18
+
 // exchange is one request's routing state, reused through a pool. It is the
 // proxy's Observer, so it also does in-flight accounting and metrics.
 type exchange struct {
@@ -38,7 +42,8 @@ type exchange struct {
 	matchAll []int
 	snapIdx  []int // snapshot index of each candidate, parallel to cands
 	keys     []uint64
-	ids      []uint32
+	ids      []uint32 // the prompt's ids: p.promptIDs or idsBuf
+	idsBuf   []uint32 // reused by the tokenizer across requests
 	seed     uint64
 
 	targets []*proxy.Upstream
@@ -268,7 +273,11 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
 			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
+			IDs:                  ex.idsBuf,
 		})
+		if cap(ids) > cap(ex.idsBuf) && cap(ids) <= maxReusedIDs {
+			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
+		}
 	}
 	if err != nil {
 		ex.tokenizeErr = err

@@ -65,7 +65,11 @@ func (t *HF) encodeChat(r chatRenderer, chat Chat, maxTokens int) (string, []uin
 	if maxTokens > 0 {
 		size = min(size, maxTokens+8)
 	}
-	ids, err := t.appendEncode(make([]uint32, 0, size), prompt, false, maxTokens)
+	buf := chat.IDs[:0]
+	if cap(buf) < size {
+		buf = make([]uint32, 0, size)
+	}
+	ids, err := t.appendEncode(buf, prompt, false, maxTokens)
 	if err != nil {
 		return prompt, nil, err
 	}

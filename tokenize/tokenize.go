@@ -56,4 +56,8 @@ type Chat struct {
 	ContinueFinalMessage bool
 	// TemplateKwargs are extra template variables (chat_template_kwargs).
 	TemplateKwargs json.RawMessage // may be nil
+	// IDs, when it has room, receives the ids (from IDs[:0]) instead of a
+	// new slice: a server reusing one buffer per request then makes no
+	// garbage for them. Implementations may ignore it.
+	IDs []uint32
 }
