@@ -1,9 +1,14 @@
 package tokenize
 
 import (
+	"fmt"
+	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
+
+	"github.com/VictoriaMetrics/fastcache"
 )
 
 // TestConcurrentEncodesAgreeWithGolden encodes every golden case from
@@ -42,28 +47,43 @@ func TestConcurrentEncodesAgreeWithGolden(t *testing.T) {
 }
 
 func TestSegmentCacheEvictsByBytes(t *testing.T) {
-	c := newSegmentCache(8 * 1024)
+	c := newSegmentCache(0) // raised to the 32 MiB minimum
 	ids := make([]uint32, 100)
-	for k := 0; k < 1000; k++ {
-		c.put(string(rune('a'+k%26))+string(make([]byte, 100+k)), k%2 == 0, ids)
+	var buf []byte
+	text := func(k int) string { return fmt.Sprintf("segment %d %s", k, strings.Repeat("x", 1000)) }
+	n := int(3 * c.maxBytes / 1400) // three times what fits
+	for k := range n {
+		buf = c.put(buf, text(k), k%2 == 0, ids)
 	}
-	var total int64
-	for i := range c.shards {
-		sh := &c.shards[i]
-		if sh.bytes > sh.max {
-			t.Fatalf("shard %d holds %d bytes, bound %d", i, sh.bytes, sh.max)
-		}
-		n := 0
-		for e := sh.head.next; e != &sh.head; e = e.next {
-			n++
-		}
-		if n != len(sh.m) {
-			t.Fatalf("shard %d: list has %d entries, map %d", i, n, len(sh.m))
-		}
-		total += sh.bytes
+	var st fastcache.Stats
+	c.c.UpdateStats(&st)
+	if st.BytesSize > st.MaxBytesSize || st.MaxBytesSize > uint64(c.maxBytes)+64<<10*512 {
+		t.Fatalf("cache holds %d bytes, bound %d (asked %d)", st.BytesSize, st.MaxBytesSize, c.maxBytes)
 	}
-	if total == 0 {
-		t.Fatal("cache kept nothing")
+	got, _, ok := c.appendTo(nil, nil, text(n-1), (n-1)%2 == 0)
+	if !ok || len(got) != len(ids) {
+		t.Fatal("the newest entry is gone")
+	}
+	if _, _, ok := c.appendTo(nil, nil, text(0), true); ok {
+		t.Fatal("the oldest entry survived three times the cache's size")
+	}
+	if _, _, ok := c.appendTo(nil, nil, text(n-1), (n-1)%2 != 0); ok {
+		t.Fatal("first-ness is part of the key")
+	}
+}
+
+// TestSegmentCacheComparesText: an entry found under a text's key but
+// holding another text (what a hash collision would look like) is a miss.
+func TestSegmentCacheComparesText(t *testing.T) {
+	c := newSegmentCache(0)
+	k := segmentKey("hello world", false)
+	c.c.SetBig(k[:], append([]byte{1, 0, 0, 0}, "hello wordl"...))
+	if _, _, ok := c.appendTo(nil, nil, "hello world", false); ok {
+		t.Fatal("returned the ids of another text")
+	}
+	c.put(nil, "hello world", false, []uint32{7, 9})
+	if got, _, ok := c.appendTo([]uint32{1}, nil, "hello world", false); !ok || !slices.Equal(got, []uint32{1, 7, 9}) {
+		t.Fatalf("got %v %v", got, ok)
 	}
 }
 
@@ -94,5 +114,44 @@ func TestGrowingChatTokenizesOnlyTheNewTurn(t *testing.T) {
 	other, _ := goldenVariant(t, "llama3", "regexp2", func(o *options) { o.regexOnly = true })
 	if _, want, _ := other.encodeChat(tok.chat, Chat{Messages: []byte(turn2), AddGenerationPrompt: true}, 0); !slices.Equal(second, want) {
 		t.Fatal("cached chat ids differ from a fresh tokenizer's")
+	}
+}
+
+// TestSegmentCacheBigEntry: a segment too big for one fastcache chunk is
+// stored across several and read back whole.
+func TestSegmentCacheBigEntry(t *testing.T) {
+	c := newSegmentCache(0)
+	text := strings.Repeat("long system prompt ", 5000) // 95 KB
+	ids := make([]uint32, 20000)
+	for i := range ids {
+		ids[i] = uint32(i * 7)
+	}
+	c.put(nil, text, true, ids)
+	got, _, ok := c.appendTo(nil, nil, text, true)
+	if !ok || !slices.Equal(got, ids) {
+		t.Fatalf("big entry: ok %v, %d ids", ok, len(got))
+	}
+}
+
+// BenchmarkSegmentCacheGCMark times a full GC with the segment cache empty
+// (the baseline) and holding 60k segments (≈64 MiB, full): the entries live
+// outside the Go heap, so the two should match.
+func BenchmarkSegmentCacheGCMark(b *testing.B) {
+	for _, fill := range []int{0, 60_000} {
+		b.Run(fmt.Sprintf("entries=%d", fill), func(b *testing.B) {
+			c := newSegmentCache(DefaultSegmentCacheBytes)
+			defer c.reset()
+			ids := make([]uint32, 120)
+			var buf []byte
+			for k := range fill {
+				buf = c.put(buf, fmt.Sprintf("segment %d %s", k, strings.Repeat("y", 500)), false, ids)
+			}
+			runtime.GC()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				runtime.GC()
+			}
+			runtime.KeepAlive(c)
+		})
 	}
 }

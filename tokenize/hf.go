@@ -53,7 +53,8 @@ type options struct {
 const DefaultSegmentCacheBytes = 64 << 20
 
 // WithSegmentCacheBytes bounds the memory of the cache that keeps the ids of
-// text between special tokens (LRU). 0 disables it.
+// text between special tokens (evicted in insertion order; at least 32 MiB,
+// taken as needed). 0 disables it.
 func WithSegmentCacheBytes(n int64) Option {
 	return func(o *options) { o.segmentCacheBytes = n }
 }
@@ -141,7 +142,7 @@ func (t *HF) resetCaches() {
 		t.model.cache = newPieceCache(t.model.cache.limit * len(t.model.cache.shards))
 	}
 	if t.segments != nil {
-		t.segments = newSegmentCache(t.segments.shards[0].max * segmentShards)
+		t.segments.reset()
 	}
 	t.encoders = sync.Pool{New: t.newEncoder}
 }
@@ -541,6 +542,7 @@ type encoder struct {
 	sc     bpeScratch
 	spans  []addedSpan
 	spans2 []addedSpan
+	cached []byte // segment-cache scratch
 }
 
 // maxPooledScratch bounds the scratch an idle encoder keeps: one huge
@@ -559,6 +561,9 @@ func (e *encoder) release() {
 	}
 	if cap(e.spans2) > maxPooledScratch {
 		e.spans2 = nil
+	}
+	if cap(e.cached) > 4*maxPooledScratch {
+		e.cached = nil
 	}
 }
 
@@ -669,7 +674,9 @@ func (t *HF) segment(e *encoder, seg string, first bool) bool {
 	if cache == nil || len(seg) < minCachedSegment {
 		return t.segmentUncached(e, seg, first)
 	}
-	if out, ok := cache.appendTo(e.out, seg, first); ok {
+	out, buf, ok := cache.appendTo(e.out, e.cached, seg, first)
+	e.cached = buf
+	if ok {
 		e.out = out
 		return len(e.out) < e.limit
 	}
@@ -678,7 +685,7 @@ func (t *HF) segment(e *encoder, seg string, first bool) bool {
 	if !t.segmentUncached(e, seg, first) {
 		return false
 	}
-	cache.put(seg, first, e.out[mark:])
+	e.cached = cache.put(e.cached, seg, first, e.out[mark:])
 	return true
 }
 
