@@ -73,7 +73,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		if !c.PrefixAware {
 			matched[i] = 0
 		} else {
-			matched[i] = min(max(matched[i], c.MatchedTokens), req.PromptTokens)
+			matched[i] = min(matched[i], req.PromptTokens)
 		}
 		bestMatched = max(bestMatched, matched[i])
 		ttft[i] = p.cfg.ttft(c, req.PromptTokens, matched[i])
@@ -105,8 +105,8 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	d.PredictedCachedTokens = matched[d.Pick]
 	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
 	d.Reason = "smallest predicted ttft"
-	if cands[d.Pick].PrefixAware {
-		p.record(req, cands[d.Pick].Name)
+	if c := &cands[d.Pick]; c.PrefixAware && req.BlockSize > 0 {
+		p.record(req, c.Name, c.MatchedTokens/req.BlockSize)
 	}
 }
 
@@ -164,46 +164,86 @@ func (p *kvaware) checkImbalance(cands []Candidate) bool {
 	return p.degraded.Load()
 }
 
-// speculativeMatches adds to matched[i] the leading blocks recently routed to
-// candidate i that its filter may not show yet.
+// speculativeMatches sets matched[i] to the leading blocks candidate i's
+// filter shows, extended by the blocks recently routed to it that the filter
+// may not show yet. Records are kept only past what the chosen replica's
+// filter showed (see record), so each walk starts where the filter stops:
+// a request whose prefix is already visible costs one lookup, not one per
+// block.
 func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []int) {
-	clear(matched)
-	if req.BlockSize <= 0 || len(req.Keys) == 0 {
+	for i := range cands {
+		matched[i] = cands[i].MatchedTokens
+	}
+	bs := req.BlockSize
+	if bs <= 0 || len(req.Keys) == 0 {
 		return
 	}
 	now := req.Now.UnixNano()
-	owner := -1
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for j, k := range req.Keys {
-		r, ok := p.spec.get(k)
-		if !ok || r.expires < now {
-			break
+	if len(p.spec.cur)+len(p.spec.prev) == 0 {
+		return
+	}
+	// Most candidates stop at the same block (often the first): look each
+	// starting key up once.
+	type probe struct {
+		at    int
+		owner uint32
+		ok    bool
+	}
+	var memo [4]probe
+	memoN := 0
+	for i := range cands {
+		c := &cands[i]
+		if !c.PrefixAware {
+			continue
 		}
-		if owner < 0 || cands[owner].Name != p.spec.names[r.replica] {
-			if j > 0 {
-				break // the chain continues elsewhere: keys are chained, so only one owner counts
-			}
-			name := p.spec.names[r.replica]
-			owner = slices.IndexFunc(cands, func(c Candidate) bool { return c.Name == name })
-			if owner < 0 {
+		j := c.MatchedTokens / bs
+		if j >= len(req.Keys) {
+			continue
+		}
+		var first probe
+		found := false
+		for _, m := range memo[:memoN] {
+			if m.at == j {
+				first, found = m, true
 				break
 			}
 		}
-		matched[owner] = (j + 1) * req.BlockSize
+		if !found {
+			r, ok := p.spec.get(req.Keys[j])
+			first = probe{at: j, owner: r.replica, ok: ok && r.expires >= now}
+			if memoN < len(memo) {
+				memo[memoN] = first
+				memoN++
+			}
+		}
+		if !first.ok || p.spec.names[first.owner] != c.Name {
+			continue
+		}
+		for j++; j < len(req.Keys); j++ {
+			r, ok := p.spec.get(req.Keys[j])
+			if !ok || r.expires < now || r.replica != first.owner {
+				break
+			}
+		}
+		matched[i] = max(matched[i], j*bs)
 	}
 }
 
-func (p *kvaware) record(req *Request, replica string) {
-	if req.BlockSize <= 0 || len(req.Keys) == 0 {
+// record notes that req's blocks past the first from will be resident at
+// replica (from is what its filter already showed).
+func (p *kvaware) record(req *Request, replica string, from int) {
+	if req.BlockSize <= 0 || from >= len(req.Keys) {
 		return
 	}
+	keys := req.Keys[max(from, 0):]
 	expires := req.Now.Add(p.cfg.SpeculativeTTL).UnixNano()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.spec.rotate(req.Now.UnixNano(), len(req.Keys))
+	p.spec.rotate(req.Now.UnixNano(), len(keys))
 	r := specRecord{replica: p.spec.intern(replica), expires: expires}
-	for _, k := range req.Keys {
+	for _, k := range keys {
 		p.spec.cur[k] = r
 	}
 }

@@ -137,6 +137,36 @@ func TestSpeculativeRecordsCoLocateSiblingsUntilTheyExpire(t *testing.T) {
 	}
 }
 
+// TestSpeculativeRecordsExtendWhatTheFilterShows: records start where the
+// chosen replica's filter stopped, and a sibling's match is the filter's
+// blocks plus the recorded ones after them.
+func TestSpeculativeRecordsExtendWhatTheFilterShows(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	kv := p.(*kvaware)
+	keys := []uint64{201, 202, 203, 204, 205}
+	cands := fleetOf(4)
+	cands[2].MatchedTokens = 32 // the filter shows two blocks
+	first := route(t, p, &Request{PromptTokens: 80, Keys: keys, BlockSize: 16, Now: t0}, cands)
+	if first.Pick != 2 {
+		t.Fatalf("pick %d, want the replica holding the prefix", first.Pick)
+	}
+	if n := len(kv.spec.cur); n != 3 {
+		t.Fatalf("%d records, want 3 (only the blocks the filter did not show)", n)
+	}
+	sibling := &Request{PromptTokens: 80, Keys: []uint64{201, 202, 203, 204, 999}, BlockSize: 16, Now: t0.Add(50 * time.Millisecond)}
+	d := route(t, p, sibling, cands)
+	if d.Pick != 2 || d.PredictedCachedTokens != 64 {
+		t.Fatalf("sibling: pick %d cached %d; want r2 with 64 (32 from the filter, 32 recorded)", d.Pick, d.PredictedCachedTokens)
+	}
+	// A replica whose filter stops earlier cannot claim records that begin
+	// past its own prefix.
+	other := fleetOf(4)
+	other[2].MatchedTokens = 0
+	if d := route(t, p, sibling, other); d.PredictedCachedTokens != 0 {
+		t.Fatalf("records counted from block 0 although they start at block 2: %d", d.PredictedCachedTokens)
+	}
+}
+
 func TestSpeculativeRecordsStayBounded(t *testing.T) {
 	p, _ := New("kvaware", Config{SpeculativeMaxKeys: 1000})
 	kv := p.(*kvaware)
