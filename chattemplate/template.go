@@ -87,6 +87,8 @@ type Template struct {
 	// openaiParts: the template loops over message content, so vLLM hands
 	// it content as a list of parts (its "openai" content format).
 	openaiParts bool
+	// helpers: those of the package's helpers the source names.
+	helpers []helper
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -164,13 +166,37 @@ func compile(src string, allowDirect bool) (t *Template, err error) {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
 	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre), openaiParts: contentLoop.MatchString(pre)}
+	for _, h := range helpers {
+		// Jinja has no lookup by computed name: a helper the source does not
+		// name cannot be reached, and each variable costs a map insert (and
+		// jinja's scope growth) on every render.
+		if strings.Contains(pre, h.name) {
+			t.helpers = append(t.helpers, h)
+		}
+	}
 	if !mayMutateInput(pre) {
 		t.values = sharedValues
 	}
 	return t, nil
 }
 
-// Variables every template may use; Kwargs cannot replace them.
+// helpers are the functions every template may use; Kwargs cannot replace
+// them.
+var helpers = []helper{
+	{"raise_exception", raiseExceptionValue},
+	{"strftime_now", strftimeNowValue},
+	{overriddenFilters["tojson"], tojsonValue},
+	{overriddenFilters["trim"], trimValue},
+	{pyStrFilterName, pyStrValue},
+	{overriddenFilters["list"], listValue},
+	{overriddenFilters["format"], formatValue},
+}
+
+type helper struct {
+	name  string
+	value jinja.Value
+}
+
 var (
 	tojsonValue         = jinja.NewCallable("tojson", tojsonFilter)
 	trimValue           = jinja.NewCallable("trim", trimFilter)
@@ -342,13 +368,9 @@ func (t *Template) buildVars(in Input) (vars map[string]jinja.Value, msgList *ji
 		return nil, nil, false, &InputError{Field: "request", Reason: "continue_final_message and add_generation_prompt are not compatible"}
 	}
 
-	vars["raise_exception"] = raiseExceptionValue
-	vars["strftime_now"] = strftimeNowValue
-	vars[overriddenFilters["tojson"]] = tojsonValue
-	vars[overriddenFilters["trim"]] = trimValue
-	vars[pyStrFilterName] = pyStrValue
-	vars[overriddenFilters["list"]] = listValue
-	vars[overriddenFilters["format"]] = formatValue
+	for _, h := range t.helpers {
+		vars[h.name] = h.value
+	}
 	return vars, msgs.AsList(), cont, nil
 }
 
