@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"testing"
 	"unicode/utf8"
+
+	segjson "github.com/segmentio/encoding/json"
 )
 
 // FuzzParseRequest feeds arbitrary bodies to the request parser: it must
@@ -99,6 +101,20 @@ func FuzzDecodeTop(f *testing.F) {
 		g, _ := json.Marshal(got)
 		if !bytes.Equal(w, g) {
 			t.Fatalf("%s:\nencoding/json %s\ndecodeTop     %s", body, w, g)
+		}
+	})
+}
+
+// FuzzValidMatchesStdlib: parseRequest validates bodies with segmentio's
+// json.Valid for speed; it must accept exactly what encoding/json accepts.
+func FuzzValidMatchesStdlib(f *testing.F) {
+	for _, s := range []string{chatBody, `{}`, `{"a":[1,2,{"b":null}],"c":"\u00e9\n"}`, `{"a":1,}`, `{"a":01}`, `{"a":"\x01"}`,
+		`{"a":1e999}`, `{"a":-}`, `[1,2]`, ` {"a":true} `, `{"a":tru}`, `{"a":"\ud800"}`, `{"a":"\q"}`, `{"a":1}{}`, "{\"a\":\"\xff\"}"} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		if got, want := segjson.Valid(body), json.Valid(body); got != want {
+			t.Fatalf("%q: segmentio Valid %v, encoding/json %v", body, got, want)
 		}
 	})
 }
