@@ -18,6 +18,7 @@ type replicaLoad struct {
 	// router's exact current counts are added.
 	reportedRequests atomic.Int64
 	reportedPrefill  atomic.Int64
+	latency          atomic.Value // prometheus.Observer of this replica's upstream latency
 }
 
 // clusterView combines the cluster-wide counts a sidecar gossiped (which

@@ -15,6 +15,7 @@ import (
 type metrics struct {
 	reg             *prometheus.Registry
 	routes          *prometheus.CounterVec
+	routesByMode    map[routing.Mode]prometheus.Counter // routes' children, looked up without hashing labels
 	prefixHits      prometheus.Counter
 	prompt          prometheus.Counter
 	predicted       prometheus.Counter
@@ -77,14 +78,36 @@ func newMetrics(g *Gateway) *metrics {
 		inflightCollector{g},
 		collectors.NewGoCollector(),
 	)
+	m.routesByMode = map[routing.Mode]prometheus.Counter{}
 	for _, mode := range []routing.Mode{routing.ModePrefix, routing.ModeBalance, routing.ModeCold, routing.ModeStatic, routing.ModeFallback} {
-		m.routes.WithLabelValues(string(mode))
+		m.routesByMode[mode] = m.routes.WithLabelValues(string(mode))
 	}
 	m.handler = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	return m
 }
 
 func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
+
+func (m *metrics) routed(mode routing.Mode) prometheus.Counter {
+	if c, ok := m.routesByMode[mode]; ok {
+		return c
+	}
+	return m.routes.WithLabelValues(string(mode))
+}
+
+// latency returns the upstream-latency histogram of replica, kept in its
+// in-flight entry (l may be nil, for fallback upstreams).
+func (m *metrics) latency(l *replicaLoad, replica string) prometheus.Observer {
+	if l == nil {
+		return m.upstreamLatency.WithLabelValues(replica)
+	}
+	if o, ok := l.latency.Load().(prometheus.Observer); ok {
+		return o
+	}
+	o := m.upstreamLatency.WithLabelValues(replica)
+	l.latency.Store(o)
+	return o
+}
 
 func (m *metrics) retirePolicy(p routing.Policy) {
 	if d, ok := p.(degrader); ok {

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"strconv"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -36,11 +37,19 @@ func (ex *exchange) FirstByte(i int, ttft time.Duration) {
 // Header implements proxy.Observer: the X-Kvmesh-* headers of the answer.
 func (ex *exchange) Header(i int, h *fasthttp.ResponseHeader) {
 	t := &ex.info[i]
-	h.Set("X-Kvmesh-Replica", t.name)
-	h.Set("X-Kvmesh-Mode", string(t.mode))
-	h.Set("X-Kvmesh-Prompt-Tokens", itoa(ex.promptTokens))
-	h.Set("X-Kvmesh-Cached-Tokens", itoa(t.predicted))
+	// The names are canonical already: SetCanonical skips normalizing them.
+	h.SetCanonical(hdrReplica, []byte(t.name))
+	h.SetCanonical(hdrMode, []byte(t.mode))
+	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(ex.promptTokens), 10))
+	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(t.predicted), 10))
 }
+
+var (
+	hdrReplica      = []byte("X-Kvmesh-Replica")
+	hdrMode         = []byte("X-Kvmesh-Mode")
+	hdrPromptTokens = []byte("X-Kvmesh-Prompt-Tokens")
+	hdrCachedTokens = []byte("X-Kvmesh-Cached-Tokens")
+)
 
 // Finish implements proxy.Observer. The last call releases ex.
 func (ex *exchange) Finish(i int, r proxy.Result) {
@@ -52,7 +61,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		l.requests.Add(-1)
 	}
 	m := g.metrics
-	m.upstreamLatency.WithLabelValues(t.name).Observe(r.Elapsed.Seconds())
+	m.latency(t.load, t.name).Observe(r.Elapsed.Seconds())
 	switch {
 	case r.ClientGone:
 		m.errors.WithLabelValues("client_gone").Inc()
@@ -70,7 +79,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	}
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
 	if served {
-		m.routes.WithLabelValues(string(t.mode)).Inc()
+		m.routed(t.mode).Inc()
 		if t.predicted > 0 {
 			m.prefixHits.Inc()
 		}

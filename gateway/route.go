@@ -53,6 +53,7 @@ type exchange struct {
 	attempts  int
 	firstByte bool
 	ttft      time.Duration
+	hdrBuf    [20]byte // formats header numbers
 }
 
 // targetInfo is what the gateway knows about each target it handed the proxy.
