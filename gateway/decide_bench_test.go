@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"testing"
@@ -98,6 +99,11 @@ func mustMessages(body []byte) json.RawMessage {
 // "one core"; p50/p99 are reported from every iteration's duration, in
 // wall time and in the thread's CPU time (robust on a shared machine).
 func BenchmarkDecision(b *testing.B) {
+	// The router collects garbage at DefaultGCPercent unless GOGC says
+	// otherwise; so does this benchmark, to time decisions as deployed.
+	if os.Getenv("GOGC") == "" {
+		defer debug.SetGCPercent(debug.SetGCPercent(DefaultGCPercent))
+	}
 	type tk struct {
 		name string
 		load func() (tokenize.Model, error)

@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
@@ -33,7 +34,7 @@ type options struct {
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
 	pprofListen                       string
-	maxBodyBytes                      int
+	maxBodyBytes, gcPercent           int
 	drainTimeout                      time.Duration
 	flags                             routerconfig.Flags
 	log                               logging.Options
@@ -66,6 +67,7 @@ func parse(args []string) (*options, error) {
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
+	fs.IntVar(&o.gcPercent, "gc-percent", 0, fmt.Sprintf("Go GC target (GOGC); 0: GOGC if set, else %d", gateway.DefaultGCPercent))
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		return nil, err
@@ -87,6 +89,12 @@ func run(args []string) error {
 	log, err := o.log.Logger(nil, "router")
 	if err != nil {
 		return err
+	}
+	switch {
+	case o.gcPercent != 0:
+		debug.SetGCPercent(o.gcPercent)
+	case os.Getenv("GOGC") == "":
+		debug.SetGCPercent(gateway.DefaultGCPercent)
 	}
 	base, err := routerconfig.FromFlags(o.flags)
 	if err != nil {
