@@ -101,6 +101,7 @@ type Gateway struct {
 	fwd      proxy.Forwarder
 	metrics  *metrics
 	inflight inflightTable
+	loadIdx  atomic.Pointer[loadIndex] // in-flight entries of the latest snapshot's replicas
 
 	upMu      sync.Mutex
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvmesh/kvmesh/fleet"
 )
 
 // replicaLoad is this router's in-flight work at one replica: requests
@@ -50,6 +52,29 @@ func (t *inflightTable) get(name string) *replicaLoad {
 		t.m[name] = l
 	}
 	return l
+}
+
+// loadIndex holds the in-flight entries of one snapshot's replicas, in the
+// snapshot's order, so a decision reads each candidate's entry by index
+// instead of looking fifty names up under a lock.
+type loadIndex struct {
+	snap  *fleet.Snapshot
+	loads []*replicaLoad
+}
+
+// loadsOf returns the in-flight entries of snap's replicas (index i is
+// snap.Replicas[i]). Snapshots are immutable, so the slice is built once per
+// snapshot; entries are never removed from the table, so it stays valid.
+func (g *Gateway) loadsOf(snap *fleet.Snapshot) []*replicaLoad {
+	if li := g.loadIdx.Load(); li != nil && li.snap == snap {
+		return li.loads
+	}
+	loads := make([]*replicaLoad, len(snap.Replicas))
+	for i := range snap.Replicas {
+		loads[i] = g.inflight.get(snap.Replicas[i].Name)
+	}
+	g.loadIdx.Store(&loadIndex{snap: snap, loads: loads})
+	return loads
 }
 
 // each calls f for every replica in name order.

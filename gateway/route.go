@@ -40,7 +40,8 @@ type exchange struct {
 	d        routing.Decision
 	cands    []routing.Candidate
 	matchAll []int
-	snapIdx  []int // snapshot index of each candidate, parallel to cands
+	snapIdx  []int          // snapshot index of each candidate, parallel to cands
+	loads    []*replicaLoad // in-flight entries of the snapshot's replicas (loadsOf)
 	keys     []uint64
 	ids      []uint32 // the prompt's ids: p.promptIDs or idsBuf
 	idsBuf   []uint32 // reused by the tokenizer across requests
@@ -75,7 +76,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 }
 
 func (g *Gateway) putExchange(ex *exchange) {
-	ex.s, ex.ids = nil, nil
+	ex.s, ex.ids, ex.loads = nil, nil, nil
 	clear(ex.targets[:cap(ex.targets)])
 	clear(ex.info[:cap(ex.info)])
 	g.exchanges.Put(ex)
@@ -150,6 +151,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	g, s := ex.g, ex.s
 	t0 := time.Now()
 	ms := s.Models[ex.model]
+	ex.loads = g.loadsOf(snap)
 	known := len(ms.Fallback) > 0
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
@@ -232,7 +234,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		ex.targets = append(ex.targets, up)
 		ex.info = append(ex.info, targetInfo{
 			name: r.Name, mode: mode, predicted: matched,
-			uncached: max(ex.promptTokens-matched, 0), load: g.inflight.get(r.Name),
+			uncached: max(ex.promptTokens-matched, 0), load: ex.loads[ex.snapIndex(ci)],
 		})
 	}
 	ex.addFallback(ms)
@@ -307,7 +309,6 @@ func nullToNil(raw []byte) []byte {
 
 // match computes block keys and each candidate's matched prefix and load.
 func (ex *exchange) match(snap *fleet.Snapshot) {
-	g := ex.g
 	bs := 0
 	for i := range ex.cands {
 		if r := &snap.Replicas[ex.snapIdx[i]]; ex.cands[i].PrefixAware && r.BlockSize > 0 {
@@ -367,7 +368,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 		r := &snap.Replicas[ex.snapIdx[i]]
 		c := &ex.cands[i]
 		c.Waiting, c.Running = r.Load.Waiting, r.Load.Running
-		mine := g.inflight.get(r.Name)
+		mine := ex.loads[ex.snapIdx[i]]
 		c.InflightRequests, c.PendingPrefillTokens = mine.clusterView(r.Load.InflightRequests, r.Load.InflightPrefillTokens)
 	}
 }
