@@ -82,11 +82,40 @@ func routerBinary(tb testing.TB) string {
 	return builtPath
 }
 
+var (
+	bareOnce  sync.Once
+	barePath  string
+	bareError error
+)
+
+// bareProxyBinary builds testdata/bareproxy once for this test binary.
+func bareProxyBinary(tb testing.TB) string {
+	bareOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kvmesh-bareproxy-")
+		if err != nil {
+			bareError = err
+			return
+		}
+		barePath = filepath.Join(dir, "bareproxy")
+		cmd := exec.Command("go", "build", "-o", barePath, "./testdata/bareproxy")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			bareError = fmt.Errorf("building bareproxy: %v\n%s", err, b)
+		}
+	})
+	if bareError != nil {
+		tb.Fatal(bareError)
+	}
+	return barePath
+}
+
 // TestMain removes the router built for the tests.
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if builtPath != "" {
-		_ = os.RemoveAll(filepath.Dir(builtPath))
+	for _, p := range []string{builtPath, barePath} {
+		if p != "" {
+			_ = os.RemoveAll(filepath.Dir(p))
+		}
 	}
 	os.Exit(code)
 }
@@ -255,20 +284,24 @@ func groupCPU(pg int) time.Duration {
 	return time.Duration(ticks) * time.Second / 100 // USER_HZ
 }
 
-// BenchmarkProxyVsNginx reports requests/s and latency of the router and
-// of nginx over the same upstream, and their ratio (router/nginx). Each
-// b.N iteration is one round of both; set KVMESH_BENCH_ROUND (default 2s)
-// and KVMESH_BENCH_CONNS (default 64).
+// BenchmarkProxyVsNginx reports requests/s, CPU per request and latency of
+// the router, of a bare fasthttp relay (testdata/bareproxy: the floor a Go
+// fasthttp proxy starts from) and of nginx over the same upstream, and the
+// ratios router/nginx and bare/nginx. Each b.N iteration is one round of
+// all three; set KVMESH_BENCH_ROUND (default 2s) and KVMESH_BENCH_CONNS
+// (default 64).
 func BenchmarkProxyVsNginx(b *testing.B) {
 	up := upstream(b)
 	nginx, nginxPG, ok := startNginx(b, up)
 	if !ok {
 		b.Skip("nginx not installed (apt-get install -y nginx-light)")
 	}
-	routerAddr, pprofAddr := freeAddr(b), freeAddr(b)
+	routerAddr, pprofAddr, bareAddr := freeAddr(b), freeAddr(b), freeAddr(b)
 	routerCmd := start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
+	bareCmd := start(b, bareProxyBinary(b), "--listen", bareAddr, "--upstream", up)
 	waitListening(b, routerAddr)
+	waitListening(b, bareAddr)
 	round := 2 * time.Second
 	if v, err := time.ParseDuration(os.Getenv("KVMESH_BENCH_ROUND")); err == nil {
 		round = v
@@ -277,9 +310,10 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	if v := os.Getenv("KVMESH_BENCH_CONNS"); v != "" {
 		_, _ = fmt.Sscan(v, &conns)
 	}
-	// Warm both (connection pools, page cache).
-	load(routerAddr, conns, 300*time.Millisecond)
-	load(nginx, conns, 300*time.Millisecond)
+	// Warm all three (connection pools, page cache).
+	for _, addr := range []string{routerAddr, bareAddr, nginx} {
+		load(addr, conns, 300*time.Millisecond)
+	}
 	if path := os.Getenv("KVMESH_BENCH_PPROF"); path != "" {
 		// A CPU profile of the router under the same load, for digging.
 		done := make(chan struct{})
@@ -293,14 +327,14 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	var rt, ng loadResult
+	var rt, bare, ng loadResult
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		for _, target := range []struct {
 			addr string
 			pg   int
 			acc  *loadResult
-		}{{routerAddr, routerCmd.Process.Pid, &rt}, {nginx, nginxPG, &ng}} {
+		}{{routerAddr, routerCmd.Process.Pid, &rt}, {bareAddr, bareCmd.Process.Pid, &bare}, {nginx, nginxPG, &ng}} {
 			cpu0 := groupCPU(target.pg)
 			r := load(target.addr, conns, round)
 			target.acc.cpu += groupCPU(target.pg) - cpu0
@@ -313,18 +347,21 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	b.StopTimer()
 	rps := func(r loadResult) float64 { return float64(r.requests) / r.elapsed.Seconds() }
 	b.ReportMetric(rps(rt), "router-req/s")
+	b.ReportMetric(rps(bare), "bare-req/s")
 	b.ReportMetric(rps(ng), "nginx-req/s")
 	b.ReportMetric(rps(rt)/rps(ng), "ratio")
+	b.ReportMetric(rps(bare)/rps(ng), "bare-ratio")
 	// CPU per request is what a proxy costs, whatever share of the
 	// machine other tenants leave it; req/s on a shared machine is not.
 	cpuPer := func(r loadResult) float64 { return float64(r.cpu.Microseconds()) / float64(max(r.requests, 1)) }
 	b.ReportMetric(cpuPer(rt), "router-cpu-µs/req")
+	b.ReportMetric(cpuPer(bare), "bare-cpu-µs/req")
 	b.ReportMetric(cpuPer(ng), "nginx-cpu-µs/req")
 	b.ReportMetric(float64(quantile(rt.lat, 0.5).Microseconds()), "router-p50-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.5).Microseconds()), "nginx-p50-µs")
 	b.ReportMetric(float64(quantile(rt.lat, 0.99).Microseconds()), "router-p99-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.99).Microseconds()), "nginx-p99-µs")
-	if rt.failed+ng.failed > 0 {
-		b.Errorf("failed requests: router %d, nginx %d", rt.failed, ng.failed)
+	if rt.failed+bare.failed+ng.failed > 0 {
+		b.Errorf("failed requests: router %d, bare %d, nginx %d", rt.failed, bare.failed, ng.failed)
 	}
 }
