@@ -70,10 +70,7 @@ func parseRequest(body []byte, k kind) (*parsed, error) {
 	if t := bytes.TrimLeft(body, " \t\r\n"); len(t) == 0 || t[0] != '{' {
 		return nil, badRequest("request body must be a JSON object")
 	}
-	// segmentio's Valid accepts exactly what encoding/json's does
-	// (FuzzValidMatchesStdlib) at ≈18× the speed: 0.6 µs instead of 11.5
-	// for a 4 KB chat, on every request.
-	if !segjson.Valid(body) {
+	if !validJSON(body) {
 		var v any
 		err := json.Unmarshal(body, &v) // for the message only
 		return nil, badRequest("malformed JSON: %v", err)
@@ -106,6 +103,17 @@ func parseRequest(body []byte, k kind) (*parsed, error) {
 		}
 	}
 	return p, nil
+}
+
+// validJSON is json.Valid, faster. segmentio's Valid accepts exactly what
+// encoding/json's does (FuzzValidMatchesStdlib) at ≈18× the speed on a 4 KB
+// chat (0.6 µs instead of 11.5), but has a fixed cost that makes it slower
+// below a few hundred bytes (354 ns vs 210 ns for a 55-byte completion).
+func validJSON(body []byte) bool {
+	if len(body) < 256 {
+		return json.Valid(body)
+	}
+	return segjson.Valid(body)
 }
 
 func isNull(raw json.RawMessage) bool { return len(raw) == 0 || string(raw) == "null" }
