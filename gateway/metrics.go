@@ -76,6 +76,7 @@ func newMetrics(g *Gateway) *metrics {
 			return 0
 		}),
 		inflightCollector{g},
+		infoCollector{g},
 		collectors.NewGoCollector(),
 	)
 	m.routesByMode = map[routing.Mode]prometheus.Counter{}
@@ -87,6 +88,21 @@ func newMetrics(g *Gateway) *metrics {
 }
 
 func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
+
+// RegisterMetrics adds c to the router's /metrics (e.g. gossip counters).
+func (g *Gateway) RegisterMetrics(c prometheus.Collector) error { return g.metrics.reg.Register(c) }
+
+// infoCollector exports kvmesh_router_info{policy} = 1, the policy in force
+// (it changes with a config reload).
+type infoCollector struct{ g *Gateway }
+
+var infoDesc = prometheus.NewDesc("kvmesh_router_info", "The router's routing policy (value 1).", []string{"policy"}, nil)
+
+func (c infoCollector) Describe(ch chan<- *prometheus.Desc) { ch <- infoDesc }
+
+func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(infoDesc, prometheus.GaugeValue, 1, c.g.Settings().Policy.Name())
+}
 
 func (m *metrics) routed(mode routing.Mode) prometheus.Counter {
 	if c, ok := m.routesByMode[mode]; ok {

@@ -129,6 +129,9 @@ func run(args []string) error {
 			return err
 		}
 		g.SetCluster(node)
+		if err := g.RegisterMetrics(gossip.Collector("kvmesh_router", node.Stats)); err != nil {
+			return err
+		}
 		go g.ReportInflight(100*time.Millisecond, ctx.Done())
 	}
 	go g.DiscoverStatic(10*time.Second, ctx.Done())

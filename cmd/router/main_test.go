@@ -120,6 +120,12 @@ func TestGossipRouterStartsAndLeaves(t *testing.T) {
 	if status != 200 || !strings.Contains(string(body), "kvmesh_router_routes_total{mode=\"prefix\"} 0") {
 		t.Fatalf("metrics: %d", status)
 	}
+	for _, line := range []string{"kvmesh_router_gossip_members 1", `kvmesh_router_gossip_rejected_total{reason="decrypt"} 0`,
+		`kvmesh_router_gossip_received_messages_total{kind="load"} 0`} {
+		if !strings.Contains(string(body), line) {
+			t.Errorf("metrics lack %q", line)
+		}
+	}
 	_ = cmd.Process.Signal(syscall.SIGTERM)
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
