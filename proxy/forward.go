@@ -163,14 +163,7 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	defer fasthttp.ReleaseRequest(ureq)
 	if req.Header != nil {
 		req.Header.CopyTo(&ureq.Header)
-	}
-	for _, h := range hopByHop {
-		ureq.Header.Del(h)
-	}
-	ureq.Header.Del(fasthttp.HeaderAcceptEncoding)
-	ureq.Header.Del(fasthttp.HeaderExpect) // the router already read the body
-	if req.DropAuthorization {
-		ureq.Header.Del(fasthttp.HeaderAuthorization)
+		dropUnforwarded(&ureq.Header, req.DropAuthorization)
 	}
 	if up.authorization != "" {
 		ureq.Header.Set(fasthttp.HeaderAuthorization, up.authorization)
@@ -187,11 +180,49 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	return resp, nil
 }
 
-// hopByHop headers describe one connection and are never forwarded.
-var hopByHop = []string{
+// unforwarded are the request headers the engine never sees: hop-by-hop
+// ones (they describe one connection), Accept-Encoding (the router reads the
+// body) and Expect (the router already read it). Authorization is dropped
+// too when the router checked it against its own keys.
+var unforwarded = []string{
 	"Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
-	"Te", "Trailer", "Transfer-Encoding", "Upgrade",
+	"Te", "Trailer", "Transfer-Encoding", "Upgrade", fasthttp.HeaderAcceptEncoding, fasthttp.HeaderExpect,
+	fasthttp.HeaderAuthorization, // must stay last: see dropUnforwarded
 }
+
+// dropUnforwarded deletes the unforwarded headers h holds. It finds them in
+// one pass: a Del normalizes its name and scans every header, and most
+// requests carry one or two of the eleven (eleven Dels took 350 ns).
+func dropUnforwarded(h *fasthttp.RequestHeader, authorization bool) {
+	n := len(unforwarded)
+	if !authorization {
+		n-- // Authorization is last
+	}
+	var present uint32
+	for k := range h.All() {
+		for i, name := range unforwardedBytes[:n] {
+			if bytes.EqualFold(k, name) {
+				present |= 1 << i
+			}
+		}
+	}
+	if h.ConnectionClose() {
+		present |= 1 // fasthttp keeps "Connection: close" as a flag
+	}
+	for i, name := range unforwarded[:n] {
+		if present&(1<<i) != 0 {
+			h.Del(name)
+		}
+	}
+}
+
+var unforwardedBytes = func() [][]byte {
+	out := make([][]byte, len(unforwarded))
+	for i, n := range unforwarded {
+		out[i] = []byte(n)
+	}
+	return out
+}()
 
 func copyResponseHeader(dst, src *fasthttp.ResponseHeader) {
 	for k, v := range src.All() {

@@ -442,3 +442,86 @@ func TestStaleConnectionErrorsAreRetriedOnce(t *testing.T) {
 		t.Error("a timeout was retried on the same connection pool")
 	}
 }
+
+// TestForwardDropsHopByHopHeaders: connection-scoped headers, Expect and
+// Accept-Encoding stay at the router; every other header reaches the engine
+// as the client sent it.
+func TestForwardDropsHopByHopHeaders(t *testing.T) {
+	seen := make(chan string, 1)
+	base := serve(t, func(ctx *fasthttp.RequestCtx) {
+		var sb strings.Builder
+		for k, v := range ctx.Request.Header.All() {
+			fmt.Fprintf(&sb, "%s: %s\n", k, v)
+		}
+		seen <- sb.String()
+		jsonEngine(ctx)
+	})
+	url := router(t, upstreams(t, base), false, newRecorder())
+	conn, err := net.Dial("tcp", strings.TrimPrefix(url, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := `{"model":"m","prompt":"hi"}`
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"+
+		"Keep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\n"+
+		"Trailer: X-T\r\nUpgrade: h2c\r\nAccept-Encoding: gzip\r\nX-Tenant: acme\r\nOpenAI-Organization: org-1\r\nConnection: close\r\n\r\n%s", len(body), body)
+	resp := fasthttp.AcquireResponse()
+	if err := resp.Read(bufio.NewReader(conn)); err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode() != 200 {
+		t.Fatalf("status %d", resp.StatusCode())
+	}
+	got := strings.ToLower(<-seen)
+	for _, h := range []string{"keep-alive:", "proxy-authorization:", "proxy-connection:", "te:", "trailer:", "upgrade:", "accept-encoding:", "connection:"} {
+		if strings.Contains(got, "\n"+h) || strings.HasPrefix(got, h) {
+			t.Errorf("engine received %q:\n%s", h, got)
+		}
+	}
+	for _, h := range []string{"x-tenant: acme", "openai-organization: org-1", "content-type: application/json"} {
+		if !strings.Contains(got, h) {
+			t.Errorf("engine did not receive %q:\n%s", h, got)
+		}
+	}
+}
+
+// TestForwardDropsCheckedAuthorization: a client key the router checked
+// stays at the router; an upstream's own key replaces it.
+func TestForwardDropsCheckedAuthorization(t *testing.T) {
+	base := serve(t, jsonEngine)
+	plain := upstreams(t, base)[0]
+	keyed, err := NewUpstream("keyed", base, "upstream-key", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(keyed.Close)
+	f := &Forwarder{Log: zerolog.Nop()}
+	for _, c := range []struct {
+		up   *Upstream
+		want string
+	}{{plain, ""}, {keyed, "Bearer upstream-key"}} {
+		url := serve(t, func(ctx *fasthttp.RequestCtx) {
+			f.Forward(ctx, &Request{Path: "/v1/completions", Header: &ctx.Request.Header, Body: ctx.PostBody(), DropAuthorization: true},
+				[]*Upstream{c.up}, newRecorder())
+		})
+		status, _, hdr := post(t, url+"/v1/completions", "Bearer client-key")
+		if status != 200 || hdr != c.want {
+			t.Errorf("%s: status %d, engine saw Authorization %q, want %q", c.up.Name, status, hdr, c.want)
+		}
+	}
+}
+
+func post(t *testing.T, url, auth string) (int, []byte, string) {
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(url)
+	req.Header.SetMethod("POST")
+	req.Header.Set("Authorization", auth)
+	req.SetBodyString(`{"model":"m","prompt":"x"}`)
+	if err := fasthttp.DoTimeout(req, resp, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode(), append([]byte(nil), resp.Body()...), string(resp.Header.Peek("X-Seen-Auth"))
+}
