@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/blockkey"
@@ -50,7 +51,6 @@ type exchange struct {
 	targets []*proxy.Upstream
 	info    []targetInfo
 
-	start     time.Time
 	attempts  int
 	firstByte bool
 	ttft      time.Duration
@@ -122,7 +122,6 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		DropAuthorization: len(s.APIKeys) > 0,
 		Stream:            p.stream,
 	}
-	ex.start = g.now()
 	// ex belongs to the proxy from here: it is released on the last Finish,
 	// which may run after this handler returns.
 	g.fwd.Forward(ctx, &req, ex.targets, ex)
@@ -149,7 +148,13 @@ func serves(r *fleet.Replica, model string) bool {
 // decide builds candidates, routes, and fills the targets to try.
 func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	g, s := ex.g, ex.s
-	t0 := time.Now()
+	// The decision time is only logged (debug): clock reads cost on every
+	// request otherwise.
+	var t0 time.Time
+	timed := g.log.GetLevel() <= zerolog.DebugLevel
+	if timed {
+		t0 = time.Now()
+	}
 	ms := s.Models[ex.model]
 	ex.loads = g.loadsOf(snap)
 	known := len(ms.Fallback) > 0
@@ -191,7 +196,9 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		ex.tokens(p, ms)
 		ex.d.Pick, ex.d.Order, ex.d.Mode, ex.d.Reason = -1, ex.d.Order[:0], routing.ModeFallback, "no replica online"
 		ex.addFallback(ms)
-		ex.decideTime = time.Since(t0)
+		if timed {
+			ex.decideTime = time.Since(t0)
+		}
 		return nil
 	}
 
@@ -201,7 +208,9 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	ex.req.Now = g.now()
 	ex.req.Keys = ex.keys
 	s.Policy.Route(&ex.req, ex.cands, &ex.d)
-	ex.decideTime = time.Since(t0)
+	if timed {
+		ex.decideTime = time.Since(t0)
+	}
 	if ex.tokenizeErr != nil && ex.d.Mode == routing.ModeCold {
 		// Without tokens there is no prefix to place: this was load only.
 		ex.d.Mode = routing.ModeBalance
