@@ -67,7 +67,7 @@ func parseRequest(body []byte, k kind) (*parsed, error) {
 	if !utf8.Valid(body) {
 		return nil, badRequest("request body is not valid UTF-8")
 	}
-	if t := bytes.TrimLeft(body, " \t\r\n"); len(t) == 0 || t[0] != '{' {
+	if i := skipSpace(body, 0); i == len(body) || body[i] != '{' {
 		return nil, badRequest("request body must be a JSON object")
 	}
 	if !validJSON(body) {

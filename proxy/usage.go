@@ -36,11 +36,11 @@ func usageFromBody(body []byte) (prompt, cached int) {
 	if i < 0 {
 		return -1, -1
 	}
-	rest := bytes.TrimLeft(body[i+len(usageKey):], " \t\r\n")
+	rest := trimSpace(body[i+len(usageKey):])
 	if len(rest) == 0 || rest[0] != ':' {
 		return -1, -1
 	}
-	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	rest = trimSpace(rest[1:])
 	end := objectEnd(rest)
 	if end < 0 {
 		return -1, -1
@@ -93,11 +93,11 @@ func intField(obj, key []byte) int {
 	if i < 0 {
 		return -1
 	}
-	rest := bytes.TrimLeft(obj[i+len(key):], " \t\r\n")
+	rest := trimSpace(obj[i+len(key):])
 	if len(rest) == 0 || rest[0] != ':' {
 		return -1
 	}
-	rest = bytes.TrimLeft(rest[1:], " \t\r\n")
+	rest = trimSpace(rest[1:])
 	n, digits := 0, 0
 	for _, c := range rest {
 		if c < '0' || c > '9' || digits > 12 {
@@ -123,4 +123,13 @@ func parseUsageChunk(payload []byte) (u usage, usageOnly, ok bool) {
 		return usage{}, false, false
 	}
 	return chunk.Usage.values(), len(chunk.Choices) == 0, true
+}
+
+// trimSpace drops leading JSON whitespace (bytes.TrimLeft builds its cutset
+// on every call).
+func trimSpace(b []byte) []byte {
+	for len(b) > 0 && (b[0] == ' ' || b[0] == '\t' || b[0] == '\r' || b[0] == '\n') {
+		b = b[1:]
+	}
+	return b
 }
