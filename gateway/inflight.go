@@ -20,7 +20,7 @@ type replicaLoad struct {
 	// router's exact current counts are added.
 	reportedRequests atomic.Int64
 	reportedPrefill  atomic.Int64
-	latency          atomic.Value // prometheus.Observer of this replica's upstream latency
+	observers        [2]atomic.Value // prometheus.Observer: upstream latency, ttft (see metrics.latency)
 }
 
 // clusterView combines the cluster-wide counts a sidecar gossiped (which

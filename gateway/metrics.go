@@ -22,7 +22,7 @@ type metrics struct {
 	actual          prometheus.Counter
 	retries         prometheus.Counter
 	errors          *prometheus.CounterVec
-	ttft            prometheus.Histogram
+	ttft            *prometheus.HistogramVec
 	upstreamLatency *prometheus.HistogramVec
 	handler         fasthttp.RequestHandler
 
@@ -46,10 +46,10 @@ func newMetrics(g *Gateway) *metrics {
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
-	m.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte.",
+	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte (a stream's first event), by replica.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
-	})
+	}, []string{"replica"})
 	m.upstreamLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvmesh_router_upstream_latency_seconds", Help: "Time from dispatch to the end of the response, by replica.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 20),
@@ -111,17 +111,26 @@ func (m *metrics) routed(mode routing.Mode) prometheus.Counter {
 	return m.routes.WithLabelValues(string(mode))
 }
 
-// latency returns the upstream-latency histogram of replica, kept in its
-// in-flight entry (l may be nil, for fallback upstreams).
+// latency and ttft return replica's histograms, kept in its in-flight
+// entry so that a request does not hash label values (l may be nil, for
+// fallback upstreams).
 func (m *metrics) latency(l *replicaLoad, replica string) prometheus.Observer {
+	return cachedObserver(l, 0, m.upstreamLatency, replica)
+}
+
+func (m *metrics) ttftOf(l *replicaLoad, replica string) prometheus.Observer {
+	return cachedObserver(l, 1, m.ttft, replica)
+}
+
+func cachedObserver(l *replicaLoad, slot int, vec *prometheus.HistogramVec, replica string) prometheus.Observer {
 	if l == nil {
-		return m.upstreamLatency.WithLabelValues(replica)
+		return vec.WithLabelValues(replica)
 	}
-	if o, ok := l.latency.Load().(prometheus.Observer); ok {
+	if o, ok := l.observers[slot].Load().(prometheus.Observer); ok {
 		return o
 	}
-	o := m.upstreamLatency.WithLabelValues(replica)
-	l.latency.Store(o)
+	o := vec.WithLabelValues(replica)
+	l.observers[slot].Store(o)
 	return o
 }
 

@@ -28,10 +28,11 @@ func (ex *exchange) Attempt(i int) {
 // its prefill is done.
 func (ex *exchange) FirstByte(i int, ttft time.Duration) {
 	ex.firstByte, ex.ttft = true, ttft
-	if l := ex.info[i].load; l != nil {
-		l.prefill.Add(-int64(ex.info[i].uncached))
+	t := &ex.info[i]
+	if t.load != nil {
+		t.load.prefill.Add(-int64(t.uncached))
 	}
-	ex.g.metrics.ttft.Observe(ttft.Seconds())
+	ex.g.metrics.ttftOf(t.load, t.name).Observe(ttft.Seconds())
 }
 
 // Header implements proxy.Observer: the X-Kvmesh-* headers of the answer.
