@@ -63,7 +63,7 @@ type Generations struct {
 	fill float64 // effective RebuildFillRatio
 
 	// sizing remembers Params for the last capacity (Rebuild runs often,
-	// Params costs ~1 ms); only Rebuild touches it.
+	// Params costs ~1 ms); guarded by mu.
 	sizedFor uint
 	blocks   uint64
 	k        uint
@@ -73,14 +73,15 @@ type Generations struct {
 	gen      uint64
 	seq      uint64 // sequence of the last delta taken
 	filter   *Filter
-	ones     int       // bits set in filter
-	inserted int       // keys put in this generation as of the last delta taken
-	pending  []uint64  // added since the last delta taken
-	removed  int       // removals since the generation began
-	live     int       // resident keys, as Add/Remove/Clear describe them
-	cleared  bool      // a Clear happened since the generation began
-	dropped  int       // delta batches dropped because nobody took them
-	started  time.Time // when the generation began
+	ones     int         // bits set in filter
+	inserted int         // keys put in this generation as of the last delta taken
+	pending  []uint64    // added since the last delta taken
+	removed  int         // removals since the generation began
+	live     int         // resident keys, as Add/Remove/Clear describe them
+	cleared  bool        // a Clear happened since the generation began
+	dropped  int         // delta batches dropped because nobody took them
+	started  time.Time   // when the generation began
+	job      *RebuildJob // rebuild in progress, recording changes
 }
 
 // NewGenerations returns generation 1 of an empty filter for boot epoch
@@ -114,6 +115,9 @@ func (g *Generations) Add(key uint64) {
 	}
 	g.pending = append(g.pending, key)
 	g.live++
+	if g.job != nil {
+		g.job.adds = append(g.job.adds, key)
+	}
 	g.mu.Unlock()
 }
 
@@ -123,6 +127,9 @@ func (g *Generations) Remove(key uint64) {
 	g.mu.Lock()
 	g.removed++
 	g.live = max(g.live-1, 0)
+	if g.job != nil {
+		g.job.removed++
+	}
 	g.mu.Unlock()
 }
 
@@ -133,6 +140,10 @@ func (g *Generations) Clear() {
 	g.removed += g.live
 	g.live = 0
 	g.cleared = true
+	if g.job != nil {
+		g.job.abandoned = true
+		g.job = nil
+	}
 	g.mu.Unlock()
 }
 
@@ -161,41 +172,91 @@ func (g *Generations) NeedsRebuild(now time.Time) bool {
 // new filter is sized for max(Capacity, resident keys × 1.25). Pending delta
 // keys are dropped: the new generation's snapshot holds them.
 func (g *Generations) Rebuild(now time.Time, keys iter.Seq[uint64]) {
-	g.mu.Lock()
-	live := g.live
-	g.mu.Unlock()
+	job := g.BeginRebuild()
+	job.Build(keys)
+	g.Install(now, job)
+}
 
+// RebuildJob is a rebuild split in three, so that the owner of the exact
+// set holds its lock only while it copies the keys, not for the ≈20 ms of
+// filling a 300k-key filter:
+//
+//	owner locked:   job := g.BeginRebuild(); copy the keys
+//	unlocked:       job.Build(copied keys)
+//	owner locked:   g.Install(now, job)
+//
+// Adds and removes between BeginRebuild and Install are recorded in the job
+// and carried into the new generation.
+type RebuildJob struct {
+	filter    *Filter
+	ones, n   int
+	adds      []uint64 // added meanwhile
+	removed   int      // removed meanwhile (they may be among the copied keys)
+	abandoned bool     // a Clear came meanwhile: the copied keys are all stale
+}
+
+// BeginRebuild starts recording changes for a rebuild and sizes its filter
+// for the keys resident now. A job begun earlier and not installed is
+// abandoned.
+func (g *Generations) BeginRebuild() *RebuildJob {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	capacity := g.cfg.Capacity
-	if live > capacity {
-		capacity = live + live/4
+	if g.live > capacity {
+		capacity = g.live + g.live/4
 	}
 	if uint(capacity) != g.sizedFor {
 		g.sizedFor = uint(capacity)
 		g.blocks, g.k = Params(uint(capacity), g.cfg.FPRate)
 	}
-	f := &Filter{words: make([]uint64, g.blocks*blockWords), blocks: g.blocks, k: g.k}
-	ones, n := 0, 0
-	if keys != nil {
-		var p Probe
-		for key := range keys {
-			p.init(key, 0, f.k)
-			ones += f.addUnpublished(&p)
-			n++
-		}
+	if g.job != nil {
+		g.job.abandoned = true
 	}
+	g.job = &RebuildJob{filter: &Filter{words: make([]uint64, g.blocks*blockWords), blocks: g.blocks, k: g.k}}
+	return g.job
+}
 
+// Build puts keys (the exact set as it was at BeginRebuild) in the job's
+// filter. It takes no lock: call it without holding the owner's.
+func (j *RebuildJob) Build(keys iter.Seq[uint64]) {
+	if keys == nil {
+		return
+	}
+	var p Probe
+	for key := range keys {
+		p.init(key, 0, j.filter.k)
+		j.ones += j.filter.addUnpublished(&p)
+		j.n++
+	}
+}
+
+// Install publishes the job's filter as generation g+1, with the keys added
+// since BeginRebuild; removals since count toward the next rebuild. It
+// reports false, changing nothing, when the job was abandoned (a Clear, or
+// a newer BeginRebuild).
+func (g *Generations) Install(now time.Time, j *RebuildJob) bool {
 	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.job != j || j.abandoned {
+		return false
+	}
+	g.job = nil
+	var p Probe
+	for _, key := range j.adds {
+		p.init(key, 0, j.filter.k)
+		j.ones += j.filter.addUnpublished(&p)
+	}
 	g.gen++
 	g.seq = 0
-	g.filter = f
-	g.ones = ones
-	g.inserted = n
+	g.filter = j.filter
+	g.ones = j.ones
+	g.inserted = j.n + len(j.adds)
 	g.pending = nil
-	g.removed = 0
-	g.live = n
+	g.removed = j.removed
+	g.live = max(j.n+len(j.adds)-j.removed, 0)
 	g.cleared = false
 	g.started = now
-	g.mu.Unlock()
+	return true
 }
 
 // Snapshot returns a copy of the current generation. Seq is the last delta

@@ -425,3 +425,61 @@ func TestGenerationsConcurrentPublisher(t *testing.T) {
 		t.Fatalf("deltas carried %d keys, want the %d added, in order", len(got), len(keys))
 	}
 }
+
+// TestRebuildJobCarriesChangesMadeWhileBuilding: keys added while the
+// filter is built outside the owner's lock end up in the new generation;
+// removals then count toward the next rebuild.
+func TestRebuildJobCarriesChangesMadeWhileBuilding(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000}, 1, t0)
+	for k := uint64(1); k <= 100; k++ {
+		g.Add(k)
+	}
+	job := g.BeginRebuild()
+	copied := exactSet{}
+	for k := uint64(1); k <= 100; k++ {
+		copied[k] = true
+	}
+	g.Add(500) // while building
+	g.Remove(7)
+	job.Build(copied.keys)
+	if !g.Install(t0.Add(time.Second), job) {
+		t.Fatal("install refused")
+	}
+	st := g.Stats()
+	if st.Generation != 2 || st.Keys != 101 || st.Removed != 1 || st.Pending != 0 {
+		t.Fatalf("after install: %+v", st)
+	}
+	var m Mirror
+	if err := m.ApplySnapshot(g.Snapshot()); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []uint64{1, 50, 100, 500} {
+		if !m.Filter().Test(k) {
+			t.Fatalf("key %d missing from the new generation", k)
+		}
+	}
+	if g.Install(t0, job) {
+		t.Fatal("a job installed twice")
+	}
+}
+
+func TestRebuildJobAbandoned(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000}, 1, t0)
+	g.Add(1)
+	job := g.BeginRebuild()
+	g.Clear() // the copied keys are all stale now
+	job.Build(exactSet{1: true}.keys)
+	if g.Install(t0, job) || g.Stats().Generation != 1 || !g.NeedsRebuild(t0) {
+		t.Fatal("a job overtaken by a Clear was installed, or the clear was forgotten")
+	}
+	first := g.BeginRebuild()
+	second := g.BeginRebuild()
+	first.Build(nil)
+	second.Build(nil)
+	if g.Install(t0, first) {
+		t.Fatal("an older job was installed over a newer one")
+	}
+	if !g.Install(t0, second) || g.Stats().Generation != 2 {
+		t.Fatal("the newest job was not installed")
+	}
+}
