@@ -1,6 +1,9 @@
 package residentset
 
-import "math/bits"
+import (
+	"math/bits"
+	"slices"
+)
 
 // The two indexes of a Set are open-addressing hash tables with linear
 // probing and backward-shift deletion (no tombstones, so an engine's endless
@@ -289,6 +292,19 @@ func (t *keyCounts) all(yield func(uint64) bool) {
 			return
 		}
 	}
+}
+
+func (t *keyCounts) appendTo(dst []uint64) []uint64 {
+	dst = slices.Grow(dst, t.len())
+	if t.hasZero {
+		dst = append(dst, 0)
+	}
+	for _, k := range t.slots {
+		if k != 0 {
+			dst = append(dst, k)
+		}
+	}
+	return dst
 }
 
 func (t *keyCounts) reset() { *t = keyCounts{} }

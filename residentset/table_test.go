@@ -64,6 +64,15 @@ func TestTablesMatchMaps(t *testing.T) {
 			if n != len(wantKC) {
 				t.Fatalf("step %d: all() yields %d keys, want %d", step, n, len(wantKC))
 			}
+			appended := kc.appendTo([]uint64{42}) // appends after what dst holds
+			if len(appended) != len(wantKC)+1 || appended[0] != 42 {
+				t.Fatalf("step %d: appendTo gave %d keys, want %d after the 1 given", step, len(appended)-1, len(wantKC))
+			}
+			for _, k := range appended[1:] {
+				if wantKC[k] == 0 {
+					t.Fatalf("step %d: appendTo gives absent %d", step, k)
+				}
+			}
 		}
 	}
 	if _, refs := hi.get(123456789); refs != 0 {

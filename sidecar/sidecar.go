@@ -293,7 +293,7 @@ func (s *Sidecar) rebuild(now time.Time, force bool) {
 		s.mu.Unlock()
 		return
 	}
-	s.keysBuf = slices.AppendSeq(s.keysBuf[:0], s.set.Keys)
+	s.keysBuf = s.set.AppendKeys(s.keysBuf[:0])
 	job := g.BeginRebuild()
 	s.mu.Unlock()
 
