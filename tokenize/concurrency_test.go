@@ -2,11 +2,13 @@ package tokenize
 
 import (
 	"fmt"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/VictoriaMetrics/fastcache"
 )
@@ -153,5 +155,40 @@ func BenchmarkSegmentCacheGCMark(b *testing.B) {
 			}
 			runtime.KeepAlive(c)
 		})
+	}
+}
+
+// TestSegmentCacheFreedWithTokenizer: a tokenizer that goes away returns
+// its off-heap segment chunks (fastcache's free list), so loading
+// tokenizers again and again does not grow the process.
+func TestSegmentCacheFreedWithTokenizer(t *testing.T) {
+	dir := filepath.Join(sharedTokenizers(t), "llama3")
+	entries := func(c *segmentCache) uint64 {
+		var st fastcache.Stats
+		c.c.UpdateStats(&st)
+		return st.EntriesCount
+	}
+	c := func() *segmentCache {
+		tok, err := LoadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 2000 {
+			if _, err := tok.Encode(fmt.Sprintf("segment %d %s", i, strings.Repeat("z", 200)), false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return tok.segments
+	}()
+	if entries(c) == 0 {
+		t.Fatal("nothing cached")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for entries(c) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the segment cache of an unreachable tokenizer was not reset")
+		}
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
 	}
 }

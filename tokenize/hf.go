@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -106,6 +107,9 @@ func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
 	}
 	if o.segmentCacheBytes > 0 {
 		t.segments = newSegmentCache(o.segmentCacheBytes)
+		// fastcache's chunks live outside the Go heap: hand them back to
+		// its free list when the tokenizer goes away.
+		runtime.AddCleanup(t, func(c *segmentCache) { c.reset() }, t.segments)
 	}
 	t.encoders.New = t.newEncoder
 	t.chatErr = errNoChatTemplate
