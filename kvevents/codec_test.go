@@ -432,6 +432,9 @@ func randomBatch(rng *rand.Rand) Batch {
 				ev.TokenIDs = append(ev.TokenIDs, rng.Uint32()>>(rng.IntN(32)))
 			}
 			ev.BlockSize = bs
+			if rng.IntN(5) == 0 { // SGLang EAGLE: ids as bigram pairs
+				ev.Bigram, ev.BigramLast = true, rng.Uint32()
+			}
 			if rng.IntN(2) == 0 {
 				ev.HasParent, ev.ParentHash = true, rng.Uint64()
 			}
@@ -484,7 +487,7 @@ func projected(b *Batch, f Format) Batch {
 		case FormatSGLang:
 			salt, medium := ev.CacheSalt, ev.Medium
 			ev = Event{Kind: ev.Kind, BlockHashes: ev.BlockHashes, TokenIDs: ev.TokenIDs, BlockSize: ev.BlockSize,
-				ParentHash: ev.ParentHash, HasParent: ev.HasParent, LoRAID: ev.LoRAID}
+				ParentHash: ev.ParentHash, HasParent: ev.HasParent, LoRAID: ev.LoRAID, Bigram: ev.Bigram, BigramLast: ev.BigramLast}
 			if ev.Kind == KindBlockStored {
 				ev.CacheSalt, ev.Medium = salt, medium
 			}
@@ -619,6 +622,7 @@ func eventEqual(a, b *Event) bool {
 		a.BlockSize == b.BlockSize && a.LoRAID == b.LoRAID && a.LoRAName == b.LoRAName &&
 		a.Medium == b.Medium && a.GroupIdx == b.GroupIdx && a.HasGroupIdx == b.HasGroupIdx &&
 		a.CacheSalt == b.CacheSalt && a.SpecKind == b.SpecKind && a.SlidingWindow == b.SlidingWindow &&
+		a.Bigram == b.Bigram && a.BigramLast == b.BigramLast &&
 		bytes.Equal(a.ExtraKeys, b.ExtraKeys)
 }
 
@@ -667,5 +671,29 @@ print("checked", bad)
 	}
 	if !strings.HasSuffix(strings.TrimSpace(string(out)), "checked 0") {
 		t.Fatalf("python msgpack disagrees on %d payloads:\n%s", n, out)
+	}
+}
+
+// TestBigramTokenIDs: SGLang with EAGLE sends token_ids as (t[i], t[i+1])
+// pairs; the blocks' tokens are the first ids, and the event re-encodes to
+// the same bytes.
+func TestBigramTokenIDs(t *testing.T) {
+	// [1.0, [["BlockStored", [7], nil, [[10,11],[11,12],[12,13]], 3, nil, "GPU"]]]
+	payload := wire(hx("92 cb 3ff0000000000000 91 97 ab"), "BlockStored",
+		hx("91 07 c0 93 92 0a 0b 92 0b 0c 92 0c 0d 03 c0 a3"), "GPU")
+	var b Batch
+	if err := DecodeBatch(payload, &b); err != nil {
+		t.Fatal(err)
+	}
+	ev := b.Events[0]
+	if !ev.Bigram || ev.BigramLast != 13 || len(ev.TokenIDs) != 3 || ev.TokenIDs[0] != 10 || ev.TokenIDs[2] != 12 {
+		t.Fatalf("bigram event decoded as %+v", ev)
+	}
+	if again := AppendBatch(nil, &b, FormatSGLang); !bytes.Equal(again, payload) {
+		t.Fatalf("re-encoded\n%x\nwant\n%x", again, payload)
+	}
+	bad := bytes.Replace(payload, wire(hx("92 0a 0b")), wire(hx("93 0a 0b 0c")), 1)
+	if err := DecodeBatch(bad, &b); err == nil {
+		t.Fatal("a bigram of three ids was accepted")
 	}
 }

@@ -314,12 +314,23 @@ func (r *reader) field1(ev *Event, old *Event, id fieldID) error {
 			return err
 		}
 		ev.TokenIDs = ev.TokenIDs[:0]
+		ev.Bigram, ev.BigramLast = n > 0 && r.peekIsArray(), 0
 		for i := 0; i < n; i++ {
+			if ev.Bigram {
+				if m, err := r.array(); err != nil || m != 2 {
+					return r.fail("token_ids: a bigram must be a pair of ids")
+				}
+			}
 			t, err := r.uint32()
 			if err != nil {
 				return err
 			}
 			ev.TokenIDs = append(ev.TokenIDs, t)
+			if ev.Bigram {
+				if ev.BigramLast, err = r.uint32(); err != nil {
+					return err
+				}
+			}
 		}
 	case fBlockSize:
 		ev.BlockSize, err = r.int()

@@ -102,10 +102,19 @@ func appendParent(dst []byte, ev *Event, signed bool) []byte {
 	return appendHash(dst, ev.ParentHash, signed)
 }
 
-func appendTokens(dst []byte, ts []uint32) []byte {
+func appendTokens(dst []byte, ev *Event) []byte {
+	ts := ev.TokenIDs
 	dst = appendArrayHeader(dst, len(ts))
-	for _, t := range ts {
-		dst = appendUint(dst, uint64(t))
+	for i, t := range ts {
+		if !ev.Bigram {
+			dst = appendUint(dst, uint64(t))
+			continue
+		}
+		next := ev.BigramLast
+		if i+1 < len(ts) {
+			next = ts[i+1]
+		}
+		dst = appendUint(appendUint(appendArrayHeader(dst, 2), uint64(t)), uint64(next))
 	}
 	return dst
 }
@@ -163,7 +172,7 @@ func appendVLLMArrayEvent(dst []byte, ev *Event) []byte {
 		dst = appendStr(dst, "BlockStored")
 		dst = appendHashes(dst, ev.BlockHashes, false)
 		dst = appendParent(dst, ev, false)
-		dst = appendTokens(dst, ev.TokenIDs)
+		dst = appendTokens(dst, ev)
 		dst = appendInt(dst, int64(ev.BlockSize))
 		dst = appendLoRAID(dst, ev.LoRAID)
 		dst = appendStrOrNil(dst, ev.Medium)
@@ -222,7 +231,7 @@ func appendVLLMMapEvent(dst []byte, ev *Event) []byte {
 		dst = appendStr(appendStr(dst, "type"), "BlockStored")
 		dst = appendHashes(appendStr(dst, "block_hashes"), ev.BlockHashes, false)
 		dst = appendParent(appendStr(dst, "parent_block_hash"), ev, false)
-		dst = appendTokens(appendStr(dst, "token_ids"), ev.TokenIDs)
+		dst = appendTokens(appendStr(dst, "token_ids"), ev)
 		dst = appendInt(appendStr(dst, "block_size"), int64(ev.BlockSize))
 		dst = appendLoRAID(appendStr(dst, "lora_id"), ev.LoRAID)
 		dst = appendStrOrNil(appendStr(dst, "medium"), ev.Medium)
@@ -272,7 +281,7 @@ func appendSGLangEvent(dst []byte, ev *Event) []byte {
 		dst = appendStr(dst, "BlockStored")
 		dst = appendHashes(dst, ev.BlockHashes, true)
 		dst = appendParent(dst, ev, true)
-		dst = appendTokens(dst, ev.TokenIDs)
+		dst = appendTokens(dst, ev)
 		dst = appendInt(dst, int64(ev.BlockSize))
 		dst = appendLoRAID(dst, ev.LoRAID)
 		dst = appendStrOrNil(dst, ev.Medium)

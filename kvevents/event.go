@@ -53,6 +53,13 @@ type Event struct {
 
 	// TokenIDs are the tokens of all stored blocks, concatenated (BlockStored).
 	TokenIDs []uint32
+	// Bigram is set when the engine sent token_ids as (t[i], t[i+1]) pairs
+	// (SGLang with EAGLE speculative decoding). TokenIDs then holds each
+	// pair's first id — the blocks' own tokens — and BigramLast the second
+	// id of the last pair, the token after them, so the event re-encodes as
+	// it came.
+	Bigram     bool
+	BigramLast uint32
 	// BlockSize is the engine's block size in tokens (BlockStored).
 	BlockSize int
 

@@ -101,6 +101,16 @@ func (r *reader) peekIsMap() bool {
 	return c&0xf0 == 0x80 || c == 0xde || c == 0xdf
 }
 
+// peekIsArray reports whether the next value is an array, without
+// consuming it.
+func (r *reader) peekIsArray() bool {
+	if r.off >= len(r.buf) {
+		return false
+	}
+	c := r.buf[r.off]
+	return c&0xf0 == 0x90 || c == 0xdc || c == 0xdd
+}
+
 // container reads an array or map header. The length is checked against the
 // bytes left (every element takes at least one byte), which bounds any
 // allocation a hostile length could cause.
