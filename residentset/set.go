@@ -45,6 +45,10 @@ type Options struct {
 	// compared case-insensitively; an event without a medium is on "GPU".
 	// Empty means GPU only. Events on other media are counted and ignored.
 	Media []string
+	// LoRANames names adapters by the numeric lora_id that vLLM before
+	// v0.14 sends alone. Routers seed an adapter's keys with its name, so
+	// without this map such blocks are keyed by the id and never match.
+	LoRANames map[int64]string
 }
 
 // Stats count what the set did with the events it was given.
@@ -78,7 +82,8 @@ type tierID struct {
 // Set is the exact resident set of one engine. It is not safe for concurrent
 // use; the sidecar's event loop owns it.
 type Set struct {
-	media []string
+	media     []string
+	loraNames map[int64]string
 
 	tiers     map[tierID]*hashIndex // engine hash → key and stores not yet removed
 	keys      keyCounts             // kvmesh key → resident engine hashes naming it
@@ -88,7 +93,7 @@ type Set struct {
 
 // New returns an empty set.
 func New(opts Options) *Set {
-	s := &Set{tiers: make(map[tierID]*hashIndex)}
+	s := &Set{tiers: make(map[tierID]*hashIndex), loraNames: opts.LoRANames}
 	for _, m := range opts.Media {
 		s.media = append(s.media, normMedium(m))
 	}
@@ -157,11 +162,14 @@ func (s *Set) clear(obs Observer) {
 }
 
 // seed is key_0 of a stored prefix that starts at the beginning: the LoRA
-// adapter's name (its id when the engine sent no name) and the cache salt.
-func seed(ev *kvevents.Event, salt string) uint64 {
+// adapter's name (from the configured names when the engine sent only an
+// id, else the id itself) and the cache salt.
+func (s *Set) seed(ev *kvevents.Event, salt string) uint64 {
 	adapter := ev.LoRAName
 	if adapter == "" && ev.LoRAID != 0 {
-		adapter = strconv.FormatInt(ev.LoRAID, 10)
+		if adapter = s.loraNames[ev.LoRAID]; adapter == "" {
+			adapter = strconv.FormatInt(ev.LoRAID, 10)
+		}
 	}
 	return blockkey.Seed(adapter, salt)
 }
@@ -192,7 +200,7 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 			salt = extraSalt
 		}
 	}
-	parent := seed(ev, salt)
+	parent := s.seed(ev, salt)
 	tainted := false
 	if ev.HasParent {
 		var ok bool

@@ -195,6 +195,21 @@ func TestLoRAAndMediaAndGroups(t *testing.T) {
 	}
 }
 
+// TestLoRANamesForIDOnlyEvents: vLLM before v0.14 names the adapter only by
+// lora_id; with the id's name configured, its blocks get the keys a router
+// seeds with that name.
+func TestLoRANamesForIDOnlyEvents(t *testing.T) {
+	s, rec := New(Options{LoRANames: map[int64]string{42: "sql-adapter"}}), newRecorder(t)
+	tokens := seq(7, 4)
+	byID := stored([]uint64{1}, nil, tokens)
+	byID.LoRAID = 42
+	s.Apply(byID, rec)
+	unknown := stored([]uint64{2}, nil, tokens)
+	unknown.LoRAID = 7 // not configured: keyed by the id, as before
+	s.Apply(unknown, rec)
+	wantSet(t, s, rec, blockkey.Next(blockkey.Seed("sql-adapter", ""), tokens), blockkey.Next(blockkey.Seed("7", ""), tokens))
+}
+
 // model is the reference: engine hashes with their true keys and
 // reference counts per group, resident keys derived by brute force.
 type model struct {

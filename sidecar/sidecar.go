@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -46,8 +47,31 @@ type Config struct {
 	ModelsInterval time.Duration // /v1/models refresh (default 30 s)
 	FilterFPR      float64       // target false-positive rate (default 0.01)
 	Capacity       int           // engine KV capacity in blocks (default 65536)
+	// LoRANames names LoRA adapters by the numeric id vLLM before v0.14
+	// sends alone in its events (routers key adapters by name).
+	LoRANames map[int64]string
 
 	Logger zerolog.Logger
+}
+
+// ParseLoRAIDs parses "NAME=ID,NAME=ID" (--lora-ids) into names by id.
+func ParseLoRAIDs(spec string) (map[int64]string, error) {
+	out := map[int64]string{}
+	for _, item := range strings.Split(spec, ",") {
+		if item = strings.TrimSpace(item); item == "" {
+			continue
+		}
+		name, idText, ok := strings.Cut(item, "=")
+		id, err := strconv.ParseInt(strings.TrimSpace(idText), 10, 64)
+		if name = strings.TrimSpace(name); !ok || name == "" || err != nil || id <= 0 {
+			return nil, fmt.Errorf("sidecar: --lora-ids: %q is not NAME=ID with a positive integer ID", item)
+		}
+		if prev, dup := out[id]; dup && prev != name {
+			return nil, fmt.Errorf("sidecar: --lora-ids: id %d named both %q and %q", id, prev, name)
+		}
+		out[id] = name
+	}
+	return out, nil
 }
 
 // Sidecar is one running sidecar.
@@ -134,7 +158,7 @@ func New(cfg Config) (*Sidecar, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		client:   &http.Client{Timeout: 2 * time.Second},
-		set:      residentset.New(residentset.Options{}),
+		set:      residentset.New(residentset.Options{LoRANames: cfg.LoRANames}),
 		clearReq: make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
 	}
 	s.gens = s.newGenerations(time.Now(), 1)

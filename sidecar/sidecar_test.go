@@ -447,3 +447,15 @@ func TestUnhealthyEngineIsAnnouncedOffline(t *testing.T) {
 	waitFor(t, 2*time.Second, "offline", func() bool { return !online() })
 	t.Logf("engine down → offline at the router in %v", time.Since(start))
 }
+
+func TestParseLoRAIDs(t *testing.T) {
+	got, err := ParseLoRAIDs(" sql-lora=1, chat=2 ,")
+	if err != nil || len(got) != 2 || got[1] != "sql-lora" || got[2] != "chat" {
+		t.Fatalf("got %v, %v", got, err)
+	}
+	for _, bad := range []string{"sql-lora", "=3", "x=0", "x=y", "a=1,b=1"} {
+		if _, err := ParseLoRAIDs(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+}

@@ -31,7 +31,7 @@ func run(args []string) error {
 	var (
 		cfg                    sidecar.Config
 		logOpts                logging.Options
-		join, key              string
+		join, key, loraIDs     string
 		bind, advertise, label string
 	)
 	host, _ := os.Hostname()
@@ -51,6 +51,7 @@ func run(args []string) error {
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", 200*time.Millisecond, "engine /health and /metrics interval")
 	fs.Float64Var(&cfg.FilterFPR, "filter-fpr", 0.01, "Bloom filter target false-positive rate")
 	fs.IntVar(&cfg.Capacity, "capacity", 65536, "engine KV capacity in blocks (sizes the filter)")
+	fs.StringVar(&loraIDs, "lora-ids", "", "NAME=ID,...: LoRA adapter names for the numeric ids vLLM before v0.14 sends alone")
 	logOpts.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		if err == flag.ErrHelp {
@@ -71,6 +72,9 @@ func run(args []string) error {
 		if j = strings.TrimSpace(j); j != "" {
 			cfg.Gossip.Join = append(cfg.Gossip.Join, j)
 		}
+	}
+	if cfg.LoRANames, err = sidecar.ParseLoRAIDs(loraIDs); err != nil {
+		return err
 	}
 	s, err := sidecar.New(cfg)
 	if err != nil {
