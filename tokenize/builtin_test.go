@@ -1,9 +1,13 @@
 package tokenize
 
 import (
+	"bytes"
 	"encoding/json"
 	"strings"
 	"testing"
+	"unicode/utf8"
+
+	segjson "github.com/segmentio/encoding/json"
 )
 
 func TestBuiltinWordsAreTokens(t *testing.T) {
@@ -63,4 +67,44 @@ func BenchmarkBuiltinEncode4KB(b *testing.B) {
 	for b.Loop() {
 		_, _ = Builtin{}.Encode(text, true)
 	}
+}
+
+// FuzzBuiltinChatDecode: Builtin decodes chats with segmentio's JSON
+// decoder for speed; on valid UTF-8 (the router rejects anything else) it
+// must read messages exactly as encoding/json does.
+func FuzzBuiltinChatDecode(f *testing.F) {
+	for _, s := range []string{`[{"role":"user","content":"hi \u00e9\n\"q\""}]`, `[{"role":"system","content":null},{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]}]`,
+		`[{"role":1}]`, `[{"content":"x","content":"y"}]`, `[]`, `{}`, `[{"role":"u","content":"\ud83d\ude00 \ud800"}]`, `[{"ROLE":"user"}]`} {
+		f.Add([]byte(s))
+	}
+	type msg struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		if !utf8.Valid(raw) {
+			return
+		}
+		var a, b []msg
+		errA, errB := json.Unmarshal(raw, &a), segjson.Unmarshal(raw, &b)
+		if (errA == nil) != (errB == nil) {
+			t.Fatalf("%q: encoding/json error %v, segmentio %v", raw, errA, errB)
+		}
+		if errA != nil {
+			return
+		}
+		if len(a) != len(b) {
+			t.Fatalf("%q: %d vs %d messages", raw, len(a), len(b))
+		}
+		for i := range a {
+			if a[i].Role != b[i].Role || !bytes.Equal(a[i].Content, b[i].Content) {
+				t.Fatalf("%q: message %d: %+v vs %+v", raw, i, a[i], b[i])
+			}
+			ta, ea := contentTextWith(json.Unmarshal, a[i].Content)
+			tb, eb := contentText(b[i].Content)
+			if ta != tb || (ea == nil) != (eb == nil) {
+				t.Fatalf("%q: content %d: %q/%v vs %q/%v", raw, i, ta, ea, tb, eb)
+			}
+		}
+	})
 }
