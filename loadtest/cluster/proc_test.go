@@ -131,7 +131,13 @@ func TestLeftoversFindsMarkedProcesses(t *testing.T) {
 		t.Fatalf("found %d marked processes, want 3", n)
 	}
 	p.Stop(2 * time.Second)
-	if left := Leftovers(marker); len(left) != 0 {
-		t.Fatalf("still found %v", left)
+	// Stop waits for the group's leader; the killed background child may
+	// take a moment longer to be gone from /proc.
+	deadline := time.Now().Add(2 * time.Second)
+	for left := Leftovers(marker); len(left) != 0; left = Leftovers(marker) {
+		if time.Now().After(deadline) {
+			t.Fatalf("still found %v", left)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
