@@ -87,9 +87,17 @@ func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
 // rendezvousOrder orders idx by highest-random-weight hashing of key: every
 // router computes the same order for the same key and replica names.
 func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
-	weight := func(i int) uint64 { return mix(xxhash.Sum64String(cands[i].Name) ^ key) }
+	// Each candidate's weight is hashed once, not at every comparison.
+	var buf [stackCands]uint64
+	weight := buf[:]
+	if len(cands) > len(buf) {
+		weight = make([]uint64, len(cands))
+	}
+	for _, i := range idx {
+		weight[i] = mix(xxhash.Sum64String(cands[i].Name) ^ key)
+	}
 	slices.SortFunc(idx, func(a, b int) int {
-		if c := cmp.Compare(weight(b), weight(a)); c != 0 {
+		if c := cmp.Compare(weight[b], weight[a]); c != 0 {
 			return c
 		}
 		return strings.Compare(cands[a].Name, cands[b].Name)

@@ -88,11 +88,16 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		return
 	}
 
-	slices.SortStableFunc(d.Order, func(a, b int) int {
+	// Ties fall to the candidate order: a total order, so the faster
+	// unstable sort gives what a stable one would.
+	slices.SortFunc(d.Order, func(a, b int) int {
 		if c := cmp.Compare(ttft[a], ttft[b]); c != 0 {
 			return c
 		}
-		return cmp.Compare(matched[b], matched[a])
+		if c := cmp.Compare(matched[b], matched[a]); c != 0 {
+			return c
+		}
+		return cmp.Compare(a, b)
 	})
 	mode := ModePrefix
 	if bestMatched == 0 {

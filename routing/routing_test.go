@@ -289,3 +289,19 @@ func BenchmarkKVAwareRoute50(b *testing.B) {
 		p.Route(req, cands, &d)
 	}
 }
+
+// BenchmarkKVAwareRouteCold50 places a prefix nobody holds among 50
+// replicas: the consistent-hash order of every prefix-aware candidate.
+func BenchmarkKVAwareRouteCold50(b *testing.B) {
+	p, _ := New("kvaware", Config{})
+	cands := fleetOf(50)
+	for i := range cands {
+		cands[i].Running = i % 7
+	}
+	req := &Request{PromptTokens: 4096, AffinityKey: 0x9e3779b97f4a7c15, Now: t0}
+	var d Decision
+	b.ReportAllocs()
+	for b.Loop() {
+		p.Route(req, cands, &d)
+	}
+}
