@@ -1,6 +1,7 @@
 package residentset
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -64,7 +65,7 @@ func TestRouterSeesWhatTheEngineStored(t *testing.T) {
 	if !g.NeedsRebuild(now) {
 		t.Fatal("2 of 8 keys removed: no rebuild")
 	}
-	g.Rebuild(now, s.Keys)
+	g.Rebuild(now, slices.Values(s.AppendKeys(nil)))
 	wire, err = bloom.DecodeSnapshot(func() []byte { sn := g.Snapshot(); return sn.AppendBinary(nil) }())
 	if err != nil || m.ApplySnapshot(wire) != nil {
 		t.Fatal("rebuilt snapshot", err)

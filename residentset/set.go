@@ -332,11 +332,7 @@ func (s *Set) Stats() Stats { return s.stats }
 // Contains reports whether key is resident.
 func (s *Set) Contains(key uint64) bool { return s.keys.contains(key) }
 
-// Keys yields every resident key once, in no particular order (for filter
-// rebuilds). The set must not change during the iteration.
-func (s *Set) Keys(yield func(uint64) bool) { s.keys.all(yield) }
-
-// AppendKeys appends every resident key to dst: what Keys yields, several
-// times faster (a sidecar copies the set under its lock to rebuild a filter
-// outside it).
+// AppendKeys appends every resident key to dst, once each, in no particular
+// order (a sidecar copies the set under its lock to rebuild a filter outside
+// it).
 func (s *Set) AppendKeys(dst []uint64) []uint64 { return s.keys.appendTo(dst) }

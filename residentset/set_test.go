@@ -73,8 +73,7 @@ func routerKeys(tokens []uint32) []uint64 {
 
 func wantSet(t *testing.T, s *Set, rec *recorder, want ...uint64) {
 	t.Helper()
-	var got []uint64
-	s.Keys(func(k uint64) bool { got = append(got, k); return true })
+	got := s.AppendKeys(nil)
 	slices.Sort(got)
 	want = slices.Clone(want)
 	slices.Sort(want)

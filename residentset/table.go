@@ -283,17 +283,6 @@ func (t *keyCounts) count(k uint64) uint32 {
 	return 1 + t.extra[k]
 }
 
-func (t *keyCounts) all(yield func(uint64) bool) {
-	if t.hasZero && !yield(0) {
-		return
-	}
-	for _, k := range t.slots {
-		if k != 0 && !yield(k) {
-			return
-		}
-	}
-}
-
 func (t *keyCounts) appendTo(dst []uint64) []uint64 {
 	dst = slices.Grow(dst, t.len())
 	if t.hasZero {

@@ -161,7 +161,7 @@ func residentKeys(s *Sidecar) map[uint64]bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := map[uint64]bool{}
-	for k := range s.set.Keys {
+	for _, k := range s.set.AppendKeys(nil) {
 		out[k] = true
 	}
 	return out
