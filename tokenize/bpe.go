@@ -156,16 +156,6 @@ type hotEntry struct {
 	ids [hotIDs]uint32
 }
 
-// hotHash is FNV-1a, fast enough for the short pieces the cache holds.
-func hotHash(s string) uint32 {
-	h := uint32(2166136261)
-	for i := 0; i < len(s); i++ {
-		h ^= uint32(s[i])
-		h *= 16777619
-	}
-	return h
-}
-
 func pairKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
 
 // mergeTable is an open-addressing hash table from pair keys to merges:
@@ -245,7 +235,7 @@ func (m *bpeModel) appendPiece(dst []uint32, piece string, sc *bpeScratch) []uin
 	if sc.hot == nil {
 		sc.hot = new(hotCache)
 	}
-	e := &sc.hot[hotHash(piece)%hotEntries]
+	e := &sc.hot[fnv1a(piece)%hotEntries]
 	if int(e.n) == len(piece) && string(e.key[:e.n]) == piece {
 		return append(dst, e.ids[:e.cnt]...)
 	}

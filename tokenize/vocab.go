@@ -55,15 +55,3 @@ func (t *vocabTable) get(tok string) (uint32, bool) {
 	v, ok := t.clash[tok]
 	return v, ok
 }
-
-// all calls f for every token (load-time checks and tests).
-func (t *vocabTable) all(f func(tok string, v uint32)) {
-	for _, s := range t.spans {
-		f(t.arena[s.off:s.off+s.n], s.v)
-	}
-	for tok, v := range t.clash {
-		f(tok, v)
-	}
-}
-
-func (t *vocabTable) len() int { return len(t.spans) + len(t.clash) }

@@ -79,3 +79,15 @@ func BenchmarkVocabGCMark(b *testing.B) {
 		})
 	}
 }
+
+// all calls f for every token.
+func (t *vocabTable) all(f func(tok string, v uint32)) {
+	for _, s := range t.spans {
+		f(t.arena[s.off:s.off+s.n], s.v)
+	}
+	for tok, v := range t.clash {
+		f(tok, v)
+	}
+}
+
+func (t *vocabTable) len() int { return len(t.spans) + len(t.clash) }
