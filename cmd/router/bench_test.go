@@ -51,11 +51,40 @@ func freeAddr(tb testing.TB) string {
 	return ln.Addr().String()
 }
 
+// A built is a binary the tests build once: the router, or the bare relay
+// the proxy benchmark compares it with.
+type built struct {
+	pkg, name string
+	once      sync.Once
+	path      string
+	err       error
+}
+
 var (
-	buildOnce  sync.Once
-	builtPath  string
-	buildError error
+	routerBuild = &built{pkg: ".", name: "router"}
+	bareBuild   = &built{pkg: "./testdata/bareproxy", name: "bareproxy"}
 )
+
+// binary builds b once for this test binary (static, as deployed).
+func (b *built) binary(tb testing.TB) string {
+	b.once.Do(func() {
+		dir, err := os.MkdirTemp("", "kvmesh-"+b.name+"-test-")
+		if err != nil {
+			b.err = err
+			return
+		}
+		b.path = filepath.Join(dir, b.name)
+		cmd := exec.Command("go", "build", "-o", b.path, b.pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			b.err = fmt.Errorf("building %s: %v\n%s", b.name, err, out)
+		}
+	})
+	if b.err != nil {
+		tb.Fatal(b.err)
+	}
+	return b.path
+}
 
 // routerBinary returns KVMESH_BENCH_ROUTER_BIN or the router built once
 // for this test binary.
@@ -63,58 +92,15 @@ func routerBinary(tb testing.TB) string {
 	if p := os.Getenv("KVMESH_BENCH_ROUTER_BIN"); p != "" {
 		return p
 	}
-	buildOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "kvmesh-router-test-")
-		if err != nil {
-			buildError = err
-			return
-		}
-		builtPath = filepath.Join(dir, "router")
-		cmd := exec.Command("go", "build", "-o", builtPath, ".")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			buildError = fmt.Errorf("building the router: %v\n%s", err, b)
-		}
-	})
-	if buildError != nil {
-		tb.Fatal(buildError)
-	}
-	return builtPath
+	return routerBuild.binary(tb)
 }
 
-var (
-	bareOnce  sync.Once
-	barePath  string
-	bareError error
-)
-
-// bareProxyBinary builds testdata/bareproxy once for this test binary.
-func bareProxyBinary(tb testing.TB) string {
-	bareOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "kvmesh-bareproxy-")
-		if err != nil {
-			bareError = err
-			return
-		}
-		barePath = filepath.Join(dir, "bareproxy")
-		cmd := exec.Command("go", "build", "-o", barePath, "./testdata/bareproxy")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			bareError = fmt.Errorf("building bareproxy: %v\n%s", err, b)
-		}
-	})
-	if bareError != nil {
-		tb.Fatal(bareError)
-	}
-	return barePath
-}
-
-// TestMain removes the router built for the tests.
+// TestMain removes the binaries built for the tests.
 func TestMain(m *testing.M) {
 	code := m.Run()
-	for _, p := range []string{builtPath, barePath} {
-		if p != "" {
-			_ = os.RemoveAll(filepath.Dir(p))
+	for _, b := range []*built{routerBuild, bareBuild} {
+		if b.path != "" {
+			_ = os.RemoveAll(filepath.Dir(b.path))
 		}
 	}
 	os.Exit(code)
@@ -299,7 +285,7 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	routerAddr, pprofAddr, bareAddr := freeAddr(b), freeAddr(b), freeAddr(b)
 	routerCmd := start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
-	bareCmd := start(b, bareProxyBinary(b), "--listen", bareAddr, "--upstream", up)
+	bareCmd := start(b, bareBuild.binary(b), "--listen", bareAddr, "--upstream", up)
 	waitListening(b, routerAddr)
 	waitListening(b, bareAddr)
 	round := 2 * time.Second
