@@ -260,14 +260,7 @@ func TestParseKey(t *testing.T) {
 // crash stops a sidecar as kill -9 would: no last load record, no leave.
 func (s *SidecarNode) crash() {
 	s.abort() // first, so the loop's final load record cannot get out
-	close(s.stop)
-	<-s.done
-	s.mu.Lock()
-	for _, rp := range s.routers {
-		close(rp.quit)
-	}
-	s.routers = map[string]*routerPeer{}
-	s.mu.Unlock()
+	s.stopLoops()
 }
 
 func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {

@@ -215,6 +215,13 @@ func (s *SidecarNode) Leave(timeout time.Duration) error {
 		return nil
 	default:
 	}
+	s.stopLoops()
+	s.wg.Wait()
+	return s.leave(timeout)
+}
+
+// stopLoops ends the main loop and every per-router sender.
+func (s *SidecarNode) stopLoops() {
 	close(s.stop)
 	<-s.done
 	s.mu.Lock()
@@ -223,8 +230,6 @@ func (s *SidecarNode) Leave(timeout time.Duration) error {
 	}
 	s.routers = map[string]*routerPeer{}
 	s.mu.Unlock()
-	s.wg.Wait()
-	return s.leave(timeout)
 }
 
 func (s *SidecarNode) loop() {
