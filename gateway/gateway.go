@@ -11,7 +11,6 @@ package gateway
 import (
 	"bytes"
 	"errors"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -249,8 +248,6 @@ func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
 	g.upstreams.Store(&next)
 	return u, nil
 }
-
-func itoa(n int) string { return strconv.Itoa(n) }
 
 // Server returns a fasthttp server for the gateway, configured for long
 // streams: no write timeout (it would cap a whole stream), request bodies
