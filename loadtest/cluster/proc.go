@@ -81,6 +81,7 @@ func (p *Proc) signalGroup(sig syscall.Signal) {
 // call more than once and concurrently.
 func (p *Proc) Stop(grace time.Duration) (killed bool) {
 	p.stop.Do(func() {
+		defer p.awaitGroupGone(time.Second)
 		select {
 		case <-p.done:
 			// The leader is gone; sweep any group members it left behind.
@@ -102,6 +103,49 @@ func (p *Proc) Stop(grace time.Duration) (killed bool) {
 		p.signalGroup(syscall.SIGKILL)
 	})
 	return killed
+}
+
+// awaitGroupGone waits, up to max, until no live process is left in the
+// group: a killed child leaves /proc a moment after SIGKILL, and callers
+// (the next run's leftover check above all) expect Stop to mean gone.
+func (p *Proc) awaitGroupGone(max time.Duration) {
+	deadline := time.Now().Add(max)
+	for len(liveInGroup(p.Pid())) > 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// liveInGroup lists the live (non-zombie) processes whose process group is
+// pgid, from /proc (Linux; elsewhere none).
+func liveInGroup(pgid int) []int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid pgrp ...; comm may contain spaces.
+		i := bytes.LastIndexByte(data, ')')
+		if i < 0 || i+2 > len(data) {
+			continue
+		}
+		f := strings.Fields(string(data[i+2:]))
+		if len(f) < 3 || f[0] == "Z" {
+			continue
+		}
+		if g, _ := strconv.Atoi(f[2]); g == pgid {
+			out = append(out, pid)
+		}
+	}
+	return out
 }
 
 // TailLog returns up to the last n bytes of the process's log.

@@ -9,40 +9,10 @@ import (
 	"time"
 )
 
-// liveInGroup lists the non-zombie processes whose process group is pgid.
-func liveInGroup(t *testing.T, pgid int) []int {
-	t.Helper()
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Skipf("no /proc: %v", err)
-	}
-	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid pgrp ...; comm may contain spaces.
-		rest := string(data[strings.LastIndexByte(string(data), ')')+2:])
-		f := strings.Fields(rest)
-		if len(f) < 3 || f[0] == "Z" {
-			continue
-		}
-		if g, _ := strconv.Atoi(f[2]); g == pgid {
-			out = append(out, pid)
-		}
-	}
-	return out
-}
-
 func waitGroupSize(t *testing.T, pgid, n int) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
-	for len(liveInGroup(t, pgid)) < n {
+	for len(liveInGroup(pgid)) < n {
 		if time.Now().After(deadline) {
 			t.Fatalf("group %d never reached %d processes", pgid, n)
 		}
@@ -64,7 +34,7 @@ func TestStopTerminatesTheWholeGroup(t *testing.T) {
 	if d := time.Since(start); d > 2*time.Second {
 		t.Fatalf("stop took %v", d)
 	}
-	if left := liveInGroup(t, p.Pid()); len(left) > 0 {
+	if left := liveInGroup(p.Pid()); len(left) > 0 {
 		t.Fatalf("processes left in group: %v", left)
 	}
 	if done, _ := p.Exited(); !done {
@@ -91,9 +61,9 @@ func TestStopKillsWhatIgnoresSIGTERM(t *testing.T) {
 		t.Fatalf("stop took %v, want just over the grace period", d)
 	}
 	deadline := time.Now().Add(2 * time.Second)
-	for len(liveInGroup(t, p.Pid())) > 0 {
+	for len(liveInGroup(p.Pid())) > 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("left: %v", liveInGroup(t, p.Pid()))
+			t.Fatalf("left: %v", liveInGroup(p.Pid()))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -131,13 +101,7 @@ func TestLeftoversFindsMarkedProcesses(t *testing.T) {
 		t.Fatalf("found %d marked processes, want 3", n)
 	}
 	p.Stop(2 * time.Second)
-	// Stop waits for the group's leader; the killed background child may
-	// take a moment longer to be gone from /proc.
-	deadline := time.Now().Add(2 * time.Second)
-	for left := Leftovers(marker); len(left) != 0; left = Leftovers(marker) {
-		if time.Now().After(deadline) {
-			t.Fatalf("still found %v", left)
-		}
-		time.Sleep(10 * time.Millisecond)
+	if left := Leftovers(marker); len(left) != 0 {
+		t.Fatalf("still found %v", left)
 	}
 }
