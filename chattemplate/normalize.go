@@ -1,6 +1,7 @@
 package chattemplate
 
 import (
+	"errors"
 	"fmt"
 	"regexp"
 	"strings"
@@ -183,7 +184,7 @@ var textPartKeys = map[string]string{
 // content null becomes "", and content parts are joined with "\n" into one
 // string — or, for templates that loop over content (openaiParts), every
 // content becomes a list of {"type": "text", "text": ...} parts. Media parts
-// are rejected: the router serves text models.
+// are an InputError with Media set: the router cannot render them.
 func vllmMessage(src *jinja.Dict, openaiParts bool) (jinja.Value, error) {
 	role, _ := src.Get("role")
 	content, err := vllmContent(src, openaiParts, role.AsString() == "tool")
@@ -239,6 +240,10 @@ func prepareMessage(m jinja.Value, i int, openaiParts bool) (jinja.Value, error)
 	}
 	m, err := vllmMessage(m.AsDict(), openaiParts)
 	if err != nil {
+		var ie *InputError
+		if errors.As(err, &ie) && ie.Media {
+			ie.Message = i
+		}
 		return jinja.Undefined(), err
 	}
 	return normalizeToolCalls(m)
@@ -272,7 +277,7 @@ func vllmContent(msg *jinja.Dict, openaiParts, isTool bool) (jinja.Value, error)
 		}
 		key, isText := textPartKeys[typ.AsString()]
 		if !isText {
-			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("content part type %q is not supported for text models", typ.AsString())}
+			return jinja.Undefined(), &InputError{Field: "messages", Reason: fmt.Sprintf("content part type %q is not supported for text models", typ.AsString()), Media: true}
 		}
 		t, ok := p.AsDict().Get(key)
 		if !ok || t.IsNone() {

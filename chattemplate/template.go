@@ -34,7 +34,8 @@
 //     content null becomes "", text parts are joined with "\n" — or, for
 //     templates that loop over message content (vLLM's "openai" content
 //     format, detected here by pattern rather than vLLM's AST walk), every
-//     content becomes a list of text parts; media parts are rejected;
+//     content becomes a list of text parts; media parts (images, audio...)
+//     are an InputError with Media set and the index of their message;
 //   - assistant tool calls are normalised as vLLM does (function.arguments
 //     sent as a JSON string becomes a mapping, invalid or missing arguments
 //     become {}, an empty tool_calls list is dropped);
@@ -128,6 +129,13 @@ func (e *TemplateError) Error() string { return "TemplateError: " + e.Message }
 type InputError struct {
 	Field  string // "messages", "tools", "chat_template_kwargs", ...
 	Reason string
+	// Media is set when the input is well formed but a message holds a
+	// content part that is not text (an image, audio, a video...): the
+	// engine's processor turns it into tokens the renderer cannot know.
+	// Message is the index of the first such message; the messages before
+	// it render as the engine renders them.
+	Media   bool
+	Message int
 }
 
 func (e *InputError) Error() string {

@@ -187,6 +187,35 @@ func TestBadInputIsAClearError(t *testing.T) {
 	}
 }
 
+// TestMediaPartsNameTheirMessage: a content part that is not text is an
+// InputError marked Media, naming the first message that holds one, both
+// on a first sighting and once the earlier messages come from the cache.
+func TestMediaPartsNameTheirMessage(t *testing.T) {
+	tmpl, err := Compile(`{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("A long system prompt worth caching. ", 40)
+	msgs := `[{"role":"system","content":"` + long + `"},{"role":"user","content":[{"type":"text","text":"look"}]},` +
+		`{"role":"user","content":[{"type":"text","text":"and this"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]},` +
+		`{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}]}]`
+	for pass := range 3 {
+		_, err := tmpl.Render(Input{Messages: json.RawMessage(msgs)})
+		var ie *InputError
+		if !errors.As(err, &ie) || !ie.Media || ie.Message != 2 || !strings.Contains(ie.Reason, `"image_url"`) {
+			t.Fatalf("pass %d: want a media InputError for message 2, got %#v (%v)", pass, ie, err)
+		}
+	}
+	// Text parts alone, and bad input, are not media.
+	for _, bad := range []string{`[{"role":"user","content":[{"type":"text","text":"hi"}]}]`, `[{"role":"user","content":[3]}]`} {
+		_, err := tmpl.Render(Input{Messages: json.RawMessage(bad)})
+		var ie *InputError
+		if errors.As(err, &ie) && ie.Media {
+			t.Errorf("%s: marked as media: %v", bad, err)
+		}
+	}
+}
+
 func TestRenderErrorsAreWrapped(t *testing.T) {
 	tmpl, err := Compile(`{{ messages | no_such_filter }}`)
 	if err != nil {

@@ -101,6 +101,9 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		if ex.tokenizeErr != nil {
 			ev = ev.Str("tokenize_error", ex.tokenizeErr.Error())
 		}
+		if ex.mediaPrefix {
+			ev = ev.Bool("media_text_prefix", true)
+		}
 		if r.Err != nil {
 			ev = ev.AnErr("upstream_error", r.Err)
 		}

@@ -142,6 +142,23 @@ func checkMessages(raw json.RawMessage) error {
 	return nil
 }
 
+// leadingElements returns a JSON array of the first n elements of the
+// array raw (validated already).
+func leadingElements(raw []byte, n int) []byte {
+	out := []byte{'['}
+	i := 0
+	eachElement(raw, func(elem []byte) {
+		if i < n {
+			if i > 0 {
+				out = append(out, ',')
+			}
+			out = append(out, elem...)
+		}
+		i++
+	})
+	return append(out, ']')
+}
+
 // eachElement calls f with each element of the JSON array raw, which the
 // JSON decoder has already validated: one pass, no allocation (cheaper than
 // decoding it again).

@@ -35,7 +35,10 @@ type exchange struct {
 
 	promptTokens int
 	tokenizeErr  error
-	decideTime   time.Duration
+	// mediaPrefix is set when the chat holds media: ids are then the
+	// text before the first media part, and promptTokens counts only them.
+	mediaPrefix bool
+	decideTime  time.Duration
 
 	req      routing.Request
 	d        routing.Decision
@@ -71,6 +74,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
+	ex.mediaPrefix = false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
 }
@@ -279,14 +283,25 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 	case p.kind == kindCompletion:
 		ids, err = tk.Encode(p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens)
 	default:
-		_, ids, err = tk.EncodeChat(tokenize.Chat{
+		chat := tokenize.Chat{
 			Messages:             p.Messages,
 			Tools:                nullToNil(p.Tools),
 			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
 			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
 			IDs:                  ex.idsBuf,
-		})
+		}
+		_, ids, err = tk.EncodeChat(chat)
+		if k, media := tokenize.MediaMessage(err); media && k > 0 {
+			// The engine expands media into tokens the router cannot know,
+			// but the messages before the first media part are rendered
+			// the same in any conversation that starts with them: route on
+			// their blocks (a shared system prompt, earlier text turns).
+			chat.Messages = leadingElements(p.Messages, k)
+			chat.AddGenerationPrompt, chat.ContinueFinalMessage = false, false
+			_, ids, err = tk.EncodeChat(chat)
+			ex.mediaPrefix = err == nil
+		}
 		if cap(ids) > cap(ex.idsBuf) && cap(ids) <= maxReusedIDs {
 			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
 		}

@@ -10,6 +10,20 @@ import (
 // without a chat template (Load, or a directory that has none).
 var errNoChatTemplate = errors.New("tokenize: no chat template loaded (use LoadDir on a model directory with one)")
 
+// MediaMessage reports whether err is EncodeChat's answer to a chat holding
+// media content (an image, audio, a video...), and the index of the first
+// message that holds some. The engine's processor turns media into tokens
+// the router cannot know, and keys the blocks holding them by the media's
+// hash; the messages before that one still render and tokenize as the
+// engine does them.
+func MediaMessage(err error) (int, bool) {
+	var ie *chattemplate.InputError
+	if errors.As(err, &ie) && ie.Media {
+		return ie.Message, true
+	}
+	return 0, false
+}
+
 // chatRenderer is the seam to package chattemplate.
 type chatRenderer interface {
 	Render(chattemplate.Input) (string, error)
