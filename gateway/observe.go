@@ -8,7 +8,6 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/proxy"
-	"github.com/kvmesh/kvmesh/routing"
 )
 
 // Attempt implements proxy.Observer: the request is dispatched to target i.
@@ -113,4 +112,3 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 }
 
 var _ proxy.Observer = (*exchange)(nil)
-var _ = routing.ModePrefix
