@@ -56,6 +56,10 @@ type Settings struct {
 	AdminToken string
 	// Upstream tunes connections to replicas.
 	Upstream proxy.Options
+	// ResumeStreams continues a stream that breaks after reaching the
+	// client at the next replica tried, from the text already sent
+	// (proxy.Request.Resume), instead of ending it with an error event.
+	ResumeStreams bool
 }
 
 // Model is per-model routing knowledge.

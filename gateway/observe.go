@@ -65,6 +65,8 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	switch {
 	case r.ClientGone:
 		m.errors.WithLabelValues("client_gone").Inc()
+	case r.Resumed:
+		m.errors.WithLabelValues("stream_resumed").Inc()
 	case r.Err != nil && r.Retried:
 		m.errors.WithLabelValues("upstream_retried").Inc()
 	case r.Err != nil && r.Status == 0:
@@ -74,7 +76,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	case r.Status >= 500 || r.Status == 429:
 		m.errors.WithLabelValues("upstream_status").Inc()
 	}
-	if r.Retried {
+	if r.Retried || r.Resumed {
 		return
 	}
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone

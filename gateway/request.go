@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"unicode/utf8"
 
 	segjson "github.com/segmentio/encoding/json"
@@ -272,4 +273,71 @@ func withIncludeUsage(body []byte, streamOptions json.RawMessage) ([]byte, error
 	out = append(out, enc...)
 	out = append(out, body[end:]...)
 	return out, nil
+}
+
+// continuation is the body that asks an engine to go on with a stream from
+// text, what the client has received: for a chat, text as a final assistant
+// message to continue (continue_final_message, which vLLM and SGLang
+// accept); for a completion, the prompt followed by text. max_tokens and
+// max_completion_tokens shrink by chunks, the events that carried text (at
+// most one token each in engines' default streaming, so the sum may exceed
+// the original budget only when an engine batched tokens per event). With
+// no text yet the request is sent again as it was. False when it cannot be
+// continued that way: several choices, echo, a prompt of token ids or a
+// batch, a chat that already continues its last message, no tokens left.
+func continuation(body []byte, k kind, text []byte, chunks int) ([]byte, bool) {
+	var fields map[string]json.RawMessage
+	if json.Unmarshal(body, &fields) != nil {
+		return nil, false
+	}
+	if n, ok := fields["n"]; ok && !isNull(n) && string(bytes.TrimSpace(n)) != "1" {
+		return nil, false
+	}
+	if string(bytes.TrimSpace(fields["echo"])) == "true" {
+		return nil, false
+	}
+	if len(text) == 0 {
+		return body, true
+	}
+	for _, key := range []string{"max_tokens", "max_completion_tokens"} {
+		raw, ok := fields[key]
+		if !ok || isNull(raw) {
+			continue
+		}
+		var n int
+		if json.Unmarshal(raw, &n) != nil || n-chunks <= 0 {
+			return nil, false
+		}
+		fields[key] = json.RawMessage(strconv.Itoa(n - chunks))
+	}
+	said, err := json.Marshal(string(text))
+	if err != nil {
+		return nil, false
+	}
+	switch k {
+	case kindChat:
+		if string(bytes.TrimSpace(fields["continue_final_message"])) == "true" {
+			return nil, false
+		}
+		var msgs []json.RawMessage
+		if json.Unmarshal(fields["messages"], &msgs) != nil {
+			return nil, false
+		}
+		msgs = append(msgs, json.RawMessage(`{"role":"assistant","content":`+string(said)+`}`))
+		if fields["messages"], err = json.Marshal(msgs); err != nil {
+			return nil, false
+		}
+		fields["continue_final_message"] = json.RawMessage("true")
+		fields["add_generation_prompt"] = json.RawMessage("false")
+	default:
+		var prompt string
+		if json.Unmarshal(fields["prompt"], &prompt) != nil {
+			return nil, false
+		}
+		if fields["prompt"], err = json.Marshal(prompt + string(text)); err != nil {
+			return nil, false
+		}
+	}
+	out, err := json.Marshal(fields)
+	return out, err == nil
 }

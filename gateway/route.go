@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"fmt"
 	"time"
 
@@ -125,6 +126,11 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		StripUsage:        strip,
 		DropAuthorization: len(s.APIKeys) > 0,
 		Stream:            p.stream,
+	}
+	if p.stream && s.ResumeStreams {
+		// The stream may outlive ctx's buffers (a client gone mid-way).
+		orig, k := bytes.Clone(body), p.kind
+		req.Resume = func(text []byte, chunks int) ([]byte, bool) { return continuation(orig, k, text, chunks) }
 	}
 	// ex belongs to the proxy from here: it is released on the last Finish,
 	// which may run after this handler returns.

@@ -35,6 +35,11 @@ type Request struct {
 	// relayed as it arrives. Otherwise it is read whole before relaying,
 	// which is cheaper, and a failure while reading it can still be retried.
 	Stream bool
+	// Resume, when set, lets a stream that breaks after its first event go
+	// on at the next target. It is given the text the client has received
+	// and how many events carried it, and returns the body that asks a
+	// target to continue from there, or false when it cannot be asked.
+	Resume func(text []byte, chunks int) ([]byte, bool)
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -61,6 +66,9 @@ type Result struct {
 	// Retried is true when the attempt failed before anything reached the
 	// client and a later target was tried.
 	Retried bool
+	// Resumed is true when the attempt's stream broke after reaching the
+	// client and a later target was asked to continue it (Request.Resume).
+	Resumed bool
 	// ClientGone is true when the client disconnected mid-stream.
 	ClientGone bool
 	// PromptTokens and CachedTokens come from the engine's usage report;
@@ -105,7 +113,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if !isEventStream(resp) {
 				obs.FirstByte(i, time.Since(start))
 			}
-			f.relay(ctx, req, up, i, resp, start, obs)
+			f.relay(ctx, req, targets, i, resp, start, obs)
 			return i
 		}
 		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
@@ -251,7 +259,7 @@ var skippedResponseHeaders = [][]byte{
 
 // relay writes resp into ctx: SSE streams event by event, anything else
 // buffered.
-func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, up *Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
+func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
@@ -261,7 +269,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, up *Upstream, 
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
 		bw := bufio.NewWriter(ctx.Response.BodyWriter())
 		done := false
-		rest, _ := writeEvents(bw, resp.Body(), req.StripUsage, &res, &done)
+		rest, _ := writeEvents(bw, resp.Body(), req.StripUsage, &res, &done, nil)
 		_, _ = bw.Write(rest)
 		_ = bw.Flush()
 		fasthttp.ReleaseResponse(resp)
@@ -305,18 +313,88 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, up *Upstream, 
 		return
 	}
 	ctx.Response.ImmediateHeaderFlush = true
-	strip := req.StripUsage
+	stream := *req
+	if stream.Resume != nil && stream.Header != nil {
+		// A continuation is sent after the handler returned, when ctx's
+		// header may be gone (a client that left): keep a copy.
+		stream.Header = new(fasthttp.RequestHeader)
+		req.Header.CopyTo(stream.Header)
+	}
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
 		// The handler has returned: ctx must not be touched from here on.
-		res := relayEvents(w, resp, strip, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) })
+		f.relayStream(w, &stream, targets, i, resp, start, obs)
+	})
+}
+
+// relayStream relays target i's event stream and, when it breaks and req
+// allows it, continues it at the following targets.
+func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
+	var tr *transcript
+	if req.Resume != nil {
+		tr = &transcript{}
+	}
+	for {
+		up := targets[i]
+		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, tr)
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
-		if res.Err != nil {
-			f.Log.Warn().Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
+		if res.Err == nil || res.ClientGone || done {
+			if res.Err != nil {
+				f.Log.Warn().Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
+			}
+			obs.Finish(i, res)
+			return
 		}
-		obs.Finish(i, res)
-	})
+		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
+		if tr.resumable() && i+1 < len(targets) {
+			if body, ok := req.Resume(tr.text, tr.chunks); ok {
+				res.Resumed = true
+				f.Log.Warn().Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+				obs.Finish(i, res)
+				cont := *req
+				cont.Body = body
+				next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs)
+			}
+		}
+		if next < 0 {
+			if !res.Resumed {
+				f.Log.Warn().Err(res.Err).Int("events", res.Events).Msg("stream ended early")
+				obs.Finish(i, res)
+			}
+			writeStreamError(w, "upstream stream broken: "+res.Err.Error())
+			_ = w.Flush()
+			return
+		}
+		tr.lead = true
+		i, resp, start = next, nextResp, nextStart
+	}
+}
+
+// continueAt dispatches a continuation to the targets from `from` on and
+// returns the first that answers with an event stream (-1 if none does;
+// each failure is finished with obs, the last one as final).
+func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs Observer) (int, *fasthttp.Response, time.Time) {
+	for j := from; j < len(targets); j++ {
+		obs.Attempt(j)
+		start := time.Now()
+		resp, err := f.dispatch(targets[j], req)
+		if err == nil && resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp) && resp.BodyStream() != nil {
+			return j, resp, start
+		}
+		// The last failure is the request's last Finish (the observer may
+		// release its state then).
+		res := Result{Err: err, Retried: j < len(targets)-1, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)}
+		if err == nil {
+			res.Status = resp.StatusCode()
+			res.Err = fmt.Errorf("continuation answered %d %s", res.Status, resp.Header.ContentType())
+			_ = resp.CloseBodyStream()
+			fasthttp.ReleaseResponse(resp)
+		}
+		f.Log.Warn().Err(res.Err).Str("replica", targets[j].Name).Msg("stream continuation failed")
+		obs.Finish(j, res)
+	}
+	return -1, nil, time.Time{}
 }
 
 func (f *Forwarder) maxBody() int {
@@ -353,16 +431,17 @@ func readAll(resp *fasthttp.Response, limit int) ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
-// relayEvents copies SSE events from resp to w, flushing after each read so
-// every event leaves as soon as it arrived, and notes usage on the way.
 func isEventStream(resp *fasthttp.Response) bool {
 	return bytes.HasPrefix(resp.Header.ContentType(), []byte("text/event-stream"))
 }
 
-// relayEvents copies the events; first is called when the first body bytes
-// arrive (the first token); never if none came.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func()) Result {
-	res := Result{PromptTokens: -1, CachedTokens: -1}
+// relayEvents copies SSE events from resp to w, flushing after each read so
+// every event leaves as soon as it arrived, and notes usage (and, with tr,
+// the text) on the way. first is called when the first body bytes arrive
+// (the first token); never if none came. done reports whether [DONE] was
+// relayed; a stream that broke before it is left for the caller to end.
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), tr *transcript) (res Result, done bool) {
+	res = Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
 	// A watchdog ends a stream whose first event or next event is overdue:
@@ -377,7 +456,6 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 	defer watchdog.Stop()
 	buf := make([]byte, 32<<10)
 	var pending []byte
-	done := false
 	firstSeen := false
 	for {
 		n, rerr := body.Read(buf)
@@ -392,7 +470,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 				pending = append(pending, data...)
 				data = pending
 			}
-			rest, werr := writeEvents(w, data, strip, &res, &done)
+			rest, werr := writeEvents(w, data, strip, &res, &done, tr)
 			if werr == nil {
 				werr = w.Flush()
 			}
@@ -401,7 +479,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 				if closer != nil {
 					_ = closer.CloseWithError(werr) // closes the upstream connection: the engine aborts
 				}
-				return res
+				return res, done
 			}
 			if len(rest) > maxPendingEvent {
 				// An event this large without its blank line: pass it on
@@ -420,7 +498,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 					_, _ = w.Write(pending)
 				}
 				_ = w.Flush()
-				return res
+				return res, done
 			}
 			if stalled.Load() {
 				rerr = errStalled
@@ -429,18 +507,15 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 			if closer != nil {
 				_ = closer.CloseWithError(rerr)
 			}
-			if !done {
-				writeStreamError(w, "upstream stream broken: "+rerr.Error())
-			}
-			_ = w.Flush()
-			return res
+			return res, done
 		}
 	}
 }
 
 // writeEvents writes the complete events in data to w and returns the
-// incomplete tail. A usage-only chunk is dropped when strip is set.
-func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bool) ([]byte, error) {
+// incomplete tail. A usage-only chunk is dropped when strip is set. A
+// non-nil tr follows the text relayed (and drops a continuation's lead).
+func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bool, tr *transcript) ([]byte, error) {
 	for {
 		end, sep := eventEnd(data)
 		if end < 0 {
@@ -453,12 +528,19 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 		if ok {
 			if bytes.Equal(payload, doneMarker) {
 				*done = true
-			} else if bytes.Contains(payload, usageKey) {
-				if u, usageOnly, ok := parseUsageChunk(payload); ok {
-					res.PromptTokens, res.CachedTokens = u.prompt, u.cached
-					keep = !(strip && usageOnly)
+			} else {
+				if bytes.Contains(payload, usageKey) {
+					if u, usageOnly, ok := parseUsageChunk(payload); ok {
+						res.PromptTokens, res.CachedTokens = u.prompt, u.cached
+						keep = !(strip && usageOnly)
+					}
+				}
+				if tr != nil && !tr.note(payload) {
+					keep = false
 				}
 			}
+		} else if tr != nil && len(bytes.TrimSpace(ev)) > 0 && !bytes.HasPrefix(ev, []byte(":")) {
+			tr.lost = true // an event the transcript cannot read
 		}
 		if !keep {
 			continue

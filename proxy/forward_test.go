@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -247,30 +248,9 @@ func TestForwardStreamsEventsAndStripsUsageWhenAsked(t *testing.T) {
 
 func TestForwardBrokenStreamEndsWithErrorEvent(t *testing.T) {
 	// An upstream that announces chunked SSE, sends one event and hangs up.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				buf := make([]byte, 4096)
-				_, _ = c.Read(buf)
-				fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-				ev := "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"
-				fmt.Fprintf(c, "%x\r\n%s\r\n", len(ev), ev)
-				time.Sleep(20 * time.Millisecond)
-			}()
-		}
-	}()
+	broken := brokenSSE(t, `{"choices":[{"delta":{"content":"a"}}]}`)
 	rec := newRecorder()
-	url := router(t, upstreams(t, "http://"+ln.Addr().String()), false, rec)
+	url := router(t, upstreams(t, broken), false, rec)
 	status, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
 	if err != nil || status != 200 {
 		t.Fatal(status, err)
@@ -524,4 +504,151 @@ func post(t *testing.T, url, auth string) (int, []byte, string) {
 		t.Fatal(err)
 	}
 	return resp.StatusCode(), append([]byte(nil), resp.Body()...), string(resp.Header.Peek("X-Seen-Auth"))
+}
+
+// brokenSSE serves, on raw TCP, a chunked event stream of events that hangs
+// up before it ends, as an engine that died mid-answer.
+func brokenSSE(t *testing.T, events ...string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				_, _ = c.Read(buf)
+				fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+				for _, ev := range events {
+					ev = "data: " + ev + "\n\n"
+					fmt.Fprintf(c, "%x\r\n%s\r\n", len(ev), ev)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String()
+}
+
+// TestBrokenStreamContinuesAtNextTarget: a stream that breaks after two
+// tokens goes on at the next target, which is asked (through Resume) to
+// continue from the text the client has; the client sees one stream, the
+// continuation's role announcement dropped, and no error.
+func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
+	role := `{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
+	tok := func(s string) string {
+		return `{"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
+	}
+	a := brokenSSE(t, role, tok("Hel"), tok("lo"))
+	var seen atomic.Value
+	b := serve(t, func(ctx *fasthttp.RequestCtx) {
+		seen.Store(string(ctx.PostBody()))
+		ctx.SetContentType("text/event-stream")
+		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			for _, ev := range []string{role, tok(" world"), `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`, "[DONE]"} {
+				fmt.Fprintf(w, "data: %s\n\n", ev)
+				_ = w.Flush()
+			}
+		})
+	})
+	for _, c := range []struct {
+		name    string
+		targets []string
+		resume  bool
+		want    string
+	}{
+		{"continued", []string{a, b}, true, role + tok("Hel") + tok("lo") + tok(" world") + `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}` + "[DONE]"},
+		{"no target left", []string{a}, true, ""},
+		{"next target refuses", []string{a, refusedURL(t)}, true, ""},
+		{"not asked", []string{a, b}, false, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rec := newRecorder()
+			var asked atomic.Value
+			f := &Forwarder{Log: zerolog.Nop()}
+			targets := upstreams(t, c.targets...)
+			url := serve(t, func(ctx *fasthttp.RequestCtx) {
+				req := &Request{Path: "/v1/chat/completions", Header: &ctx.Request.Header, Body: []byte(`{"stream":true}`), Stream: true}
+				if c.resume {
+					req.Resume = func(text []byte, chunks int) ([]byte, bool) {
+						asked.Store(fmt.Sprintf("%s/%d", text, chunks))
+						return []byte(`{"continue":"` + string(text) + `"}`), true
+					}
+				}
+				f.Forward(ctx, req, targets, rec)
+			})
+			status, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+			if err != nil || status != 200 {
+				t.Fatal(status, err)
+			}
+			if c.want == "" {
+				if !strings.Contains(string(body), `"type":"upstream_error"`) || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+					t.Fatalf("want the error event, got %q", body)
+				}
+				if len(c.targets) > 1 && c.resume { // resumed, then the continuation failed: that is the last Finish
+					for range 2 {
+						<-rec.done
+					}
+					rec.mu.Lock()
+					defer rec.mu.Unlock()
+					if r0, r1 := rec.finish[0], rec.finish[1]; !r0.Resumed || r1.Retried || r1.Err == nil {
+						t.Fatalf("finish %+v / %+v", r0, r1)
+					}
+				}
+				return
+			}
+			var got strings.Builder
+			for _, ev := range strings.Split(strings.TrimSuffix(string(body), "\n\n"), "\n\n") {
+				got.WriteString(strings.TrimPrefix(ev, "data: "))
+			}
+			if got.String() != c.want {
+				t.Fatalf("client got\n%s\nwant\n%s", got.String(), c.want)
+			}
+			if asked.Load() != "Hello/2" || seen.Load() != `{"continue":"Hello"}` {
+				t.Fatalf("Resume got %v; the next target got %v", asked.Load(), seen.Load())
+			}
+			for range 2 {
+				<-rec.done
+			}
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			if r0, r1 := rec.finish[0], rec.finish[1]; !r0.Resumed || r0.Err == nil || r1.Err != nil || r1.Resumed || len(rec.attempts) != 2 {
+				t.Fatalf("attempts %v, finish %+v / %+v", rec.attempts, r0, r1)
+			}
+		})
+	}
+}
+
+// TestTranscriptKnowsWhatCannotBeContinued: only one choice of plain text
+// can be continued from its transcript.
+func TestTranscriptKnowsWhatCannotBeContinued(t *testing.T) {
+	for _, c := range []struct {
+		chunk string
+		lost  bool
+	}{
+		{`{"choices":[{"index":0,"delta":{"content":"a"}}]}`, false},
+		{`{"choices":[{"index":0,"text":"a","finish_reason":null}]}`, false},
+		{`{"choices":[],"usage":{"prompt_tokens":3}}`, false},
+		{`{"choices":[{"index":0,"delta":{"content":"a","tool_calls":null}}]}`, false},
+		{`{"choices":[{"index":1,"delta":{"content":"a"}}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]}}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}`, true},
+		{`{"error":{"message":"boom"}}`, true},
+		{`not json`, true},
+	} {
+		tr := &transcript{}
+		tr.note([]byte(c.chunk))
+		if tr.lost != c.lost {
+			t.Errorf("%s: lost=%v, want %v", c.chunk, tr.lost, c.lost)
+		}
+	}
 }

@@ -9,10 +9,12 @@ import (
 
 // FuzzWriteEvents checks the SSE splitter on arbitrary upstream bytes cut at
 // an arbitrary point: without stripping, what is written plus the held-back
-// tail is exactly the input, whatever the framing.
+// tail is exactly the input, whatever the framing, also while a transcript
+// follows the text (it drops events only in a continuation's lead).
 func FuzzWriteEvents(f *testing.F) {
 	f.Add([]byte("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n"), 10)
 	f.Add([]byte("data: x\r\n\r\n: ping\n\nevent: e\ndata: {\"usage\":1}\n\n"), 3)
+	f.Add([]byte("data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"finish_reason\":null}]}\n\n"), 40)
 	f.Fuzz(func(t *testing.T, in []byte, cut int) {
 		if cut < 0 || cut > len(in) {
 			cut = len(in) / 2
@@ -21,11 +23,12 @@ func FuzzWriteEvents(f *testing.F) {
 		w := bufio.NewWriter(&out)
 		res := Result{PromptTokens: -1, CachedTokens: -1}
 		done := false
-		tail, err := writeEvents(w, in[:cut], false, &res, &done)
+		tr := &transcript{}
+		tail, err := writeEvents(w, in[:cut], false, &res, &done, tr)
 		if err != nil {
 			t.Fatal(err)
 		}
-		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done)
+		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done, tr)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -36,7 +39,7 @@ func FuzzWriteEvents(f *testing.F) {
 		// Stripping only ever removes whole events.
 		out.Reset()
 		w.Reset(&out)
-		_, _ = writeEvents(w, in, true, &res, &done)
+		_, _ = writeEvents(w, in, true, &res, &done, &transcript{lead: true})
 		_ = w.Flush()
 		if out.Len() > len(in) {
 			t.Fatalf("stripping grew the stream")

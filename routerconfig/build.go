@@ -44,6 +44,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	s := gateway.Settings{
 		MaxPrefixTokens: c.MaxPrefixTokens,
 		MaxAttempts:     c.MaxAttempts,
+		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
 		AdminToken:      b.AdminToken,
 		Models:          map[string]gateway.Model{},
 		Upstream: proxy.Options{

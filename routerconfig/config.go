@@ -45,6 +45,9 @@ type Config struct {
 	APIKeysEnv string   `yaml:"api_keys_env"`
 	// Upstream timeouts.
 	Upstream Upstream `yaml:"upstream"`
+	// ResumeStreams continues a stream that breaks mid-answer at the next
+	// replica, from the text already sent (nil: the flag's setting).
+	ResumeStreams *bool `yaml:"resume_streams"`
 }
 
 // Routing mirrors routing.Config.
@@ -202,6 +205,9 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.Upstream != (Upstream{}) {
 		out.Upstream = file.Upstream
+	}
+	if file.ResumeStreams != nil {
+		out.ResumeStreams = file.ResumeStreams
 	}
 	if len(file.Selection) > 0 {
 		out.Selection = file.Selection

@@ -43,6 +43,7 @@ static_upstreams:
 api_keys: [k1]
 upstream:
   first_byte_timeout: 5m
+resume_streams: true
 `
 
 func TestParseBuildAndOverlay(t *testing.T) {
@@ -70,7 +71,7 @@ func TestParseBuildAndOverlay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Policy.Name() != "chwbl" || s.AdminToken != "adm" || !s.APIKeys["k1"] || s.DefaultTokenizer == nil {
+	if s.Policy.Name() != "chwbl" || s.AdminToken != "adm" || !s.APIKeys["k1"] || s.DefaultTokenizer == nil || !s.ResumeStreams {
 		t.Fatalf("settings %+v", s)
 	}
 	lora := s.Models["llama-sql"]

@@ -33,11 +33,12 @@ type Flags struct {
 	Fallbacks       List
 	MaxPrefixTokens int
 	MaxAttempts     int
+	ResumeStreams   bool
 }
 
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
-	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxAttempts: f.MaxAttempts}
+	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams}
 	model := func(name string) *Model {
 		for i := range c.Models {
 			if c.Models[i].Name == name {

@@ -1,0 +1,121 @@
+package gateway
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log"
+	"reflect"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// TestContinuationBodies: what a replica is asked when it takes over a
+// broken stream, and which requests cannot be taken over.
+func TestContinuationBodies(t *testing.T) {
+	cases := []struct {
+		name   string
+		k      kind
+		body   string
+		text   string
+		chunks int
+		want   string // "" when it cannot be continued
+	}{
+		{"chat", kindChat, `{"model":"m","messages":[{"role":"user","content":"Hi"}],"max_tokens":10,"stream":true,"x":{"kept":1}}`, "Hello <b>", 3,
+			`{"add_generation_prompt":false,"continue_final_message":true,"max_tokens":7,"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello <b>"}],"model":"m","stream":true,"x":{"kept":1}}`},
+		{"chat, max_completion_tokens", kindChat, `{"messages":[],"max_completion_tokens":5,"n":1}`, "a", 1,
+			`{"add_generation_prompt":false,"continue_final_message":true,"max_completion_tokens":4,"messages":[{"role":"assistant","content":"a"}],"n":1}`},
+		{"completion", kindCompletion, `{"prompt":"Once","max_tokens":null}`, " upon", 1, `{"max_tokens":null,"prompt":"Once upon"}`},
+		{"nothing said yet", kindChat, `{"messages":[{"role":"user","content":"Hi"}]}`, "", 0, `{"messages":[{"role":"user","content":"Hi"}]}`},
+		{"several choices", kindChat, `{"messages":[],"n":2}`, "a", 1, ""},
+		{"echo", kindCompletion, `{"prompt":"x","echo":true}`, "a", 1, ""},
+		{"token ids", kindCompletion, `{"prompt":[1,2,3]}`, "a", 1, ""},
+		{"batch", kindCompletion, `{"prompt":["a","b"]}`, "a", 1, ""},
+		{"already continuing", kindChat, `{"messages":[],"continue_final_message":true}`, "a", 1, ""},
+		{"budget spent", kindChat, `{"messages":[],"max_tokens":3}`, "abc", 3, ""},
+		{"not an object", kindChat, `[1]`, "a", 1, ""},
+	}
+	for _, c := range cases {
+		got, ok := continuation([]byte(c.body), c.k, []byte(c.text), c.chunks)
+		if c.want == "" {
+			if ok {
+				t.Errorf("%s: continued as %s", c.name, got)
+			}
+			continue
+		}
+		if !ok {
+			t.Errorf("%s: not continued", c.name)
+			continue
+		}
+		var g, w any
+		if err := json.Unmarshal(got, &g); err != nil {
+			t.Fatalf("%s: %v in %s", c.name, err, got)
+		}
+		_ = json.Unmarshal([]byte(c.want), &w)
+		if !reflect.DeepEqual(g, w) {
+			t.Errorf("%s:\n got %s\nwant %s", c.name, got, c.want)
+		}
+	}
+}
+
+// TestResumeStreamsTakesOverABrokenStream: with ResumeStreams, a chat
+// stream whose replica hangs up after two tokens is finished by the other
+// replica, asked to continue the assistant text the client already has.
+func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
+	chunk := func(s string) string {
+		return `data: {"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}` + "\n\n"
+	}
+	// An engine that dies after two tokens: the connection drops mid-stream.
+	dying := listen(t, &fasthttp.Server{Logger: log.New(io.Discard, "", 0), Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("text/event-stream")
+		conn := ctx.Conn()
+		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+			fmt.Fprint(w, chunk("Hel")+chunk("lo"))
+			_ = w.Flush()
+			time.Sleep(100 * time.Millisecond) // the server sends them
+			_ = conn.Close()
+		})
+	}})
+	var continued atomic.Value
+	healthy := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		continued.Store(string(ctx.PostBody()))
+		ctx.SetContentType("text/event-stream")
+		ctx.SetBodyString(chunk(" there") + `data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}}` + "\n\ndata: [DONE]\n\n")
+	}})
+	r := newRouter(t, Settings{ResumeStreams: true}, 1<<20)
+	r.table.AddStatic("a", dying, []string{testModel})
+	r.table.AddStatic("b", healthy, []string{testModel})
+	body := `{"model":"sim","stream":true,"max_tokens":10,"messages":[{"role":"user","content":"Greet me"}]}`
+	for range 20 { // static replicas take turns: find a request that started on a
+		res := r.post(t, "/v1/chat/completions", body)
+		if res.header["x-kvmesh-replica"] != "a" {
+			continue
+		}
+		if want := chunk("Hel") + chunk("lo") + chunk(" there") + "data: [DONE]\n\n"; res.body != want {
+			t.Fatalf("client got %q, want %q", res.body, want)
+		}
+		var got struct {
+			Messages             []map[string]string `json:"messages"`
+			MaxTokens            int                 `json:"max_tokens"`
+			ContinueFinalMessage bool                `json:"continue_final_message"`
+			StreamOptions        map[string]bool     `json:"stream_options"`
+		}
+		if err := json.Unmarshal([]byte(continued.Load().(string)), &got); err != nil {
+			t.Fatal(err)
+		}
+		if len(got.Messages) != 2 || got.Messages[1]["role"] != "assistant" || got.Messages[1]["content"] != "Hello" ||
+			!got.ContinueFinalMessage || got.MaxTokens != 8 || !got.StreamOptions["include_usage"] {
+			t.Fatalf("continuation asked %+v", got)
+		}
+		if m := r.get(t, "/metrics"); !strings.Contains(m.body, `kvmesh_router_errors_total{type="stream_resumed"} 1`) {
+			t.Fatalf("metrics lack the resume:\n%s", m.body)
+		}
+		return
+	}
+	t.Fatal("no request was routed to replica a first")
+}
