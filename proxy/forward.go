@@ -362,7 +362,12 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 				f.Log.Warn().Err(res.Err).Int("events", res.Events).Msg("stream ended early")
 				obs.Finish(i, res)
 			}
-			writeStreamError(w, "upstream stream broken: "+res.Err.Error())
+			if tr != nil && tr.finished {
+				// The answer was complete; only the end marker was lost.
+				_, _ = w.WriteString("data: [DONE]\n\n")
+			} else {
+				writeStreamError(w, "upstream stream broken: "+res.Err.Error())
+			}
 			_ = w.Flush()
 			return
 		}

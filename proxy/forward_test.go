@@ -547,6 +547,7 @@ func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
 		return `{"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
 	}
 	a := brokenSSE(t, role, tok("Hel"), tok("lo"))
+	finished := brokenSSE(t, role, tok("Hel"), `{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}`)
 	var seen atomic.Value
 	b := serve(t, func(ctx *fasthttp.RequestCtx) {
 		seen.Store(string(ctx.PostBody()))
@@ -568,6 +569,7 @@ func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
 		{"no target left", []string{a}, true, ""},
 		{"next target refuses", []string{a, refusedURL(t)}, true, ""},
 		{"not asked", []string{a, b}, false, ""},
+		{"answer complete", []string{finished, b}, true, role + tok("Hel") + `{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}` + "[DONE]"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rec := newRecorder()
@@ -611,6 +613,15 @@ func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
 			if got.String() != c.want {
 				t.Fatalf("client got\n%s\nwant\n%s", got.String(), c.want)
 			}
+			if c.name == "answer complete" { // nothing to continue: just the end marker
+				<-rec.done
+				rec.mu.Lock()
+				defer rec.mu.Unlock()
+				if asked.Load() != nil || rec.finish[0].Resumed || len(rec.attempts) != 1 {
+					t.Fatalf("asked %v, attempts %v, finish %+v", asked.Load(), rec.attempts, rec.finish[0])
+				}
+				return
+			}
 			if asked.Load() != "Hello/2" || seen.Load() != `{"continue":"Hello"}` {
 				t.Fatalf("Resume got %v; the next target got %v", asked.Load(), seen.Load())
 			}
@@ -641,14 +652,14 @@ func TestTranscriptKnowsWhatCannotBeContinued(t *testing.T) {
 		{`{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{"content":"b"}}]}`, true},
 		{`{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]}}]}`, true},
 		{`{"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}`, true},
-		{`{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}`, true},
+		{`{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}]}`, false},
 		{`{"error":{"message":"boom"}}`, true},
 		{`not json`, true},
 	} {
 		tr := &transcript{}
 		tr.note([]byte(c.chunk))
-		if tr.lost != c.lost {
-			t.Errorf("%s: lost=%v, want %v", c.chunk, tr.lost, c.lost)
+		if tr.lost != c.lost || tr.resumable() != (!c.lost && !strings.Contains(c.chunk, `"finish_reason":"`)) {
+			t.Errorf("%s: lost=%v resumable=%v, want lost=%v", c.chunk, tr.lost, tr.resumable(), c.lost)
 		}
 	}
 }

@@ -18,9 +18,12 @@ type transcript struct {
 	text   []byte
 	chunks int // events that carried text: at most one token each
 	// lost is set once the stream showed something a continuation cannot
-	// carry on from: several choices, tool calls, reasoning, a finish
-	// reason (nothing is left to continue), or an event it cannot read.
+	// carry on from: several choices, tool calls, reasoning, or an event it
+	// cannot read.
 	lost bool
+	// finished is set by a finish reason: the answer is complete, nothing
+	// is left to continue.
+	finished bool
 	// lead is set while relaying a continuation: its first events (the
 	// role announcement, empty text) are dropped, the client had them.
 	lead bool
@@ -77,7 +80,7 @@ func (t *transcript) note(payload []byte) bool {
 		text = ch.Text
 	}
 	if ch.FinishReason != nil {
-		t.lost = true
+		t.finished = true
 	}
 	if !nonEmpty(text) {
 		return !t.lead || ch.FinishReason != nil
@@ -91,5 +94,6 @@ func (t *transcript) note(payload []byte) bool {
 func nonEmpty(s *string) bool { return s != nil && *s != "" }
 
 // resumable reports whether the stream can be continued elsewhere: the
-// client saw nothing a continuation would drop (maybe no text at all yet).
-func (t *transcript) resumable() bool { return t != nil && !t.lost }
+// client saw nothing a continuation would drop (maybe no text at all yet)
+// and the answer is not complete.
+func (t *transcript) resumable() bool { return t != nil && !t.lost && !t.finished }
