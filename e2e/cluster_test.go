@@ -109,18 +109,64 @@ func testCrossRouterPrefixHit(t *testing.T, s *stack) {
 }
 
 // load runs workers sending non-streamed chats alternately through both
-// routers until stop is closed; it counts results.
+// routers until stop is closed, and streamers sending streamed ones; it
+// counts results.
 type load struct {
-	ok, failed atomic.Int64
-	mu         sync.Mutex
-	failures   []string
-	byReplica  map[string]int
-	wg         sync.WaitGroup
-	stop       chan struct{}
+	ok, failed             atomic.Int64
+	streamsOK, streamsFail atomic.Int64
+	mu                     sync.Mutex
+	failures               []string
+	byReplica, streamsBy   map[string]int
+	wg                     sync.WaitGroup
+	stop                   chan struct{}
+}
+
+// streamTokens is each streamed chat's max_tokens: enginesim always
+// generates exactly that many, so a stream taken over by another replica
+// must still add up to it.
+const streamTokens = 160
+
+// longStreamTokens is the stream whose engine is killed under it.
+const longStreamTokens = 1500
+
+func (l *load) startStreams(s *stack, streamers int) {
+	bases := []string{s.routers["router1"], s.routers["router2"]}
+	for w := 0; w < streamers; w++ {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-l.stop:
+					return
+				default:
+				}
+				msgs := conversation(fmt.Sprintf("load-%d", (w+i)%6))
+				msgs[1].Content = fmt.Sprintf("Stream %d of streamer %d?", i, w)
+				n, replica, err := streamChat(bases[(w+i)%2], msgs, streamTokens)
+				if err == nil && n != streamTokens {
+					err = fmt.Errorf("%d text chunks, want %d", n, streamTokens)
+				}
+				if err == nil {
+					l.streamsOK.Add(1)
+					l.mu.Lock()
+					l.streamsBy[replica]++
+					l.mu.Unlock()
+					continue
+				}
+				l.streamsFail.Add(1)
+				l.mu.Lock()
+				if len(l.failures) < 10 {
+					l.failures = append(l.failures, "stream: "+err.Error())
+				}
+				l.mu.Unlock()
+			}
+		}()
+	}
 }
 
 func startLoad(s *stack, workers int) *load {
-	l := &load{stop: make(chan struct{}), byReplica: map[string]int{}}
+	l := &load{stop: make(chan struct{}), byReplica: map[string]int{}, streamsBy: map[string]int{}}
 	bases := []string{s.routers["router1"], s.routers["router2"]}
 	for w := 0; w < workers; w++ {
 		l.wg.Add(1)
@@ -159,11 +205,14 @@ func (l *load) finish() {
 	l.wg.Wait()
 }
 
-// docker kill one engine under steady load: no non-streamed request fails,
-// the replica leaves routing on both routers within 2 s and its route
-// records are cleared.
+// docker kill one engine under steady load, in the middle of a long stream
+// it serves: no request fails, streamed or not (the routers run with
+// --resume-streams: the long stream goes on at another replica and still
+// adds up to its max_tokens), the replica leaves routing on both routers
+// within 2 s and its route records are cleared.
 func testKillEngineUnderLoad(t *testing.T, s *stack) {
 	l := startLoad(s, 8)
+	l.startStreams(s, 4)
 	defer func() {
 		select {
 		case <-l.stop:
@@ -172,19 +221,24 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 		}
 	}()
 	time.Sleep(3 * time.Second)
-	// Kill the replica serving the most of the load: the one whose loss hurts.
-	l.mu.Lock()
-	victim, most := "replica1", -1
-	for name, n := range l.byReplica {
-		if n > most {
-			victim, most = name, n
-		}
+	// Kill the replica serving a long stream, a few hundred tokens into it.
+	victim, readLong, err := startStream(s.routers["router1"], conversation("long-stream"), longStreamTokens)
+	if err != nil {
+		t.Fatalf("long stream: %v", err)
 	}
-	l.mu.Unlock()
+	time.Sleep(300 * time.Millisecond)
 	engine := "engine" + strings.TrimPrefix(victim, "replica")
 	before := l.ok.Load()
 	s.docker("kill", s.container(engine))
 	killed := time.Now()
+	longDone := make(chan error, 1)
+	go func() {
+		n, err := readLong()
+		if err == nil && n != longStreamTokens {
+			err = fmt.Errorf("%d text chunks, want %d", n, longStreamTokens)
+		}
+		longDone <- err
+	}()
 
 	gone := func(rt string) func() bool {
 		return func() bool {
@@ -205,9 +259,19 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 	l.finish()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	t.Logf("load: %d ok (%d after the kill), %d failed; by replica %v", l.ok.Load(), l.ok.Load()-before, l.failed.Load(), l.byReplica)
-	if n := l.failed.Load(); n != 0 {
-		t.Errorf("%d non-streamed requests failed; first: %q", n, l.failures)
+	t.Logf("load: %d ok (%d after the kill), %d failed; by replica %v; streams %d ok (started on %v), %d failed; taken over by another replica: %s",
+		l.ok.Load(), l.ok.Load()-before, l.failed.Load(), l.byReplica, l.streamsOK.Load(), l.streamsBy, l.streamsFail.Load(), s.resumedStreams())
+	if n := l.failed.Load() + l.streamsFail.Load(); n != 0 {
+		t.Errorf("%d requests failed (%d streamed); first: %q", n, l.streamsFail.Load(), l.failures)
+	}
+	if l.streamsOK.Load() == 0 {
+		t.Errorf("no streamed request completed")
+	}
+	if err := <-longDone; err != nil {
+		t.Errorf("the long stream on %s did not survive its engine: %v", victim, err)
+	}
+	if !strings.Contains(s.resumedStreams(), "router1=") || strings.Contains(s.resumedStreams(), "router1=0") {
+		t.Errorf("router1 took over no stream: %s", s.resumedStreams())
 	}
 	if l.ok.Load()-before < 20 {
 		t.Errorf("only %d requests succeeded after the kill: the load did not go on", l.ok.Load()-before)

@@ -352,6 +352,24 @@ func (s *stack) replicas(router string) map[string]replicaView {
 	return out
 }
 
+// resumedStreams reads, from both routers' /metrics, how many streams
+// another replica took over ("router1=N router2=M").
+func (s *stack) resumedStreams() string {
+	var out []string
+	for _, rt := range []string{"router1", "router2"} {
+		n := "0"
+		if _, body, err := get(s.routers[rt] + "/metrics"); err == nil {
+			for _, line := range strings.Split(string(body), "\n") {
+				if v, ok := strings.CutPrefix(line, `kvmesh_router_errors_total{type="stream_resumed"} `); ok {
+					n = v
+				}
+			}
+		}
+		out = append(out, rt+"="+n)
+	}
+	return strings.Join(out, " ")
+}
+
 // eventually polls cond every 50 ms until it holds or the budget is spent;
 // it returns how long that took and whether it held.
 func eventually(budget time.Duration, cond func() bool) (time.Duration, bool) {
@@ -432,6 +450,73 @@ func chat(base string, msgs []message, maxTokens int) (chatResult, error) {
 		r.Content = doc.Choices[0].Message.Content
 	}
 	return r, nil
+}
+
+// streamChat sends a streamed chat and reads it to the end. It returns the
+// answer's text chunks and the replica that started it, or an error for a
+// status other than 200, an error event, or a stream without its [DONE].
+func streamChat(base string, msgs []message, maxTokens int) (chunks int, replica string, err error) {
+	replica, read, err := startStream(base, msgs, maxTokens)
+	if err != nil {
+		return 0, "", err
+	}
+	chunks, err = read()
+	return chunks, replica, err
+}
+
+// startStream sends a streamed chat and returns once its headers arrived:
+// the replica serving it, and read, which reads the stream to its end.
+func startStream(base string, msgs []message, maxTokens int) (replica string, read func() (int, error), err error) {
+	body, _ := json.Marshal(map[string]any{"model": "enginesim", "messages": msgs, "max_tokens": maxTokens, "stream": true})
+	resp, err := client.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return "", nil, err
+	}
+	if resp.StatusCode != 200 {
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		resp.Body.Close()
+		return "", nil, fmt.Errorf("status %d: %s", resp.StatusCode, raw)
+	}
+	return resp.Header.Get("X-Kvmesh-Replica"), func() (int, error) { return readStream(resp) }, nil
+}
+
+// readStream counts an answer's text chunks; an error event or a missing
+// [DONE] is an error.
+func readStream(resp *http.Response) (int, error) {
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		return 0, err
+	}
+	chunks, done := 0, false
+	for _, ev := range strings.Split(string(raw), "\n\n") {
+		data, ok := strings.CutPrefix(strings.TrimSpace(ev), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			done = true
+			continue
+		}
+		var c struct {
+			Error   json.RawMessage `json:"error"`
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(data), &c); err != nil || c.Error != nil {
+			return chunks, fmt.Errorf("event %q (%v)", data, err)
+		}
+		if len(c.Choices) > 0 && c.Choices[0].Delta.Content != "" {
+			chunks++
+		}
+	}
+	if !done {
+		return chunks, fmt.Errorf("no [DONE] after %d chunks", chunks)
+	}
+	return chunks, nil
 }
 
 // conversation returns a system prompt long enough for many full blocks,
