@@ -1,7 +1,9 @@
 package e2e
 
 import (
+	"bufio"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -126,8 +128,9 @@ type load struct {
 // must still add up to it.
 const streamTokens = 160
 
-// longStreamTokens is the stream whose engine is killed under it.
-const longStreamTokens = 1500
+// longStreamTokens is the stream whose engine is killed under it: long
+// enough to outlast the kill (enginesim runs 10× faster than real time).
+const longStreamTokens = 4000
 
 func (l *load) startStreams(s *stack, streamers int) {
 	bases := []string{s.routers["router1"], s.routers["router2"]}
@@ -205,12 +208,17 @@ func (l *load) finish() {
 	l.wg.Wait()
 }
 
-// docker kill one engine under steady load, in the middle of a long stream
+// docker kill one engine under steady load, two tokens into a long stream
 // it serves: no request fails, streamed or not (the routers run with
 // --resume-streams: the long stream goes on at another replica and still
 // adds up to its max_tokens), the replica leaves routing on both routers
 // within 2 s and its route records are cleared.
 func testKillEngineUnderLoad(t *testing.T, s *stack) {
+	// Container ids first: docker-compose ps can take seconds under load.
+	engines := map[string]string{}
+	for i := 1; i <= replicas; i++ {
+		engines[fmt.Sprintf("replica%d", i)] = s.container(fmt.Sprintf("engine%d", i))
+	}
 	l := startLoad(s, 8)
 	l.startStreams(s, 4)
 	defer func() {
@@ -221,19 +229,30 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 		}
 	}()
 	time.Sleep(3 * time.Second)
-	// Kill the replica serving a long stream, a few hundred tokens into it.
-	victim, readLong, err := startStream(s.routers["router1"], conversation("long-stream"), longStreamTokens)
+	// Kill the replica serving a long stream, once its first tokens arrived.
+	victim, body, err := startStream(s.routers["router1"], conversation("long-stream"), longStreamTokens)
 	if err != nil {
 		t.Fatalf("long stream: %v", err)
 	}
-	time.Sleep(300 * time.Millisecond)
-	engine := "engine" + strings.TrimPrefix(victim, "replica")
+	defer body.Close()
+	stream := bufio.NewReader(body)
+	var seen strings.Builder
+	for tokens := 0; tokens < 2; {
+		line, err := stream.ReadString('\n')
+		if err != nil {
+			t.Fatalf("long stream: %v after %q", err, seen.String())
+		}
+		seen.WriteString(line)
+		if strings.Contains(line, `"content":"`) && !strings.Contains(line, `"content":""`) {
+			tokens++
+		}
+	}
 	before := l.ok.Load()
-	s.docker("kill", s.container(engine))
+	s.docker("kill", engines[victim])
 	killed := time.Now()
 	longDone := make(chan error, 1)
 	go func() {
-		n, err := readLong()
+		n, err := readStream(io.MultiReader(strings.NewReader(seen.String()), stream))
 		if err == nil && n != longStreamTokens {
 			err = fmt.Errorf("%d text chunks, want %d", n, longStreamTokens)
 		}

@@ -456,19 +456,20 @@ func chat(base string, msgs []message, maxTokens int) (chatResult, error) {
 // answer's text chunks and the replica that started it, or an error for a
 // status other than 200, an error event, or a stream without its [DONE].
 func streamChat(base string, msgs []message, maxTokens int) (chunks int, replica string, err error) {
-	replica, read, err := startStream(base, msgs, maxTokens)
+	replica, body, err := startStream(base, msgs, maxTokens)
 	if err != nil {
 		return 0, "", err
 	}
-	chunks, err = read()
+	defer body.Close()
+	chunks, err = readStream(body)
 	return chunks, replica, err
 }
 
 // startStream sends a streamed chat and returns once its headers arrived:
-// the replica serving it, and read, which reads the stream to its end.
-func startStream(base string, msgs []message, maxTokens int) (replica string, read func() (int, error), err error) {
-	body, _ := json.Marshal(map[string]any{"model": "enginesim", "messages": msgs, "max_tokens": maxTokens, "stream": true})
-	resp, err := client.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+// the replica serving it and the stream, to be read and closed.
+func startStream(base string, msgs []message, maxTokens int) (replica string, body io.ReadCloser, err error) {
+	req, _ := json.Marshal(map[string]any{"model": "enginesim", "messages": msgs, "max_tokens": maxTokens, "stream": true})
+	resp, err := client.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(req))
 	if err != nil {
 		return "", nil, err
 	}
@@ -477,14 +478,13 @@ func startStream(base string, msgs []message, maxTokens int) (replica string, re
 		resp.Body.Close()
 		return "", nil, fmt.Errorf("status %d: %s", resp.StatusCode, raw)
 	}
-	return resp.Header.Get("X-Kvmesh-Replica"), func() (int, error) { return readStream(resp) }, nil
+	return resp.Header.Get("X-Kvmesh-Replica"), resp.Body, nil
 }
 
 // readStream counts an answer's text chunks; an error event or a missing
 // [DONE] is an error.
-func readStream(resp *http.Response) (int, error) {
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+func readStream(body io.Reader) (int, error) {
+	raw, err := io.ReadAll(io.LimitReader(body, 4<<20))
 	if err != nil {
 		return 0, err
 	}
