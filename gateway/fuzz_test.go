@@ -3,10 +3,13 @@ package gateway
 import (
 	"bytes"
 	"encoding/json"
+	"mime/multipart"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
 	segjson "github.com/segmentio/encoding/json"
+	"github.com/valyala/fasthttp"
 )
 
 // FuzzParseRequest feeds arbitrary bodies to the request parser: it must
@@ -115,6 +118,37 @@ func FuzzValidMatchesStdlib(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		if got, want := segjson.Valid(body), json.Valid(body); got != want {
 			t.Fatalf("%q: segmentio Valid %v, encoding/json %v", body, got, want)
+		}
+	})
+}
+
+// FuzzPassThroughFields: any body to a passed-through endpoint, JSON or
+// multipart, gets a request error or its fields, never a panic; a
+// well-formed multipart body yields its model field.
+func FuzzPassThroughFields(f *testing.F) {
+	f.Add([]byte(`{"model":"m","input":"x","stream":true}`), "", "m")
+	f.Add([]byte("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b--\r\n"), "b", "whisper")
+	f.Fuzz(func(t *testing.T, body []byte, boundary, model string) {
+		var ctx fasthttp.RequestCtx
+		ctx.Request.SetBody(body)
+		if boundary != "" {
+			ctx.Request.Header.SetContentType("multipart/form-data; boundary=" + boundary)
+		}
+		if _, err := parseOther(&ctx); err != nil {
+			if _, ok := err.(*requestError); !ok {
+				t.Fatalf("error of type %T", err)
+			}
+		}
+		if strings.ContainsAny(model, "\r\n") || len(model) > 1024 {
+			return
+		}
+		var form bytes.Buffer
+		mw := multipart.NewWriter(&form)
+		_ = mw.WriteField("model", model)
+		_ = mw.Close()
+		var p parsed
+		if err := p.formFields(form.Bytes(), mw.Boundary()); err != nil || p.Model != model {
+			t.Fatalf("model %q: got %q, %v", model, p.Model, err)
 		}
 	})
 }

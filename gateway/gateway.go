@@ -176,9 +176,26 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		g.serveClear(ctx)
 	case console.Owns(path):
 		console.Handler(ctx)
+	case post && passedThrough(path):
+		g.serveCompletion(ctx, kindOther)
 	default:
 		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
 	}
+}
+
+// passedThrough reports whether a POST to path goes to a replica of the
+// request's model, by load: every other OpenAI endpoint (embeddings,
+// responses, audio...) and vLLM's pooling, scoring and detokenize ones.
+// Adapter loading is not: it must reach every replica, not one.
+func passedThrough(path []byte) bool {
+	if bytes.Contains(path, []byte("lora_adapter")) {
+		return false
+	}
+	switch string(path) {
+	case "/pooling", "/classify", "/score", "/rerank", "/detokenize":
+		return true
+	}
+	return bytes.HasPrefix(path, []byte("/v1/")) || bytes.HasPrefix(path, []byte("/v2/"))
 }
 
 // ErrorHandler answers requests fasthttp could not read, in OpenAI's shape.

@@ -5,10 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"mime/multipart"
 	"strconv"
 	"unicode/utf8"
 
 	segjson "github.com/segmentio/encoding/json"
+	"github.com/valyala/fasthttp"
 )
 
 // kind is which OpenAI endpoint a request came to.
@@ -17,6 +20,9 @@ type kind uint8
 const (
 	kindChat kind = iota
 	kindCompletion
+	// kindOther is any other engine endpoint (embeddings, responses,
+	// rerank, audio...): passed through, routed by model and load only.
+	kindOther
 )
 
 // apiRequest is the part of a chat or completions body that routing needs.
@@ -65,16 +71,8 @@ type parsed struct {
 // parseRequest validates body for endpoint k. Bad input yields a
 // *requestError, never a panic.
 func parseRequest(body []byte, k kind) (*parsed, error) {
-	if !utf8.Valid(body) {
-		return nil, badRequest("request body is not valid UTF-8")
-	}
-	if i := skipSpace(body, 0); i == len(body) || body[i] != '{' {
-		return nil, badRequest("request body must be a JSON object")
-	}
-	if !validJSON(body) {
-		var v any
-		err := json.Unmarshal(body, &v) // for the message only
-		return nil, badRequest("malformed JSON: %v", err)
+	if err := checkObject(body); err != nil {
+		return nil, err
 	}
 	p := &parsed{kind: k}
 	if err := decodeTop(body, &p.apiRequest); err != nil {
@@ -104,6 +102,73 @@ func parseRequest(body []byte, k kind) (*parsed, error) {
 		}
 	}
 	return p, nil
+}
+
+// parseOther reads what routing needs from a request to a passed-through
+// endpoint: the model and whether the answer streams. A multipart body
+// (audio uploads) gives them as form fields; any other body must be a JSON
+// object, checked as chats are.
+func parseOther(ctx *fasthttp.RequestCtx) (*parsed, error) {
+	p := &parsed{kind: kindOther}
+	if boundary := ctx.Request.Header.MultipartFormBoundary(); len(boundary) > 0 {
+		if err := p.formFields(ctx.PostBody(), string(boundary)); err != nil {
+			return nil, badRequest("malformed multipart body: %v", err)
+		}
+		return p, nil
+	}
+	body := ctx.PostBody()
+	if err := checkObject(body); err != nil {
+		return nil, err
+	}
+	if err := decodeTop(body, &p.apiRequest); err != nil {
+		return nil, err
+	}
+	p.stream = p.Stream != nil && *p.Stream
+	return p, nil
+}
+
+// formFields reads the model and stream fields of a multipart body,
+// skipping over the parts it does not need (the uploaded file) unread.
+func (p *parsed) formFields(body []byte, boundary string) error {
+	r := multipart.NewReader(bytes.NewReader(body), boundary)
+	for {
+		part, err := r.NextPart()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		name := part.FormName()
+		if name != "model" && name != "stream" {
+			continue
+		}
+		v, err := io.ReadAll(io.LimitReader(part, 1024))
+		if err != nil {
+			return err
+		}
+		if name == "model" {
+			p.Model = string(v)
+		} else {
+			p.stream = string(v) == "true"
+		}
+	}
+}
+
+// checkObject accepts a body that is one valid JSON object in UTF-8.
+func checkObject(body []byte) error {
+	if !utf8.Valid(body) {
+		return badRequest("request body is not valid UTF-8")
+	}
+	if i := skipSpace(body, 0); i == len(body) || body[i] != '{' {
+		return badRequest("request body must be a JSON object")
+	}
+	if !validJSON(body) {
+		var v any
+		err := json.Unmarshal(body, &v) // for the message only
+		return badRequest("malformed JSON: %v", err)
+	}
+	return nil
 }
 
 // validJSON is json.Valid, faster. segmentio's Valid accepts exactly what

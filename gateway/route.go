@@ -93,7 +93,15 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		g.fail(ctx, err)
 		return
 	}
-	p, err := parseRequest(ctx.PostBody(), k)
+	var p *parsed
+	var err error
+	path := string(ctx.Path())
+	if k == kindOther {
+		p, err = parseOther(ctx)
+		path = string(ctx.RequestURI()) // with its query, if any
+	} else {
+		p, err = parseRequest(ctx.PostBody(), k)
+	}
 	if err != nil {
 		g.fail(ctx, err)
 		return
@@ -106,7 +114,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		}
 	}
 	ex := g.getExchange(s)
-	ex.model, ex.path = p.Model, string(ctx.Path())
+	ex.model, ex.path = p.Model, path
 	if err := ex.decide(snap, p); err != nil {
 		g.putExchange(ex)
 		g.fail(ctx, err)
@@ -114,7 +122,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 	}
 	body := ctx.PostBody()
 	strip := false
-	if p.stream && !p.wantsUsage {
+	if p.stream && !p.wantsUsage && k != kindOther {
 		if b, err := withIncludeUsage(body, p.StreamOptions); err == nil {
 			body, strip = b, true
 		}
@@ -127,7 +135,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		DropAuthorization: len(s.APIKeys) > 0,
 		Stream:            p.stream,
 	}
-	if p.stream && s.ResumeStreams {
+	if p.stream && s.ResumeStreams && k != kindOther {
 		// The stream may outlive ctx's buffers (a client gone mid-way).
 		orig, k := bytes.Clone(body), p.kind
 		req.Resume = func(text []byte, chunks int) ([]byte, bool) { return continuation(orig, k, text, chunks) }
@@ -282,6 +290,8 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 	var ids []uint32
 	var err error
 	switch {
+	case p.kind == kindOther:
+		err = errLoadOnly
 	case p.kind == kindCompletion && p.promptIDs != nil:
 		ids = p.promptIDs
 	case tk == nil:
@@ -328,7 +338,10 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 	ex.seed = blockkey.Seed(ms.Adapter, salt)
 }
 
-var errNoTokenizer = fmt.Errorf("no tokenizer for this model")
+var (
+	errNoTokenizer = fmt.Errorf("no tokenizer for this model")
+	errLoadOnly    = fmt.Errorf("endpoint routed by load only")
+)
 
 func nullToNil(raw []byte) []byte {
 	if isNull(raw) {
