@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"flag"
 	"fmt"
 	"net"
@@ -20,6 +21,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/pprofhandler"
 
+	"github.com/kvmesh/kvmesh/certfile"
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gateway"
@@ -33,7 +35,7 @@ type options struct {
 	listen, name                      string
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
-	pprofListen                       string
+	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout                      time.Duration
 	flags                             routerconfig.Flags
@@ -67,6 +69,8 @@ func parse(args []string) (*options, error) {
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
 	fs.BoolVar(&o.flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
+	fs.StringVar(&o.tlsCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
+	fs.StringVar(&o.tlsKey, "tls-key", "", "PEM private key of --tls-cert")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
 	fs.IntVar(&o.gcPercent, "gc-percent", 0, fmt.Sprintf("Go GC target (GOGC); 0: GOGC if set, else %d", gateway.DefaultGCPercent))
 	o.log.Register(fs)
@@ -75,6 +79,9 @@ func parse(args []string) (*options, error) {
 	}
 	if o.maxBodyBytes <= 0 {
 		return nil, fmt.Errorf("--max-body-bytes must be positive")
+	}
+	if (o.tlsCert == "") != (o.tlsKey == "") {
+		return nil, fmt.Errorf("--tls-cert and --tls-key go together")
 	}
 	return o, nil
 }
@@ -151,6 +158,13 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
+	if o.tlsCert != "" {
+		certs, err := certfile.Load(o.tlsCert, o.tlsKey, 10*time.Second)
+		if err != nil {
+			return err
+		}
+		ln = tls.NewListener(ln, certs.Config())
+	}
 	if o.pprofListen != "" {
 		go func() {
 			if err := fasthttp.ListenAndServe(o.pprofListen, pprofhandler.PprofHandler); err != nil {
@@ -161,7 +175,7 @@ func run(args []string) error {
 	srv := g.Server(o.maxBodyBytes)
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
-	log.Info().Str("listen", ln.Addr().String()).Str("policy", g.Settings().Policy.Name()).
+	log.Info().Str("listen", ln.Addr().String()).Bool("tls", o.tlsCert != "").Str("policy", g.Settings().Policy.Name()).
 		Bool("gossip", node != nil).Msg("router ready")
 
 	select {
