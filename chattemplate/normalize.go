@@ -1,6 +1,7 @@
 package chattemplate
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"regexp"
@@ -170,6 +171,37 @@ next:
 // how vLLM decides a template takes OpenAI-style content parts (its
 // "openai" content format) rather than one string.
 var contentLoop = regexp.MustCompile(`\bfor\s+\w+\s+in\s+(\w+\s*(\.\s*content\b|\[\s*['"]content['"]\s*\])|content\b)`)
+
+// FirstMediaMessage returns the index of the first message in the JSON
+// messages array that holds a content part vLLM does not treat as text (an
+// image, audio, a video...), for callers that hand chats to something else
+// to tokenize. Malformed input reports none: rendering reports it.
+func FirstMediaMessage(messages []byte) (int, bool) {
+	var msgs []struct {
+		Content json.RawMessage `json:"content"`
+	}
+	if json.Unmarshal(messages, &msgs) != nil {
+		return 0, false
+	}
+	for i, m := range msgs {
+		var parts []json.RawMessage
+		if json.Unmarshal(m.Content, &parts) != nil {
+			continue // a string, null, or not content at all
+		}
+		for _, p := range parts {
+			var part struct {
+				Type string `json:"type"`
+			}
+			if json.Unmarshal(p, &part) != nil {
+				continue // a string part, or malformed
+			}
+			if _, text := textPartKeys[part.Type]; !text {
+				return i, true
+			}
+		}
+	}
+	return 0, false
+}
 
 // textPartKeys maps the content-part types vLLM treats as text to the key
 // holding their text.

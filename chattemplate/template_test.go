@@ -206,12 +206,19 @@ func TestMediaPartsNameTheirMessage(t *testing.T) {
 			t.Fatalf("pass %d: want a media InputError for message 2, got %#v (%v)", pass, ie, err)
 		}
 	}
+	// FirstMediaMessage, for chats tokenized elsewhere, names the same one.
+	if k, ok := FirstMediaMessage([]byte(msgs)); !ok || k != 2 {
+		t.Errorf("FirstMediaMessage = %d, %v; want 2", k, ok)
+	}
 	// Text parts alone, and bad input, are not media.
-	for _, bad := range []string{`[{"role":"user","content":[{"type":"text","text":"hi"}]}]`, `[{"role":"user","content":[3]}]`} {
+	for _, bad := range []string{`[{"role":"user","content":[{"type":"text","text":"hi"}]}]`, `[{"role":"user","content":[3]}]`, `[{"role":"user","content":"hi"}]`, `{`} {
 		_, err := tmpl.Render(Input{Messages: json.RawMessage(bad)})
 		var ie *InputError
 		if errors.As(err, &ie) && ie.Media {
 			t.Errorf("%s: marked as media: %v", bad, err)
+		}
+		if _, ok := FirstMediaMessage([]byte(bad)); ok {
+			t.Errorf("%s: FirstMediaMessage found media", bad)
 		}
 	}
 }

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvmesh/kvmesh/chattemplate"
 )
 
 // Engine is a Model that asks an engine replica's vLLM /tokenize endpoint:
@@ -107,6 +109,13 @@ func (e *Engine) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
 func (e *Engine) EncodeChat(chat Chat) (string, []uint32, error) {
 	if len(chat.Messages) == 0 {
 		return "", nil, errors.New("tokenize: chat without messages")
+	}
+	if k, ok := chattemplate.FirstMediaMessage(chat.Messages); ok {
+		// The engine would fetch and process the media only to count
+		// tokens whose blocks no router can match (they are keyed by the
+		// media's hash): answer as the renderer does (MediaMessage), and
+		// the router asks again for the text before it.
+		return "", nil, &chattemplate.InputError{Field: "messages", Reason: "media content parts are not sent to the engine's /tokenize", Media: true, Message: k}
 	}
 	body, err := json.Marshal(struct {
 		Model                string          `json:"model"`

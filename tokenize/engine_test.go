@@ -107,6 +107,27 @@ func TestEngineMatchesBuiltinAndCaches(t *testing.T) {
 	}
 }
 
+// TestEngineLeavesMediaToTheRouter: a chat holding an image is not sent to
+// the engine (it would fetch the image); the answer names the message, as
+// the template renderer's does, and the text before it is tokenized.
+func TestEngineLeavesMediaToTheRouter(t *testing.T) {
+	f := &fakeVLLM{}
+	srv := httptest.NewServer(f)
+	defer srv.Close()
+	e := NewEngine(srv.URL, "m")
+	msgs := `[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"What is this?"},{"type":"image_url","image_url":{"url":"https://example.com/a.png"}}]}]`
+	_, _, err := e.EncodeChat(Chat{Messages: json.RawMessage(msgs)})
+	if k, media := MediaMessage(err); !media || k != 1 {
+		t.Fatalf("got %v, want media in message 1", err)
+	}
+	if f.calls.Load() != 0 {
+		t.Fatal("a chat with media reached the engine")
+	}
+	if _, ids, err := e.EncodeChat(Chat{Messages: json.RawMessage(`[{"role":"system","content":"Be brief."}]`)}); err != nil || len(ids) == 0 {
+		t.Fatalf("the text before it: %v %v", ids, err)
+	}
+}
+
 func TestEngineErrorsAreReturned(t *testing.T) {
 	f := &fakeVLLM{delay: 2 * time.Second}
 	srv := httptest.NewServer(f)
