@@ -371,7 +371,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			_ = w.Flush()
 			return
 		}
-		tr.lead = true
+		tr.continuing()
 		i, resp, start = next, nextResp, nextStart
 	}
 }
@@ -542,6 +542,9 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 				}
 				if tr != nil && !tr.note(payload) {
 					keep = false
+				}
+				if tr != nil {
+					ev = tr.sameID(ev)
 				}
 			}
 		} else if tr != nil && len(bytes.TrimSpace(ev)) > 0 && !bytes.HasPrefix(ev, []byte(":")) {

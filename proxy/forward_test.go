@@ -542,18 +542,24 @@ func brokenSSE(t *testing.T, events ...string) string {
 // continue from the text the client has; the client sees one stream, the
 // continuation's role announcement dropped, and no error.
 func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
-	role := `{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
-	tok := func(s string) string {
-		return `{"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
+	// Each engine names its stream; the client must see one name, a's.
+	role := func(id string) string {
+		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
 	}
-	a := brokenSSE(t, role, tok("Hel"), tok("lo"))
-	finished := brokenSSE(t, role, tok("Hel"), `{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}`)
+	tok := func(id, s string) string {
+		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
+	}
+	stop := func(id, s string) string {
+		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":"stop"}]}`
+	}
+	a := brokenSSE(t, role("a"), tok("a", "Hel"), tok("a", "lo"))
+	finished := brokenSSE(t, role("a"), tok("a", "Hel"), stop("a", "lo"))
 	var seen atomic.Value
 	b := serve(t, func(ctx *fasthttp.RequestCtx) {
 		seen.Store(string(ctx.PostBody()))
 		ctx.SetContentType("text/event-stream")
 		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
-			for _, ev := range []string{role, tok(" world"), `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}`, "[DONE]"} {
+			for _, ev := range []string{role("b"), tok("b", " world"), stop("b", ""), "[DONE]"} {
 				fmt.Fprintf(w, "data: %s\n\n", ev)
 				_ = w.Flush()
 			}
@@ -565,11 +571,11 @@ func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
 		resume  bool
 		want    string
 	}{
-		{"continued", []string{a, b}, true, role + tok("Hel") + tok("lo") + tok(" world") + `{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}` + "[DONE]"},
+		{"continued", []string{a, b}, true, role("a") + tok("a", "Hel") + tok("a", "lo") + tok("a", " world") + stop("a", "") + "[DONE]"},
 		{"no target left", []string{a}, true, ""},
 		{"next target refuses", []string{a, refusedURL(t)}, true, ""},
 		{"not asked", []string{a, b}, false, ""},
-		{"answer complete", []string{finished, b}, true, role + tok("Hel") + `{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}` + "[DONE]"},
+		{"answer complete", []string{finished, b}, true, role("a") + tok("a", "Hel") + stop("a", "lo") + "[DONE]"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rec := newRecorder()

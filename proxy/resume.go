@@ -27,11 +27,28 @@ type transcript struct {
 	// lead is set while relaying a continuation: its first events (the
 	// role announcement, empty text) are dropped, the client had them.
 	lead bool
+	// id is the stream's id as the client first saw it; a continuation's
+	// events carry their own (contID), rewritten to id on the way.
+	id, contID string
+	continued  bool
+}
+
+// continuing readies t for relaying a continuation.
+func (t *transcript) continuing() { t.lead, t.continued, t.contID = true, true, "" }
+
+// sameID returns ev with a continuation's id replaced by the stream's own,
+// so the client sees one stream.
+func (t *transcript) sameID(ev []byte) []byte {
+	if !t.continued || t.contID == "" || t.id == "" || t.contID == t.id {
+		return ev
+	}
+	return bytes.Replace(ev, []byte(`"id":"`+t.contID+`"`), []byte(`"id":"`+t.id+`"`), 1)
 }
 
 // streamChunk is the part of a chat.completion.chunk or text_completion
 // chunk a transcript reads.
 type streamChunk struct {
+	ID      string `json:"id"`
 	Choices []struct {
 		Index int     `json:"index"`
 		Text  *string `json:"text"`
@@ -55,6 +72,12 @@ func (t *transcript) note(payload []byte) bool {
 	if err := json.Unmarshal(payload, &c); err != nil {
 		t.lost = true
 		return true
+	}
+	switch {
+	case !t.continued && t.id == "":
+		t.id = c.ID
+	case t.continued && t.contID == "":
+		t.contID = c.ID
 	}
 	if c.Choices == nil {
 		t.lost = true // not a chunk: an error event, say
