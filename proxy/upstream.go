@@ -6,7 +6,9 @@
 // that bound connecting and waiting for the first byte and the silence
 // between chunks but never a long stream as a whole, retries on the next
 // replica while nothing has reached the client yet, a clean SSE error when a
-// stream breaks later, cancelling the upstream when the client goes away, and
+// stream breaks later (or, when the caller allows it, the stream continued
+// at the next replica: resume.go), cancelling the upstream when the client
+// goes away, and
 // reading the engine's usage (cached prompt tokens) on the way through. Which
 // replicas to try, in what order, is decided by the caller.
 package proxy
