@@ -1,8 +1,10 @@
 // Package gateway is the router's HTTP face: the OpenAI-compatible API, the
-// admin API and metrics, on fasthttp. For each request it tokenizes the
-// prompt, computes block keys, builds routing candidates from the fleet
-// snapshot plus this router's own in-flight work, asks the routing policy,
-// and hands the ordered replicas to the proxy.
+// admin API and metrics, on fasthttp. For each chat or completion it
+// tokenizes the prompt (for a chat holding media, the text before it),
+// computes block keys, builds routing candidates from the fleet snapshot
+// plus this router's own in-flight work, asks the routing policy, and hands
+// the ordered replicas to the proxy. Other engine endpoints (embeddings,
+// responses, audio...) take the same path by model and load only.
 //
 // Settings that a config reload may change live behind one atomic pointer,
 // so a reload swaps them between requests and never drops one.
