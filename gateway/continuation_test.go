@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/tokenize"
 )
 
 // TestContinuationBodies: what a replica is asked when it takes over a
@@ -75,7 +77,7 @@ func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
 		ctx.SetContentType("text/event-stream")
 		conn := ctx.Conn()
 		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
-			fmt.Fprint(w, chunk("Hel")+chunk("lo"))
+			fmt.Fprint(w, chunk("Hel")+chunk("lo, how are you doing"))
 			_ = w.Flush()
 			time.Sleep(100 * time.Millisecond) // the server sends them
 			_ = conn.Close()
@@ -96,7 +98,7 @@ func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
 		if res.header["x-kvmesh-replica"] != "a" {
 			continue
 		}
-		if want := chunk("Hel") + chunk("lo") + chunk(" there") + "data: [DONE]\n\n"; res.body != want {
+		if want := chunk("Hel") + chunk("lo, how are you doing") + chunk(" there") + "data: [DONE]\n\n"; res.body != want {
 			t.Fatalf("client got %q, want %q", res.body, want)
 		}
 		var got struct {
@@ -108,8 +110,14 @@ func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
 		if err := json.Unmarshal([]byte(continued.Load().(string)), &got); err != nil {
 			t.Fatal(err)
 		}
-		if len(got.Messages) != 2 || got.Messages[1]["role"] != "assistant" || got.Messages[1]["content"] != "Hello" ||
-			!got.ContinueFinalMessage || got.MaxTokens != 8 || !got.StreamOptions["include_usage"] {
+		// Two events carried several tokens: the budget shrinks by the
+		// text's tokens, not the events.
+		said, _ := tokenize.Builtin{}.Encode("Hello, how are you doing", false)
+		if len(said) <= 2 {
+			t.Fatalf("test text is %d tokens: too few to tell tokens from events", len(said))
+		}
+		if len(got.Messages) != 2 || got.Messages[1]["role"] != "assistant" || got.Messages[1]["content"] != "Hello, how are you doing" ||
+			!got.ContinueFinalMessage || got.MaxTokens != 10-len(said) || !got.StreamOptions["include_usage"] {
 			t.Fatalf("continuation asked %+v", got)
 		}
 		if m := r.get(t, "/metrics"); !strings.Contains(m.body, `kvmesh_router_errors_total{type="stream_resumed"} 1`) {

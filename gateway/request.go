@@ -344,9 +344,8 @@ func withIncludeUsage(body []byte, streamOptions json.RawMessage) ([]byte, error
 // text, what the client has received: for a chat, text as a final assistant
 // message to continue (continue_final_message, which vLLM and SGLang
 // accept); for a completion, the prompt followed by text. max_tokens and
-// max_completion_tokens shrink by chunks, the events that carried text (at
-// most one token each in engines' default streaming, so the sum may exceed
-// the original budget only when an engine batched tokens per event). With
+// max_completion_tokens shrink by chunks, the tokens already generated (the
+// caller's best count: events that carried text, or text re-tokenized). With
 // no text yet the request is sent again as it was. False when it cannot be
 // continued that way: several choices, echo, a prompt of token ids or a
 // batch, a chat that already continues its last message, no tokens left.

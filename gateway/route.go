@@ -138,7 +138,21 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 	if p.stream && s.ResumeStreams && k != kindOther {
 		// The stream may outlive ctx's buffers (a client gone mid-way).
 		orig, k := bytes.Clone(body), p.kind
-		req.Resume = func(text []byte, chunks int) ([]byte, bool) { return continuation(orig, k, text, chunks) }
+		tk := s.Models[p.Model].Tokenizer
+		if tk == nil {
+			tk = s.DefaultTokenizer
+		}
+		req.Resume = func(text []byte, chunks int) ([]byte, bool) {
+			// An engine may send several tokens per event: count the text's
+			// tokens too, so the continuation never overshoots max_tokens
+			// by more than re-tokenizing differs.
+			if tk != nil {
+				if ids, err := tk.Encode(string(text), false); err == nil {
+					chunks = max(chunks, len(ids))
+				}
+			}
+			return continuation(orig, k, text, chunks)
+		}
 	}
 	// ex belongs to the proxy from here: it is released on the last Finish,
 	// which may run after this handler returns.
