@@ -112,6 +112,7 @@ type Gateway struct {
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
 
 	static    staticModels
+	watch     clientWatch // clients of long non-streamed requests
 	exchanges sync.Pool
 	now       func() time.Time
 	started   time.Time

@@ -39,6 +39,15 @@ type apiRequest struct {
 	ContinueFinalMessage *bool           `json:"continue_final_message"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
 	CacheSalt            *string         `json:"cache_salt"`
+	// MaxTokens is max_tokens or max_completion_tokens, as sent.
+	MaxTokens json.RawMessage `json:"max_tokens"`
+}
+
+// shortAnswer reports a request asking for at most a few tokens: not worth
+// watching its client while the engine works.
+func (r *apiRequest) shortAnswer() bool {
+	n, err := strconv.Atoi(string(r.MaxTokens))
+	return err == nil && n <= 16
 }
 
 // requestError is a client error with the HTTP status to answer.

@@ -154,6 +154,14 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 			return continuation(orig, k, text, chunks)
 		}
 	}
+	if !p.stream && k != kindOther && !p.shortAnswer() {
+		// A client that leaves while the engine works must stop the
+		// engine too; the proxy only hears of it through an Abort.
+		a := &proxy.Abort{}
+		req.Abort = a
+		g.watch.add(a, ctx.Conn())
+		defer g.watch.remove(a)
+	}
 	// ex belongs to the proxy from here: it is released on the last Finish,
 	// which may run after this handler returns.
 	g.fwd.Forward(ctx, &req, ex.targets, ex)

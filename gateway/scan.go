@@ -68,6 +68,8 @@ func (r *apiRequest) set(key, v []byte) error {
 		r.ContinueFinalMessage, err = setBool(v, "continue_final_message")
 	case "chat_template_kwargs":
 		r.ChatTemplateKwargs = v
+	case "max_tokens", "max_completion_tokens":
+		r.MaxTokens = v // the engine validates it
 	case "cache_salt":
 		if string(v) == "null" {
 			r.CacheSalt = nil

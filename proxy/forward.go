@@ -40,6 +40,10 @@ type Request struct {
 	// and how many events carried it, and returns the body that asks a
 	// target to continue from there, or false when it cannot be asked.
 	Resume func(text []byte, chunks int) ([]byte, bool)
+	// Abort, when set on a non-streamed request, lets the caller end it
+	// while an engine works on it (the client left): the upstream
+	// connection closes, so the engine stops, and no other target is tried.
+	Abort *Abort
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -116,6 +120,15 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			f.relay(ctx, req, targets, i, resp, start, obs)
 			return i
 		}
+		if req.Abort != nil && req.Abort.Aborted() {
+			// The client left: nobody is waiting for another target.
+			if resp != nil {
+				fasthttp.ReleaseResponse(resp)
+			}
+			obs.Finish(i, Result{Err: errAborted, ClientGone: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "client gone")
+			return -1
+		}
 		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
 		ev := f.Log.Warn().Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets))
 		if err != nil {
@@ -181,6 +194,17 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	ureq.SetBodyRaw(req.Body)
 	resp := fasthttp.AcquireResponse()
 	resp.StreamBody = req.Stream
+	if a := req.Abort; a != nil && !req.Stream {
+		if a.Aborted() {
+			fasthttp.ReleaseResponse(resp)
+			return nil, errAborted
+		}
+		id := requestTags.Add(1)
+		ureq.Header.Set(headerRequestTag, strconv.FormatUint(id, 10))
+		a.begin(id)
+		up.watched.add(id, a)
+		defer func() { up.watched.remove(id); a.end() }()
+	}
 	if err := up.hc.Do(ureq, resp); err != nil {
 		fasthttp.ReleaseResponse(resp)
 		return nil, err

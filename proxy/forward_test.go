@@ -669,3 +669,62 @@ func TestTranscriptKnowsWhatCannotBeContinued(t *testing.T) {
 		}
 	}
 }
+
+// TestAbortEndsANonStreamedRequestAtTheEngine: an Abort closes the
+// connection of the attempt in flight (the engine sees it within 100 ms and
+// stops) and no other target is tried.
+func TestAbortEndsANonStreamedRequestAtTheEngine(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	closed := make(chan time.Time, 1)
+	var tagged atomic.Bool
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 64<<10)
+		n, _ := c.Read(buf) // the request; then work "forever", noticing a close
+		tagged.Store(strings.Contains(string(buf[:n]), "\r\nX-Kvmesh-Request: "))
+		for {
+			if _, err := c.Read(buf); err != nil {
+				closed <- time.Now()
+				return
+			}
+		}
+	}()
+	var second atomic.Int32
+	other := serve(t, func(ctx *fasthttp.RequestCtx) { second.Add(1); jsonEngine(ctx) })
+	targets := upstreams(t, "http://"+ln.Addr().String(), other)
+	aborts := make(chan *Abort, 1)
+	rec := newRecorder()
+	f := &Forwarder{Log: zerolog.Nop()}
+	url := serve(t, func(ctx *fasthttp.RequestCtx) {
+		a := &Abort{}
+		aborts <- a
+		f.Forward(ctx, &Request{Path: "/v1/completions", Header: &ctx.Request.Header, Body: []byte(`{"prompt":"x","max_tokens":500}`), Abort: a}, targets, rec)
+	})
+	go func() { _, _, _ = fasthttp.Post(nil, url+"/v1/completions", nil) }()
+	a := <-aborts
+	time.Sleep(100 * time.Millisecond) // the engine is working
+	aborted := time.Now()
+	a.Now()
+	select {
+	case at := <-closed:
+		if d := at.Sub(aborted); d > 100*time.Millisecond {
+			t.Errorf("the engine saw the close %v after the abort", d)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("the engine's connection stayed open after the abort")
+	}
+	<-rec.done
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if r := rec.finish[0]; !r.ClientGone || len(rec.attempts) != 1 || second.Load() != 0 || !tagged.Load() {
+		t.Fatalf("attempts %v, finish %+v, second target hit %d times, tagged %v", rec.attempts, r, second.Load(), tagged.Load())
+	}
+}

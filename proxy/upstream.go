@@ -79,6 +79,8 @@ type Upstream struct {
 	// firstByte and idle bound a stream's wait for its first event and the
 	// silence between events (enforced by the relay).
 	firstByte, idle time.Duration
+	// watched holds the attempts an Abort may end.
+	watched watched
 }
 
 // NewUpstream returns an upstream for base URL rawURL (http or https; a path
@@ -126,7 +128,7 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 			// After the first bytes (a stream's headers may come before
 			// prefill) the connection only has a backstop; the relay times
 			// the first event and the gaps between events itself.
-			return &deadlineConn{Conn: c, firstByte: opt.FirstByteTimeout, idle: max(opt.IdleTimeout, opt.FirstByteTimeout)}, nil
+			return &deadlineConn{Conn: c, firstByte: opt.FirstByteTimeout, idle: max(opt.IdleTimeout, opt.FirstByteTimeout), watched: &up.watched}, nil
 		},
 		MaxConns:                      opt.MaxConns,
 		MaxConnWaitTimeout:            opt.MaxConnWait,
@@ -200,15 +202,25 @@ type deadlineConn struct {
 	// chunk would otherwise reset a runtime timer each time.
 	deadline time.Time
 	forced   atomic.Bool
+	// owner is the tag of the request being carried (0: untagged) and
+	// aborted the tag an Abort ended (abort.go).
+	watched        *watched
+	owner, aborted atomic.Uint64
 }
 
 func (c *deadlineConn) Write(p []byte) (int, error) {
+	if !c.waiting.Load() { // the start of a request
+		c.watched.noteWrite(c, p)
+	}
 	c.waiting.Store(true)
 	c.forced.Store(true)
 	return c.Conn.Write(p)
 }
 
 func (c *deadlineConn) Read(p []byte) (int, error) {
+	if id := c.aborted.Load(); id != 0 && id == c.owner.Load() {
+		return 0, errAborted
+	}
 	d := c.idle
 	if c.waiting.Load() {
 		d = c.firstByte
