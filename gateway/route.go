@@ -154,7 +154,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 			return continuation(orig, k, text, chunks)
 		}
 	}
-	if !p.stream && k != kindOther && !p.shortAnswer() {
+	if !p.stream && !p.shortAnswer() {
 		// A client that leaves while the engine works must stop the
 		// engine too; the proxy only hears of it through an Abort.
 		a := &proxy.Abort{}
