@@ -542,15 +542,16 @@ func brokenSSE(t *testing.T, events ...string) string {
 // continue from the text the client has; the client sees one stream, the
 // continuation's role announcement dropped, and no error.
 func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
-	// Each engine names its stream; the client must see one name, a's.
+	// Each engine names and dates its stream; the client must see a's.
+	created := map[string]string{"a": "1700000001", "b": "1700000002"}
 	role := func(id string) string {
-		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
+		return `{"id":"` + id + `","created":` + created[id] + `,"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}`
 	}
 	tok := func(id, s string) string {
-		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
+		return `{"id":"` + id + `","created":` + created[id] + `,"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}`
 	}
 	stop := func(id, s string) string {
-		return `{"id":"` + id + `","choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":"stop"}]}`
+		return `{"id":"` + id + `","created":` + created[id] + `,"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":"stop"}]}`
 	}
 	a := brokenSSE(t, role("a"), tok("a", "Hel"), tok("a", "lo"))
 	finished := brokenSSE(t, role("a"), tok("a", "Hel"), stop("a", "lo"))

@@ -27,28 +27,39 @@ type transcript struct {
 	// lead is set while relaying a continuation: its first events (the
 	// role announcement, empty text) are dropped, the client had them.
 	lead bool
-	// id is the stream's id as the client first saw it; a continuation's
-	// events carry their own (contID), rewritten to id on the way.
-	id, contID string
-	continued  bool
+	// id and created are the stream's as the client first saw them; a
+	// continuation's events carry their own (contID, contCreated),
+	// rewritten on the way.
+	id, contID           string
+	created, contCreated []byte
+	continued            bool
 }
 
 // continuing readies t for relaying a continuation.
-func (t *transcript) continuing() { t.lead, t.continued, t.contID = true, true, "" }
+func (t *transcript) continuing() {
+	t.lead, t.continued, t.contID, t.contCreated = true, true, "", nil
+}
 
-// sameID returns ev with a continuation's id replaced by the stream's own,
-// so the client sees one stream.
+// sameID returns ev with a continuation's id and created time replaced by
+// the stream's own, so the client sees one stream.
 func (t *transcript) sameID(ev []byte) []byte {
-	if !t.continued || t.contID == "" || t.id == "" || t.contID == t.id {
+	if !t.continued {
 		return ev
 	}
-	return bytes.Replace(ev, []byte(`"id":"`+t.contID+`"`), []byte(`"id":"`+t.id+`"`), 1)
+	if t.contID != "" && t.id != "" && t.contID != t.id {
+		ev = bytes.Replace(ev, []byte(`"id":"`+t.contID+`"`), []byte(`"id":"`+t.id+`"`), 1)
+	}
+	if len(t.contCreated) > 0 && len(t.created) > 0 && !bytes.Equal(t.contCreated, t.created) {
+		ev = bytes.Replace(ev, append([]byte(`"created":`), t.contCreated...), append([]byte(`"created":`), t.created...), 1)
+	}
+	return ev
 }
 
 // streamChunk is the part of a chat.completion.chunk or text_completion
 // chunk a transcript reads.
 type streamChunk struct {
-	ID      string `json:"id"`
+	ID      string          `json:"id"`
+	Created json.RawMessage `json:"created"`
 	Choices []struct {
 		Index int     `json:"index"`
 		Text  *string `json:"text"`
@@ -75,9 +86,9 @@ func (t *transcript) note(payload []byte) bool {
 	}
 	switch {
 	case !t.continued && t.id == "":
-		t.id = c.ID
+		t.id, t.created = c.ID, bytes.Clone(c.Created)
 	case t.continued && t.contID == "":
-		t.contID = c.ID
+		t.contID, t.contCreated = c.ID, bytes.Clone(c.Created)
 	}
 	if c.Choices == nil {
 		t.lost = true // not a chunk: an error event, say
