@@ -88,11 +88,7 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 	if p.Model == "" {
 		p.Model = soleModel(g.table.Snapshot())
 	}
-	ms := s.Models[p.Model]
-	tk := ms.Tokenizer
-	if tk == nil {
-		tk = s.DefaultTokenizer
-	}
+	tk := s.tokenizer(s.Models[p.Model])
 	if tk == nil {
 		g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("no tokenizer for model %q", p.Model)})
 		return

@@ -75,6 +75,14 @@ type Model struct {
 	Fallback []*proxy.Upstream
 }
 
+// tokenizer is ms's tokenizer, else the default one (nil: none).
+func (s *Settings) tokenizer(ms Model) tokenize.Model {
+	if ms.Tokenizer != nil {
+		return ms.Tokenizer
+	}
+	return s.DefaultTokenizer
+}
+
 func (s *Settings) withDefaults() *Settings {
 	c := *s
 	if c.MaxPrefixTokens <= 0 {

@@ -138,10 +138,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 	if p.stream && s.ResumeStreams && k != kindOther {
 		// The stream may outlive ctx's buffers (a client gone mid-way).
 		orig, k := bytes.Clone(body), p.kind
-		tk := s.Models[p.Model].Tokenizer
-		if tk == nil {
-			tk = s.DefaultTokenizer
-		}
+		tk := s.tokenizer(s.Models[p.Model])
 		req.Resume = func(text []byte, chunks int) ([]byte, bool) {
 			// An engine may send several tokens per event: count the text's
 			// tokens too, so the continuation never overshoots max_tokens
@@ -305,10 +302,7 @@ func (ex *exchange) snapIndex(ci int) int { return ex.snapIdx[ci] }
 
 // tokens tokenizes the prompt; a failure degrades to load-only routing.
 func (ex *exchange) tokens(p *parsed, ms Model) {
-	tk := ms.Tokenizer
-	if tk == nil {
-		tk = ex.s.DefaultTokenizer
-	}
+	tk := ex.s.tokenizer(ms)
 	var ids []uint32
 	var err error
 	switch {
