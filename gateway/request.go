@@ -80,14 +80,10 @@ type parsed struct {
 // parseRequest validates body for endpoint k. Bad input yields a
 // *requestError, never a panic.
 func parseRequest(body []byte, k kind) (*parsed, error) {
-	if err := checkObject(body); err != nil {
-		return nil, err
-	}
 	p := &parsed{kind: k}
-	if err := decodeTop(body, &p.apiRequest); err != nil {
+	if err := p.decodeObject(body); err != nil {
 		return nil, err
 	}
-	p.stream = p.Stream != nil && *p.Stream
 	if len(p.StreamOptions) > 0 && !isNull(p.StreamOptions) {
 		var so struct {
 			IncludeUsage *bool `json:"include_usage"`
@@ -125,14 +121,9 @@ func parseOther(ctx *fasthttp.RequestCtx) (*parsed, error) {
 		}
 		return p, nil
 	}
-	body := ctx.PostBody()
-	if err := checkObject(body); err != nil {
+	if err := p.decodeObject(ctx.PostBody()); err != nil {
 		return nil, err
 	}
-	if err := decodeTop(body, &p.apiRequest); err != nil {
-		return nil, err
-	}
-	p.stream = p.Stream != nil && *p.Stream
 	return p, nil
 }
 
@@ -164,8 +155,9 @@ func (p *parsed) formFields(body []byte, boundary string) error {
 	}
 }
 
-// checkObject accepts a body that is one valid JSON object in UTF-8.
-func checkObject(body []byte) error {
+// decodeObject checks that body is one valid JSON object in UTF-8 and
+// reads the fields routing needs from it.
+func (p *parsed) decodeObject(body []byte) error {
 	if !utf8.Valid(body) {
 		return badRequest("request body is not valid UTF-8")
 	}
@@ -177,6 +169,10 @@ func checkObject(body []byte) error {
 		err := json.Unmarshal(body, &v) // for the message only
 		return badRequest("malformed JSON: %v", err)
 	}
+	if err := decodeTop(body, &p.apiRequest); err != nil {
+		return err
+	}
+	p.stream = p.Stream != nil && *p.Stream
 	return nil
 }
 
