@@ -363,29 +363,29 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
-		if res.Err == nil || res.ClientGone || done {
+		broken := res.Err != nil && !res.ClientGone && !done
+		var body []byte
+		if broken && tr.resumable() && i+1 < len(targets) {
+			body, res.Resumed = req.Resume(tr.text, tr.chunks)
+		}
+		if !res.Resumed {
 			if res.Err != nil {
 				f.Log.Warn().Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
 			}
 			obs.Finish(i, res)
+		}
+		if !broken {
 			return
 		}
 		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
-		if tr.resumable() && i+1 < len(targets) {
-			if body, ok := req.Resume(tr.text, tr.chunks); ok {
-				res.Resumed = true
-				f.Log.Warn().Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
-				obs.Finish(i, res)
-				cont := *req
-				cont.Body = body
-				next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs)
-			}
+		if res.Resumed {
+			f.Log.Warn().Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+			obs.Finish(i, res)
+			cont := *req
+			cont.Body = body
+			next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs)
 		}
 		if next < 0 {
-			if !res.Resumed {
-				f.Log.Warn().Err(res.Err).Int("events", res.Events).Msg("stream ended early")
-				obs.Finish(i, res)
-			}
 			if tr != nil && tr.finished {
 				// The answer was complete; only the end marker was lost.
 				_, _ = w.WriteString("data: [DONE]\n\n")
@@ -564,10 +564,8 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 						keep = !(strip && usageOnly)
 					}
 				}
-				if tr != nil && !tr.note(payload) {
-					keep = false
-				}
 				if tr != nil {
+					keep = tr.note(payload) && keep
 					ev = tr.sameID(ev)
 				}
 			}
