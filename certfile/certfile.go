@@ -40,7 +40,7 @@ func Load(certPath, keyPath string, interval time.Duration) (*Source, error) {
 		interval = 10 * time.Second
 	}
 	s := &Source{certPath: certPath, keyPath: keyPath, interval: interval}
-	if err := s.reload(); err != nil {
+	if err := s.reloadLocked(); err != nil { // not shared yet: no lock needed
 		return nil, err
 	}
 	return s, nil
@@ -71,12 +71,6 @@ func (s *Source) Err() error {
 // Config is a server tls.Config serving the Source's certificate.
 func (s *Source) Config() *tls.Config {
 	return &tls.Config{MinVersion: tls.VersionTLS12, GetCertificate: s.GetCertificate}
-}
-
-func (s *Source) reload() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.reloadLocked()
 }
 
 func (s *Source) reloadLocked() error {
