@@ -118,26 +118,9 @@ func (p *Proc) awaitGroupGone(max time.Duration) {
 // liveInGroup lists the live (non-zombie) processes whose process group is
 // pgid, from /proc (Linux; elsewhere none).
 func liveInGroup(pgid int) []int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
 	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid pgrp ...; comm may contain spaces.
-		i := bytes.LastIndexByte(data, ')')
-		if i < 0 || i+2 > len(data) {
-			continue
-		}
-		f := strings.Fields(string(data[i+2:]))
+	for _, pid := range procs() {
+		f := statFields(pid) // state ppid pgrp ...
 		if len(f) < 3 || f[0] == "Z" {
 			continue
 		}
@@ -146,6 +129,36 @@ func liveInGroup(pgid int) []int {
 		}
 	}
 	return out
+}
+
+// procs lists the processes in /proc (Linux; elsewhere none).
+func procs() []int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// statFields returns the fields of /proc/pid/stat after the command name,
+// the state first; nil if the process is gone. (The command name may
+// contain spaces and parentheses: it ends at the last ')'.)
+func statFields(pid int) []string {
+	data, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return nil
+	}
+	i := bytes.LastIndexByte(data, ')')
+	if i < 0 || i+2 > len(data) {
+		return nil
+	}
+	return strings.Fields(string(data[i+2:]))
 }
 
 // TailLog returns up to the last n bytes of the process's log.
@@ -164,24 +177,17 @@ func (p *Proc) TailLog(n int) string {
 // the entry marker (e.g. RunEnv+"="+RunID): what a crashed load test may
 // have left behind. Linux only; elsewhere it finds nothing.
 func Leftovers(marker string) []int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
 	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == os.Getpid() {
+	for _, pid := range procs() {
+		if pid == os.Getpid() {
 			continue
 		}
-		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		env, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "environ"))
 		if err != nil || !bytes.Contains(append(append([]byte{0}, env...), 0), []byte("\x00"+marker+"\x00")) {
 			continue
 		}
-		if stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil {
-			if i := bytes.LastIndexByte(stat, ')'); i > 0 && i+2 < len(stat) && stat[i+2] == 'Z' {
-				continue
-			}
+		if f := statFields(pid); len(f) > 0 && f[0] == "Z" {
+			continue
 		}
 		out = append(out, pid)
 	}
