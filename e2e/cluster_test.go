@@ -110,17 +110,22 @@ func testCrossRouterPrefixHit(t *testing.T, s *stack) {
 	}
 }
 
-// load runs workers sending non-streamed chats alternately through both
-// routers until stop is closed, and streamers sending streamed ones; it
-// counts results.
+// load runs workers sending chats alternately through both routers until
+// stop is closed, non-streamed ones and streamed ones, and counts results.
 type load struct {
-	ok, failed             atomic.Int64
-	streamsOK, streamsFail atomic.Int64
-	mu                     sync.Mutex
-	failures               []string
-	byReplica, streamsBy   map[string]int
-	wg                     sync.WaitGroup
-	stop                   chan struct{}
+	chats, streams tally
+	mu             sync.Mutex
+	failures       []string
+	wg             sync.WaitGroup
+	stop           chan struct{}
+	bases          []string
+}
+
+// tally counts one kind of request; by (under load.mu) counts successes by
+// the replica that served them.
+type tally struct {
+	ok, failed atomic.Int64
+	by         map[string]int
 }
 
 // streamTokens is each streamed chat's max_tokens: enginesim always
@@ -132,46 +137,36 @@ const streamTokens = 160
 // enough to outlast the kill (enginesim runs 10× faster than real time).
 const longStreamTokens = 4000
 
-func (l *load) startStreams(s *stack, streamers int) {
-	bases := []string{s.routers["router1"], s.routers["router2"]}
-	for w := 0; w < streamers; w++ {
-		l.wg.Add(1)
-		go func() {
-			defer l.wg.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-l.stop:
-					return
-				default:
-				}
-				msgs := conversation(fmt.Sprintf("load-%d", (w+i)%6))
-				msgs[1].Content = fmt.Sprintf("Stream %d of streamer %d?", i, w)
-				n, replica, err := streamChat(bases[(w+i)%2], msgs, streamTokens)
-				if err == nil && n != streamTokens {
-					err = fmt.Errorf("%d text chunks, want %d", n, streamTokens)
-				}
-				if err == nil {
-					l.streamsOK.Add(1)
-					l.mu.Lock()
-					l.streamsBy[replica]++
-					l.mu.Unlock()
-					continue
-				}
-				l.streamsFail.Add(1)
-				l.mu.Lock()
-				if len(l.failures) < 10 {
-					l.failures = append(l.failures, "stream: "+err.Error())
-				}
-				l.mu.Unlock()
-			}
-		}()
-	}
+func startLoad(s *stack, workers int) *load {
+	l := &load{stop: make(chan struct{}), bases: []string{s.routers["router1"], s.routers["router2"]},
+		chats: tally{by: map[string]int{}}, streams: tally{by: map[string]int{}}}
+	l.run(workers, &l.chats, "Question", func(base string, msgs []message) (string, error) {
+		r, err := chat(base, msgs, 16)
+		if err == nil && r.Status != 200 {
+			err = fmt.Errorf("status %d %s", r.Status, strings.TrimSpace(r.Body))
+		}
+		return r.Replica, err
+	})
+	return l
 }
 
-func startLoad(s *stack, workers int) *load {
-	l := &load{stop: make(chan struct{}), byReplica: map[string]int{}, streamsBy: map[string]int{}}
-	bases := []string{s.routers["router1"], s.routers["router2"]}
-	for w := 0; w < workers; w++ {
+func (l *load) startStreams(streamers int) {
+	l.run(streamers, &l.streams, "Stream", func(base string, msgs []message) (string, error) {
+		n, replica, err := streamChat(base, msgs, streamTokens)
+		if err == nil && n != streamTokens {
+			err = fmt.Errorf("stream: %d text chunks, want %d", n, streamTokens)
+		} else if err != nil {
+			err = fmt.Errorf("stream: %w", err)
+		}
+		return replica, err
+	})
+}
+
+// run starts n workers sending, until stop, fresh questions (named by what)
+// on a handful of shared prefixes, so the kvaware policy has cached work
+// to route to; send answers the replica that served or an error.
+func (l *load) run(n int, t *tally, what string, send func(base string, msgs []message) (string, error)) {
+	for w := 0; w < n; w++ {
 		l.wg.Add(1)
 		go func() {
 			defer l.wg.Done()
@@ -181,26 +176,23 @@ func startLoad(s *stack, workers int) *load {
 					return
 				default:
 				}
-				// A handful of shared prefixes, so the kvaware policy has
-				// cached work to route to, and fresh questions on them.
 				msgs := conversation(fmt.Sprintf("load-%d", (w+i)%6))
-				msgs[1].Content = fmt.Sprintf("Question %d of worker %d?", i, w)
-				r, err := chat(bases[(w+i)%2], msgs, 16)
+				msgs[1].Content = fmt.Sprintf("%s %d of worker %d?", what, i, w)
+				replica, err := send(l.bases[(w+i)%2], msgs)
 				l.mu.Lock()
-				if err != nil || r.Status != 200 {
-					l.failed.Add(1)
+				if err != nil {
+					t.failed.Add(1)
 					if len(l.failures) < 10 {
-						l.failures = append(l.failures, fmt.Sprintf("%v %d %s", err, r.Status, strings.TrimSpace(r.Body)))
+						l.failures = append(l.failures, err.Error())
 					}
 				} else {
-					l.ok.Add(1)
-					l.byReplica[r.Replica]++
+					t.ok.Add(1)
+					t.by[replica]++
 				}
 				l.mu.Unlock()
 			}
 		}()
 	}
-	return l
 }
 
 func (l *load) finish() {
@@ -220,7 +212,7 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 		engines[fmt.Sprintf("replica%d", i)] = s.container(fmt.Sprintf("engine%d", i))
 	}
 	l := startLoad(s, 8)
-	l.startStreams(s, 4)
+	l.startStreams(4)
 	defer func() {
 		select {
 		case <-l.stop:
@@ -247,7 +239,7 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 			tokens++
 		}
 	}
-	before := l.ok.Load()
+	before := l.chats.ok.Load()
 	s.docker("kill", engines[victim])
 	killed := time.Now()
 	longDone := make(chan error, 1)
@@ -279,11 +271,11 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	t.Logf("load: %d ok (%d after the kill), %d failed; by replica %v; streams %d ok (started on %v), %d failed; taken over by another replica: %s",
-		l.ok.Load(), l.ok.Load()-before, l.failed.Load(), l.byReplica, l.streamsOK.Load(), l.streamsBy, l.streamsFail.Load(), s.resumedStreams())
-	if n := l.failed.Load() + l.streamsFail.Load(); n != 0 {
-		t.Errorf("%d requests failed (%d streamed); first: %q", n, l.streamsFail.Load(), l.failures)
+		l.chats.ok.Load(), l.chats.ok.Load()-before, l.chats.failed.Load(), l.chats.by, l.streams.ok.Load(), l.streams.by, l.streams.failed.Load(), s.resumedStreams())
+	if n := l.chats.failed.Load() + l.streams.failed.Load(); n != 0 {
+		t.Errorf("%d requests failed (%d streamed); first: %q", n, l.streams.failed.Load(), l.failures)
 	}
-	if l.streamsOK.Load() == 0 {
+	if l.streams.ok.Load() == 0 {
 		t.Errorf("no streamed request completed")
 	}
 	if err := <-longDone; err != nil {
@@ -292,8 +284,8 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 	if !strings.Contains(s.resumedStreams(), "router1=") || strings.Contains(s.resumedStreams(), "router1=0") {
 		t.Errorf("router1 took over no stream: %s", s.resumedStreams())
 	}
-	if l.ok.Load()-before < 20 {
-		t.Errorf("only %d requests succeeded after the kill: the load did not go on", l.ok.Load()-before)
+	if l.chats.ok.Load()-before < 20 {
+		t.Errorf("only %d requests succeeded after the kill: the load did not go on", l.chats.ok.Load()-before)
 	}
 }
 
