@@ -102,20 +102,13 @@ func (e *Engine) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
 	if err != nil {
 		return nil, err
 	}
-	return e.tokenize(body)
+	return e.tokenize(body, nil)
 }
 
 // EncodeChat implements Model; the prompt it returns is empty.
 func (e *Engine) EncodeChat(chat Chat) (string, []uint32, error) {
 	if len(chat.Messages) == 0 {
 		return "", nil, errors.New("tokenize: chat without messages")
-	}
-	if k, ok := chattemplate.FirstMediaMessage(chat.Messages); ok {
-		// The engine would fetch and process the media only to count
-		// tokens whose blocks no router can match (they are keyed by the
-		// media's hash): answer as the renderer does (MediaMessage), and
-		// the router asks again for the text before it.
-		return "", nil, &chattemplate.InputError{Field: "messages", Reason: "media content parts are not sent to the engine's /tokenize", Media: true, Message: k}
 	}
 	body, err := json.Marshal(struct {
 		Model                string          `json:"model"`
@@ -130,7 +123,17 @@ func (e *Engine) EncodeChat(chat Chat) (string, []uint32, error) {
 	if err != nil {
 		return "", nil, fmt.Errorf("tokenize: chat request: %w", err)
 	}
-	ids, err := e.tokenize(body)
+	ids, err := e.tokenize(body, func() error {
+		// The engine would fetch and process the media only to count
+		// tokens whose blocks no router can match (they are keyed by the
+		// media's hash): answer as the renderer does (MediaMessage), and
+		// the router asks again for the text before it. A chat in the
+		// cache was sent, so it holds none: only a miss needs the look.
+		if k, ok := chattemplate.FirstMediaMessage(chat.Messages); ok {
+			return &chattemplate.InputError{Field: "messages", Reason: "media content parts are not sent to the engine's /tokenize", Media: true, Message: k}
+		}
+		return nil
+	})
 	return "", ids, err
 }
 
@@ -141,11 +144,18 @@ func nullToNil(raw json.RawMessage) json.RawMessage {
 	return raw
 }
 
-func (e *Engine) tokenize(body []byte) ([]uint32, error) {
+// tokenize answers body from the cache or the engine; sendable, when not
+// nil, may refuse it before it is sent.
+func (e *Engine) tokenize(body []byte, sendable func() error) ([]uint32, error) {
 	key := requestKey(body)
 	if e.cache != nil {
 		if ids, ok := e.cache.get(key); ok {
 			return ids, nil
+		}
+	}
+	if sendable != nil {
+		if err := sendable(); err != nil {
+			return nil, err
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
