@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"errors"
 	"net"
 	"sync"
 	"syscall"
@@ -13,7 +12,7 @@ import (
 // clientWatch notices clients that hang up while an engine works on their
 // non-streamed request, and aborts the request so the engine stops: fasthttp
 // tells a handler nothing of its client until it writes the answer. One
-// goroutine, running only while requests are watched, peeks at each
+// goroutine, running only while requests are watched, polls each
 // client's socket a few times a second once the request is older than
 // watchAfter.
 type clientWatch struct {
@@ -75,9 +74,8 @@ func (w *clientWatch) loop() {
 	}
 }
 
-// clientGone reports whether the peer closed or reset conn, without
-// consuming anything: a peek that finds the end of the stream. (A client
-// that pipelined its next request shows data, and counts as present.)
+// clientGone reports whether the peer of conn hung up, without consuming
+// anything. Over TLS the raw socket is what is looked at.
 func clientGone(conn net.Conn) bool {
 	if tc, ok := conn.(interface{ NetConn() net.Conn }); ok { // *tls.Conn
 		conn = tc.NetConn()
@@ -91,11 +89,6 @@ func clientGone(conn net.Conn) bool {
 		return false
 	}
 	gone := false
-	var b [1]byte
-	_ = rc.Read(func(fd uintptr) bool {
-		n, _, err := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		gone = n == 0 && err == nil || errors.Is(err, syscall.ECONNRESET)
-		return true // never wait
-	})
+	_ = rc.Control(func(fd uintptr) { gone = peerClosed(int(fd)) })
 	return gone
 }
