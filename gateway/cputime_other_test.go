@@ -2,7 +2,13 @@
 
 package gateway
 
-import "time"
+import (
+	"errors"
+	"time"
+)
 
-// threadCPU is unavailable here; benchmarks then report 0 cpu-µs.
+// threadCPU and threadFaults are unavailable here; benchmarks then report 0.
 func threadCPU() time.Duration { return 0 }
+func threadFaults() int64      { return 0 }
+
+func touchFreshPages(int) (time.Duration, error) { return 0, errors.ErrUnsupported }
