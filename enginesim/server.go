@@ -9,10 +9,12 @@ package enginesim
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -37,6 +39,9 @@ type Config struct {
 	TimeScale float64
 	// Events receives each step's KV-event batch; nil disables events.
 	Events engine.EventSink
+	// APIKey, when set, is the bearer token every /v1 call must carry, as
+	// with vllm serve --api-key (other paths and OPTIONS stay open).
+	APIKey string
 	Logger zerolog.Logger
 }
 
@@ -106,6 +111,12 @@ func (s *Server) Run(ctx context.Context) {
 func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 	path := string(ctx.Path())
 	method := string(ctx.Method())
+	if !s.authorized(ctx, path, method) {
+		ctx.SetStatusCode(fasthttp.StatusUnauthorized)
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"error":"Unauthorized"}`)
+		return
+	}
 	want := "POST"
 	switch path {
 	case "/v1/models", "/health", "/metrics", "/version", "/ping":
@@ -147,6 +158,16 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 	case "/reset_prefix_cache":
 		s.resetPrefixCache(ctx)
 	}
+}
+
+// authorized applies vLLM's API-key rule: /v1 paths need the key, except
+// for OPTIONS.
+func (s *Server) authorized(ctx *fasthttp.RequestCtx, path, method string) bool {
+	if s.cfg.APIKey == "" || method == fasthttp.MethodOptions || !strings.HasPrefix(path, "/v1") {
+		return true
+	}
+	got := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
+	return subtle.ConstantTimeCompare(got, []byte("Bearer "+s.cfg.APIKey)) == 1
 }
 
 func (s *Server) resetPrefixCache(ctx *fasthttp.RequestCtx) {

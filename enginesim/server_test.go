@@ -619,3 +619,49 @@ func BenchmarkHandler(b *testing.B) {
 		})
 	}
 }
+
+// TestAPIKeyGuardsV1LikeVLLM: with an API key, /v1 calls need the bearer
+// token and get vLLM's 401 without it; /health, /metrics and /tokenize stay
+// open, as in vLLM.
+func TestAPIKeyGuardsV1LikeVLLM(t *testing.T) {
+	ts := startServer(t, Config{APIKey: "engine-secret"})
+	call := func(method, path, auth string, body []byte) (int, string) {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseRequest(req)
+		defer fasthttp.ReleaseResponse(resp)
+		req.SetRequestURI("http://" + ts.addr + path)
+		req.Header.SetMethod(method)
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		req.SetBody(body)
+		if err := ts.client.DoTimeout(req, resp, 10*time.Second); err != nil {
+			t.Fatalf("%s %s: %v", method, path, err)
+		}
+		return resp.StatusCode(), string(resp.Body())
+	}
+	chat := []byte(`{"model":"sim","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}`)
+	for _, c := range []struct {
+		method, path, auth string
+		body               []byte
+		want               int
+	}{
+		{"GET", "/v1/models", "", nil, 401},
+		{"GET", "/v1/models", "Bearer wrong", nil, 401},
+		{"GET", "/v1/models", "engine-secret", nil, 401},
+		{"POST", "/v1/chat/completions", "", chat, 401},
+		{"GET", "/v1/models", "Bearer engine-secret", nil, 200},
+		{"POST", "/v1/chat/completions", "Bearer engine-secret", chat, 200},
+		{"GET", "/health", "", nil, 200},
+		{"GET", "/metrics", "", nil, 200},
+		{"POST", "/tokenize", "", []byte(`{"model":"sim","prompt":"hi"}`), 200},
+	} {
+		code, body := call(c.method, c.path, c.auth, c.body)
+		if code != c.want {
+			t.Errorf("%s %s with %q: %d %s, want %d", c.method, c.path, c.auth, code, body, c.want)
+		}
+		if c.want == 401 && body != `{"error":"Unauthorized"}` {
+			t.Errorf("%s %s: body %s, want vLLM's", c.method, c.path, body)
+		}
+	}
+}

@@ -32,9 +32,15 @@ type modelCard struct {
 }
 
 // serveModels lists the union of the models live replicas serve, plus
-// models with a fallback.
-func (g *Gateway) serveModels(ctx *fasthttp.RequestCtx) {
+// models with a fallback; given an id, it answers that model's card alone
+// (OpenAI's "retrieve model"). Client API keys guard it as vLLM's guard
+// every /v1 route.
+func (g *Gateway) serveModels(ctx *fasthttp.RequestCtx, id string) {
 	s := g.Settings()
+	if err := s.authorize(ctx); err != nil {
+		g.fail(ctx, err)
+		return
+	}
 	snap := g.table.Snapshot()
 	seen := map[string]bool{}
 	for i := range snap.Replicas {
@@ -62,7 +68,15 @@ func (g *Gateway) serveModels(ctx *fasthttp.RequestCtx) {
 		}
 		cards = append(cards, c)
 	}
-	writeJSON(ctx, map[string]any{"object": "list", "data": cards})
+	if id == "" {
+		writeJSON(ctx, map[string]any{"object": "list", "data": cards})
+		return
+	}
+	if i := slices.IndexFunc(cards, func(c modelCard) bool { return c.ID == id }); i >= 0 {
+		writeJSON(ctx, cards[i])
+		return
+	}
+	g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", id)})
 }
 
 // serveTokenize answers vLLM's /tokenize with the router's own tokenizer.

@@ -11,14 +11,16 @@ import (
 // EngineTokenizer returns a tokenizer that asks a live replica serving model
 // for its /tokenize answer (the `engine` tokenizer spec): exact for any
 // model, at a round trip per uncached prompt. It prefers the first online
-// replica in name order so that answers cache in one place.
-func EngineTokenizer(table *fleet.Table, model string) tokenize.Model {
-	return &engineTokenizer{table: table, model: model, byURL: map[string]*tokenize.Engine{}}
+// replica in name order so that answers cache in one place. apiKey, when
+// set, is sent as a bearer token (engines started with an API key).
+func EngineTokenizer(table *fleet.Table, model, apiKey string) tokenize.Model {
+	return &engineTokenizer{table: table, model: model, apiKey: apiKey, byURL: map[string]*tokenize.Engine{}}
 }
 
 type engineTokenizer struct {
-	table *fleet.Table
-	model string
+	table  *fleet.Table
+	model  string
+	apiKey string
 
 	mu    sync.Mutex
 	byURL map[string]*tokenize.Engine
@@ -37,7 +39,7 @@ func (e *engineTokenizer) engine() (*tokenize.Engine, error) {
 		defer e.mu.Unlock()
 		eng := e.byURL[r.URL]
 		if eng == nil {
-			eng = tokenize.NewEngine(r.URL, e.model)
+			eng = tokenize.NewEngine(r.URL, e.model, tokenize.WithEngineAPIKey(e.apiKey))
 			e.byURL[r.URL] = eng
 		}
 		return eng, nil

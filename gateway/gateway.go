@@ -56,6 +56,11 @@ type Settings struct {
 	APIKeys map[string]bool
 	// AdminToken guards /admin/routes/clear when set.
 	AdminToken string
+	// EngineAPIKey, when set, is sent as a bearer token to every replica,
+	// discovered or static, in place of the client's Authorization: the
+	// key engines were started with (vllm serve --api-key). Fallback
+	// endpoints keep their own.
+	EngineAPIKey string
 	// Upstream tunes connections to replicas.
 	Upstream proxy.Options
 	// ResumeStreams continues a stream that breaks after reaching the
@@ -171,7 +176,9 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 	case post && string(path) == "/v1/completions":
 		g.serveCompletion(ctx, kindCompletion)
 	case string(path) == "/v1/models":
-		g.serveModels(ctx)
+		g.serveModels(ctx, "")
+	case !post && bytes.HasPrefix(path, modelPrefix):
+		g.serveModels(ctx, string(path[len(modelPrefix):]))
 	case post && string(path) == "/tokenize":
 		g.serveTokenize(ctx)
 	case string(path) == "/health":
@@ -193,6 +200,10 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
 	}
 }
+
+// modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes
+// ("meta-llama/Llama-3.1-8B-Instruct").
+var modelPrefix = []byte("/v1/models/")
 
 // passedThrough reports whether a POST to path goes to a replica of the
 // request's model, by load: every other OpenAI endpoint (embeddings,
@@ -254,18 +265,20 @@ func (s *Settings) authorize(ctx *fasthttp.RequestCtx) error {
 }
 
 // upstream returns the connection pool for replica r, creating it on first
-// use and replacing it when the replica's URL changed.
+// use and replacing it when the replica's URL, the engine API key or the
+// upstream options changed.
 func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
-	if u := (*g.upstreams.Load())[r.Name]; u != nil && u.URL == r.URL {
+	s := g.Settings()
+	if u := (*g.upstreams.Load())[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) {
 		return u, nil
 	}
 	g.upMu.Lock()
 	defer g.upMu.Unlock()
 	cur := *g.upstreams.Load()
-	if u := cur[r.Name]; u != nil && u.URL == r.URL {
+	if u := cur[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) {
 		return u, nil
 	}
-	u, err := proxy.NewUpstream(r.Name, r.URL, "", g.Settings().Upstream)
+	u, err := proxy.NewUpstream(r.Name, r.URL, s.EngineAPIKey, s.Upstream)
 	if err != nil {
 		return nil, err
 	}

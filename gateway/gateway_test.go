@@ -330,6 +330,62 @@ func TestClientAPIKeys(t *testing.T) {
 	if res := r.post(t, "/v1/chat/completions", chatBody, "Authorization", "Bearer k1"); res.status != 200 {
 		t.Fatalf("good key: %d %s", res.status, res.body)
 	}
+	// Listing models is guarded too, as vLLM guards every /v1 route.
+	for _, path := range []string{"/v1/models", "/v1/models/" + testModel} {
+		if res := r.get(t, path); res.status != 401 {
+			t.Errorf("GET %s without a key: %d %s", path, res.status, res.body)
+		}
+		if res := r.get(t, path, "Authorization", "Bearer k1"); res.status != 200 {
+			t.Errorf("GET %s with a key: %d %s", path, res.status, res.body)
+		}
+	}
+}
+
+// TestEngineAPIKey: engines started with an API key get the router's
+// engine key on every call, in place of whatever the client sent (here the
+// router's own client key): proxied requests, model discovery of a static
+// upstream. A reload with another key rebuilds the connection pools.
+func TestEngineAPIKey(t *testing.T) {
+	r := newRouter(t, Settings{APIKeys: map[string]bool{"client-key": true}, EngineAPIKey: "engine-secret"}, 1<<20)
+	r.table.AddStatic("keyed", startEngineWithKey(t, "keyed-model", "engine-secret"), nil)
+	r.g.RefreshStaticModels()
+	if res := r.get(t, "/v1/models/keyed-model", "Authorization", "Bearer client-key"); res.status != 200 {
+		t.Fatalf("the keyed engine's models were not learned: %d %s", res.status, res.body)
+	}
+	chat := `{"model":"keyed-model","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`
+	if res := r.post(t, "/v1/chat/completions", chat, "Authorization", "Bearer client-key"); res.status != 200 || res.header["x-kvmesh-replica"] != "keyed" {
+		t.Fatalf("chat to a keyed engine: %d %s", res.status, res.body)
+	}
+	if res := r.post(t, "/v1/embeddings", `{"model":"keyed-model","input":"hi"}`, "Authorization", "Bearer client-key"); res.status == 401 {
+		t.Fatalf("passed-through call reached the engine without its key: %s", res.body)
+	}
+	s := *r.g.Settings()
+	s.EngineAPIKey = "rotated"
+	r.g.Apply(s)
+	if res := r.post(t, "/v1/chat/completions", chat, "Authorization", "Bearer client-key"); res.status != 401 {
+		t.Fatalf("after a reload to another key the engine answered %d, want its 401 (old pool kept?)", res.status)
+	}
+}
+
+// TestRetrieveModel: GET /v1/models/{id} answers one card, ids with
+// slashes included, and 404 in OpenAI's shape for a model nobody serves.
+func TestRetrieveModel(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel, "meta-llama/Llama-3.1-8B-Instruct"})
+	for _, id := range []string{testModel, "meta-llama/Llama-3.1-8B-Instruct"} {
+		res := r.get(t, "/v1/models/"+id)
+		var card modelCard
+		if err := json.Unmarshal([]byte(res.body), &card); err != nil || res.status != 200 || card.ID != id || card.Object != "model" {
+			t.Errorf("GET /v1/models/%s: %d %s", id, res.status, res.body)
+		}
+	}
+	res := r.get(t, "/v1/models/nobody-serves-this")
+	var e struct {
+		Error struct{ Message, Type string } `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(res.body), &e); err != nil || res.status != 404 || e.Error.Type != "not_found_error" || !strings.Contains(e.Error.Message, "nobody-serves-this") {
+		t.Errorf("unknown model: %d %s", res.status, res.body)
+	}
 }
 
 func TestLoRAAdapterRoutesOnlyToItsReplicas(t *testing.T) {

@@ -39,8 +39,15 @@ func listen(t testing.TB, srv *fasthttp.Server) string {
 // startEngine runs a real enginesim (no simulated delays) and returns its URL.
 func startEngine(t testing.TB, model string) string {
 	t.Helper()
+	return startEngineWithKey(t, model, "")
+}
+
+// startEngineWithKey serves an enginesim whose /v1 calls need apiKey (none
+// when empty), as vllm serve --api-key.
+func startEngineWithKey(t testing.TB, model, apiKey string) string {
+	t.Helper()
 	sim, err := enginesim.New(enginesim.Config{
-		Model: model, Tokenizer: tokenize.Builtin{},
+		Model: model, Tokenizer: tokenize.Builtin{}, APIKey: apiKey,
 		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
 	})
 	if err != nil {
@@ -111,13 +118,16 @@ func (r *testRouter) post(t testing.TB, path, body string, headers ...string) re
 	return toReply(resp)
 }
 
-func (r *testRouter) get(t testing.TB, path string) reply {
+func (r *testRouter) get(t testing.TB, path string, headers ...string) reply {
 	t.Helper()
 	req := fasthttp.AcquireRequest()
 	resp := fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
 	req.SetRequestURI(r.url + path)
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
 	if err := client.DoTimeout(req, resp, 10*time.Second); err != nil {
 		t.Fatalf("GET %s: %v", path, err)
 	}

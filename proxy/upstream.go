@@ -73,8 +73,9 @@ type Upstream struct {
 	host   string // host:port for the Host header and dialing
 	prefix string // path prefix of URL, without trailing slash
 	// authorization, when set, replaces the client's Authorization header
-	// (a fallback endpoint's own API key).
+	// (the engines' API key, or a fallback endpoint's own).
 	authorization string
+	opt           Options // as given, for Same
 	hc            *fasthttp.HostClient
 	// firstByte and idle bound a stream's wait for its first event and the
 	// silence between events (enforced by the relay).
@@ -95,6 +96,7 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
 		return nil, fmt.Errorf("proxy: upstream %q: URL %q must be http(s)://host[:port][/prefix]", name, rawURL)
 	}
+	given := opt
 	opt = opt.withDefaults()
 	tls := u.Scheme == "https"
 	addr := u.Host
@@ -112,10 +114,9 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		prefix:    strings.TrimSuffix(u.EscapedPath(), "/"),
 		firstByte: opt.FirstByteTimeout,
 		idle:      opt.IdleTimeout,
+		opt:       given,
 	}
-	if apiKey != "" {
-		up.authorization = "Bearer " + apiKey
-	}
+	up.authorization = bearer(apiKey)
 	dialer := &net.Dialer{Timeout: opt.DialTimeout, KeepAlive: 30 * time.Second}
 	up.hc = &fasthttp.HostClient{
 		Addr:  addr,
@@ -145,6 +146,19 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		// the whole streamed body. deadlineConn bounds silence instead.
 	}
 	return up, nil
+}
+
+func bearer(apiKey string) string {
+	if apiKey == "" {
+		return ""
+	}
+	return "Bearer " + apiKey
+}
+
+// Same reports whether NewUpstream(u.Name, rawURL, apiKey, opt) would build
+// an upstream like u, so a pool can be kept across configuration reloads.
+func (u *Upstream) Same(rawURL, apiKey string, opt Options) bool {
+	return u.URL == rawURL && u.authorization == bearer(apiKey) && u.opt == opt
 }
 
 // retryStaleConn retries once when a pooled connection turned out closed

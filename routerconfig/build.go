@@ -22,6 +22,9 @@ type Builder struct {
 	Table *fleet.Table
 	// AdminToken comes from the flag only (never from a watched file).
 	AdminToken string
+	// EngineAPIKey is the engines' API key given by flag (the file can only
+	// name an environment variable holding one: engine_api_key_env).
+	EngineAPIKey string
 
 	mu         sync.Mutex
 	tokenizers map[string]tokenize.Model
@@ -41,7 +44,14 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		b.tokenizers = map[string]tokenize.Model{}
 	}
 	var errs []error
+	engineKey := b.EngineAPIKey
+	if c.EngineAPIKeyEnv != "" {
+		if engineKey = os.Getenv(c.EngineAPIKeyEnv); engineKey == "" {
+			errs = append(errs, fmt.Errorf("config: engine_api_key_env %s is empty", c.EngineAPIKeyEnv))
+		}
+	}
 	s := gateway.Settings{
+		EngineAPIKey:    engineKey,
 		MaxPrefixTokens: c.MaxPrefixTokens,
 		MaxAttempts:     c.MaxAttempts,
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
@@ -68,7 +78,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	s.Policy = b.policy
 
 	if c.DefaultTokenizer != "" {
-		tk, err := b.tokenizer(c.DefaultTokenizer, "")
+		tk, err := b.tokenizer(c.DefaultTokenizer, "", engineKey)
 		errs = append(errs, err)
 		s.DefaultTokenizer = tk
 	}
@@ -86,7 +96,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 			spec = byName[m.AdapterOf].Tokenizer
 		}
 		if spec != "" {
-			tk, err := b.tokenizer(spec, m.Name)
+			tk, err := b.tokenizer(spec, m.Name, engineKey)
 			errs = append(errs, err)
 			gm.Tokenizer = tk
 		}
@@ -135,11 +145,12 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	return s, nil
 }
 
-// tokenizer returns the model for spec, loading it once.
-func (b *Builder) tokenizer(spec, model string) (tokenize.Model, error) {
+// tokenizer returns the model for spec, loading it once (an engine
+// tokenizer once per model and engine API key).
+func (b *Builder) tokenizer(spec, model, engineKey string) (tokenize.Model, error) {
 	cacheKey := spec
 	if spec == "engine" {
-		cacheKey = "engine\x00" + model
+		cacheKey = "engine\x00" + model + "\x00" + engineKey
 	}
 	if tk := b.tokenizers[cacheKey]; tk != nil {
 		return tk, nil
@@ -152,7 +163,7 @@ func (b *Builder) tokenizer(spec, model string) (tokenize.Model, error) {
 		if b.Table == nil {
 			return nil, errors.New("config: tokenizer engine needs the replica table")
 		}
-		tk = gateway.EngineTokenizer(b.Table, model)
+		tk = gateway.EngineTokenizer(b.Table, model, engineKey)
 	default:
 		hf, err := tokenize.LoadDir(spec)
 		if err != nil {

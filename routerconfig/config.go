@@ -43,6 +43,10 @@ type Config struct {
 	// APIKeysEnv names an environment variable with more, comma-separated.
 	APIKeys    []string `yaml:"api_keys"`
 	APIKeysEnv string   `yaml:"api_keys_env"`
+	// EngineAPIKeyEnv names an environment variable holding the key the
+	// engines were started with (vllm serve --api-key); the router sends it
+	// to every replica instead of the client's Authorization.
+	EngineAPIKeyEnv string `yaml:"engine_api_key_env"`
 	// Upstream timeouts.
 	Upstream Upstream `yaml:"upstream"`
 	// ResumeStreams continues a stream that breaks mid-answer at the next
@@ -215,6 +219,9 @@ func Overlay(base, file *Config) *Config {
 	out.APIKeys = append(append([]string(nil), base.APIKeys...), file.APIKeys...)
 	if file.APIKeysEnv != "" {
 		out.APIKeysEnv = file.APIKeysEnv
+	}
+	if file.EngineAPIKeyEnv != "" {
+		out.EngineAPIKeyEnv = file.EngineAPIKeyEnv
 	}
 	out.Models = mergeByName(base.Models, file.Models, func(m Model) string { return m.Name }, func(b, o Model) Model {
 		if o.Tokenizer == "" {

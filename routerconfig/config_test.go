@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -244,5 +245,28 @@ func TestExampleConfigIsValid(t *testing.T) {
 	c.Models[0].Tokenizer = "builtin" // the example's directory is not on this machine
 	if _, err := b.Build(c); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestEngineAPIKey: the engines' key comes from the flag, or from the
+// environment variable the file names (which wins); a named variable that
+// is empty is an error, not a silent "no key".
+func TestEngineAPIKey(t *testing.T) {
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{}), EngineAPIKey: "from-flag"}
+	s, err := b.Build(&Config{})
+	if err != nil || s.EngineAPIKey != "from-flag" {
+		t.Fatalf("flag only: %q %v", s.EngineAPIKey, err)
+	}
+	t.Setenv("KVMESH_TEST_ENGINE_KEY", "from-env")
+	c, err := Parse([]byte("engine_api_key_env: KVMESH_TEST_ENGINE_KEY\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err = b.Build(Overlay(&Config{}, c)); err != nil || s.EngineAPIKey != "from-env" {
+		t.Fatalf("file's variable: %q %v", s.EngineAPIKey, err)
+	}
+	t.Setenv("KVMESH_TEST_ENGINE_KEY", "")
+	if _, err := b.Build(c); err == nil || !strings.Contains(err.Error(), "KVMESH_TEST_ENGINE_KEY") {
+		t.Fatalf("empty variable: %v", err)
 	}
 }

@@ -30,6 +30,10 @@ import (
 type Config struct {
 	Name      string
 	EngineURL string // engine base URL, e.g. http://127.0.0.1:8000
+	// EngineAPIKey, when set, is sent as a bearer token on every call to
+	// the engine: vLLM and SGLang started with --api-key refuse /v1/models
+	// without it.
+	EngineAPIKey string
 	Protocol  string // "vllm" or "sglang"
 
 	// KVEvents is the engine's PUB endpoint to connect to; KVEventsBind an
@@ -405,6 +409,9 @@ func (s *Sidecar) get(ctx context.Context, path string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	if s.cfg.EngineAPIKey != "" {
+		req.Header.Set("Authorization", "Bearer "+s.cfg.EngineAPIKey)
+	}
 	resp, err := s.client.Do(req)
 	if err != nil {
 		return nil, err
@@ -415,9 +422,23 @@ func (s *Sidecar) get(ctx context.Context, path string) ([]byte, error) {
 		return nil, err
 	}
 	if resp.StatusCode != http.StatusOK {
-		return body, fmt.Errorf("GET %s: %s", path, resp.Status)
+		return body, &statusError{path: path, status: resp.StatusCode}
 	}
 	return body, nil
+}
+
+// statusError is an engine's answer other than 200.
+type statusError struct {
+	path   string
+	status int
+}
+
+func (e *statusError) Error() string {
+	msg := fmt.Sprintf("GET %s: %d %s", e.path, e.status, http.StatusText(e.status))
+	if e.status == http.StatusUnauthorized || e.status == http.StatusForbidden {
+		msg += " (engine started with --api-key? give the sidecar --engine-api-key)"
+	}
+	return msg
 }
 
 func (s *Sidecar) checkHealth(ctx context.Context) {
@@ -452,6 +473,9 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 func (s *Sidecar) refreshModels(ctx context.Context) bool {
 	body, err := s.get(ctx, "/v1/models")
 	if err != nil {
+		if _, refused := err.(*statusError); refused {
+			s.log.Warn().Err(err).Msg("models")
+		}
 		return false
 	}
 	models, err := ParseModels(body)

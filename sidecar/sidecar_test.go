@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -45,8 +46,15 @@ func freeAddr(t *testing.T) string {
 // startEngine serves an enginesim on loopback; events go to sink (nil: none).
 func startEngine(t *testing.T, sink engine.EventSink) (url string, stop func()) {
 	t.Helper()
+	return startEngineWithKey(t, sink, "")
+}
+
+// startEngineWithKey is startEngine for an engine whose /v1 calls need
+// apiKey, as vllm serve --api-key.
+func startEngineWithKey(t *testing.T, sink engine.EventSink, apiKey string) (url string, stop func()) {
+	t.Helper()
 	srv, err := enginesim.New(enginesim.Config{
-		Model: "sim", Tokenizer: tokenize.Builtin{}, TimeScale: 0,
+		Model: "sim", Tokenizer: tokenize.Builtin{}, TimeScale: 0, APIKey: apiKey,
 		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 16, MaxNumBatchedTokens: 2048, MaxModelLen: 4096}, Events: sink, Logger: testLog(),
 	})
 	if err != nil {
@@ -457,5 +465,33 @@ func TestParseLoRAIDs(t *testing.T) {
 		if _, err := ParseLoRAIDs(bad); err == nil {
 			t.Errorf("%q accepted", bad)
 		}
+	}
+}
+
+// TestEngineAPIKey: an engine started with an API key refuses /v1/models;
+// the sidecar given the key learns the model and announces it, one without
+// it announces none.
+func TestEngineAPIKey(t *testing.T) {
+	url, _ := startEngineWithKey(t, nil, "engine-secret")
+	tb := fleet.NewTable(fleet.TableConfig{})
+	router, err := gossip.StartRouter(gossip.RouterConfig{Config: gossip.Config{Name: "r1", BindAddr: "127.0.0.1:0", Logger: testLog()}}, tb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer router.Leave(0)
+	join := gossip.Config{Join: []string{router.Addr()}}
+	startSidecar(t, Config{Name: "with-key", EngineURL: url, EngineAPIKey: "engine-secret", Gossip: join})
+	startSidecar(t, Config{Name: "without-key", EngineURL: url, Gossip: join})
+	models := func(name string) []string {
+		s := tb.Snapshot()
+		if i := s.Find(name); i >= 0 {
+			return s.Replicas[i].Models
+		}
+		return nil
+	}
+	waitFor(t, 5*time.Second, "the keyed sidecar's models", func() bool { return slices.Equal(models("with-key"), []string{"sim"}) })
+	waitFor(t, 5*time.Second, "the other sidecar to join", func() bool { return tb.Snapshot().Find("without-key") >= 0 })
+	if m := models("without-key"); len(m) != 0 {
+		t.Errorf("a sidecar without the key announced models %v", m)
 	}
 }

@@ -26,11 +26,12 @@ import (
 // load only. EncodeChat returns an empty prompt: /tokenize does not echo the
 // rendered text.
 type Engine struct {
-	url     string
-	model   string
-	client  *http.Client
-	timeout time.Duration
-	cache   *idCache
+	url           string
+	model         string
+	authorization string
+	client        *http.Client
+	timeout       time.Duration
+	cache         *idCache
 }
 
 // EngineOption configures an Engine.
@@ -48,6 +49,17 @@ func WithEngineCache(entries int, ids int64) EngineOption {
 		e.cache = nil
 		if entries > 0 && ids > 0 {
 			e.cache = newIDCache(entries, ids)
+		}
+	}
+}
+
+// WithEngineAPIKey sends key as a bearer token, for engines started with
+// an API key.
+func WithEngineAPIKey(key string) EngineOption {
+	return func(e *Engine) {
+		e.authorization = ""
+		if key != "" {
+			e.authorization = "Bearer " + key
 		}
 	}
 }
@@ -165,6 +177,9 @@ func (e *Engine) tokenize(body []byte, sendable func() error) ([]uint32, error) 
 		return nil, &EngineError{URL: e.url, Err: err}
 	}
 	req.Header.Set("Content-Type", "application/json")
+	if e.authorization != "" {
+		req.Header.Set("Authorization", e.authorization)
+	}
 	resp, err := e.client.Do(req)
 	if err != nil {
 		return nil, &EngineError{URL: e.url, Err: err}

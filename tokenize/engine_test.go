@@ -14,13 +14,18 @@ import (
 
 // fakeVLLM serves vLLM's /tokenize with the Builtin tokenizer.
 type fakeVLLM struct {
-	calls atomic.Int32
-	delay time.Duration
-	fail  atomic.Bool
+	calls  atomic.Int32
+	delay  time.Duration
+	fail   atomic.Bool
+	apiKey string // when set, required as a bearer token
 }
 
 func (f *fakeVLLM) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.calls.Add(1)
+	if f.apiKey != "" && r.Header.Get("Authorization") != "Bearer "+f.apiKey {
+		http.Error(w, `{"error":"Unauthorized"}`, http.StatusUnauthorized)
+		return
+	}
 	if r.URL.Path != "/tokenize" || r.Method != http.MethodPost {
 		http.NotFound(w, r)
 		return
@@ -191,4 +196,18 @@ func FuzzDecodeTokenizeResponse(f *testing.F) {
 			t.Fatal("nil ids without an error")
 		}
 	})
+}
+
+// TestEngineSendsAPIKey: an engine that wants a key (SGLang guards every
+// path) gets it as a bearer token; without it the call fails.
+func TestEngineSendsAPIKey(t *testing.T) {
+	f := &fakeVLLM{apiKey: "engine-secret"}
+	srv := httptest.NewServer(f)
+	defer srv.Close()
+	if _, err := NewEngine(srv.URL, "m", WithEngineAPIKey("engine-secret")).Encode("hello", true); err != nil {
+		t.Fatalf("with the key: %v", err)
+	}
+	if _, err := NewEngine(srv.URL, "m").Encode("hello", true); err == nil {
+		t.Fatal("without the key: no error")
+	}
 }

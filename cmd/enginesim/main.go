@@ -38,7 +38,7 @@ func main() {
 type options struct {
 	listen, model, tokenizer     string
 	kvEvents, kvReplay, kvTopic  string
-	kvFormat                     string
+	kvFormat, apiKey             string
 	costProfile                  string
 	blockSize, kvBlocks          int
 	maxNumSeqs, maxBatchedTokens int
@@ -53,6 +53,7 @@ func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("enginesim", flag.ContinueOnError)
 	fs.StringVar(&o.listen, "listen", "127.0.0.1:8000", "HTTP listen address")
 	fs.StringVar(&o.model, "model", "enginesim", "served model name")
+	fs.StringVar(&o.apiKey, "api-key", "", "bearer token every /v1 call must carry, as vllm serve --api-key; prefer the env variable")
 	fs.StringVar(&o.tokenizer, "tokenizer", "builtin", "tokenizer: builtin or a HuggingFace model directory")
 	fs.IntVar(&o.blockSize, "block-size", 16, "KV block size in tokens")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 51200, "KV cache capacity in blocks (51,200 × 16 tokens ≈ 100 GiB of an 8B model's KV)")
@@ -101,6 +102,7 @@ func run(ctx context.Context, args []string) error {
 		},
 		TimeScale: o.timeScale,
 		Events:    sink(pub),
+		APIKey:    o.apiKey,
 		Logger:    log,
 	})
 	if err != nil {

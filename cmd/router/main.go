@@ -35,6 +35,7 @@ type options struct {
 	listen, name                      string
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
+	engineAPIKey                      string
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout                      time.Duration
@@ -62,6 +63,7 @@ func parse(args []string) (*options, error) {
 	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
 	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change")
 	fs.StringVar(&o.adminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
+	fs.StringVar(&o.engineAPIKey, "engine-api-key", "", "API key the engines were started with (vllm serve --api-key), sent to every replica instead of the client's Authorization; prefer the env variable")
 	fs.IntVar(&o.maxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
 	fs.Var(&o.flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
 	fs.Var(&o.flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
@@ -109,7 +111,7 @@ func run(args []string) error {
 		return err
 	}
 	table := fleet.NewTable(fleet.TableConfig{})
-	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken}
+	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, EngineAPIKey: o.engineAPIKey}
 	cfg := base
 	if o.configPath != "" {
 		file, err := routerconfig.Load(o.configPath)

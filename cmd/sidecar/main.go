@@ -36,6 +36,7 @@ func run(args []string) error {
 	)
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "engine base URL")
+	fs.StringVar(&cfg.EngineAPIKey, "engine-api-key", "", "API key the engine was started with (--api-key); prefer the env variable")
 	fs.StringVar(&cfg.KVEvents, "kv-events", "", "engine's KV events PUB endpoint to connect to (e.g. tcp://127.0.0.1:5557)")
 	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "endpoint to bind for a publisher that connects (e.g. tcp://*:5557)")
 	fs.StringVar(&cfg.KVReplay, "kv-replay", "", "engine's KV events replay (ROUTER) endpoint")
