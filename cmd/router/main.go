@@ -20,6 +20,9 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/pprofhandler"
+	// Mozilla's roots, used only where the system has none (the FROM
+	// scratch image), so https upstreams verify without mounting certificates.
+	_ "golang.org/x/crypto/x509roots/fallback"
 
 	"github.com/kvmesh/kvmesh/certfile"
 	"github.com/kvmesh/kvmesh/flagenv"

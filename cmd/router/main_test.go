@@ -200,3 +200,25 @@ func TestServesHTTPSWithRenewedCertificate(t *testing.T) {
 		t.Error("--tls-cert without --tls-key accepted")
 	}
 }
+
+// TestRootsWithoutSystemCertificates: in the FROM scratch image there are no
+// system certificates; the router still has roots to verify an https
+// upstream (a hosted fallback) with. The check runs in a child process that
+// sees no certificate files.
+func TestRootsWithoutSystemCertificates(t *testing.T) {
+	if os.Getenv("KVMESH_TEST_ROOTS_CHILD") == "1" {
+		pool, err := x509.SystemCertPool()
+		if err != nil || pool.Equal(x509.NewCertPool()) {
+			fmt.Println("no roots:", err)
+			os.Exit(1)
+		}
+		fmt.Println("roots present")
+		os.Exit(0)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestRootsWithoutSystemCertificates$")
+	cmd.Env = append(os.Environ(), "KVMESH_TEST_ROOTS_CHILD=1", "SSL_CERT_FILE=/nonexistent", "SSL_CERT_DIR=/nonexistent")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "roots present") {
+		t.Fatalf("without system certificates: %v\n%s", err, out)
+	}
+}

@@ -13,6 +13,10 @@ import (
 	"syscall"
 	"time"
 
+	// Mozilla's roots, used only where the system has none (the FROM
+	// scratch image), so https upstreams verify without mounting certificates.
+	_ "golang.org/x/crypto/x509roots/fallback"
+
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/logging"
