@@ -34,6 +34,8 @@ func TestCluster(t *testing.T) {
 
 // primeEngines sends one chat straight to each engine, so every sidecar has
 // seen an event and announced its block size before the fault scenarios run.
+// The engines want their API key (a call without it is refused), so every
+// request the routers served also proves they send it.
 // CrossRouterPrefixHit runs before this on purpose: it covers a replica's very
 // first event, when the block size it learns changes the sidecar's metadata.
 // (Routers drop a replica's filter when its announced block size changes and
@@ -41,7 +43,10 @@ func TestCluster(t *testing.T) {
 func primeEngines(t *testing.T, s *stack) {
 	for i := 1; i <= replicas; i++ {
 		svc := fmt.Sprintf("replica%d", i)
-		if r, err := chat("http://"+s.port(svc, "8000"), conversation("prime-"+svc), 2); err != nil || r.Status != 200 {
+		if r, err := chat("http://"+s.port(svc, "8000"), conversation("prime-"+svc), 2); err != nil || r.Status != 401 {
+			t.Fatalf("chat straight to %s's engine without its API key: %v %d %s, want 401", svc, err, r.Status, r.Body)
+		}
+		if r, err := chatWithKey("http://"+s.port(svc, "8000"), engineAPIKey, conversation("prime-"+svc), 2); err != nil || r.Status != 200 {
 			t.Fatalf("chat straight to %s's engine: %v %d %s", svc, err, r.Status, r.Body)
 		}
 		if _, ok := eventually(3*time.Second, func() bool { return s.sidecarStatus(svc).BlockSize == 16 }); !ok {

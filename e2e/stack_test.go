@@ -157,6 +157,7 @@ func up(t *testing.T, services ...string) *stack {
 		"KVMESH_TIME_SCALE=0.1",
 		"KVMESH_TOKENIZER_SPEC=builtin",
 		"KVMESH_LOG_LEVEL=info",
+		"KVMESH_ENGINE_API_KEY="+engineAPIKey,
 	)
 	t.Cleanup(s.down)
 	start := time.Now()
@@ -414,9 +415,26 @@ type message struct {
 	Content string `json:"content"`
 }
 
+// engineAPIKey is what the stack's engines are started with (--api-key):
+// sidecars and routers send it; a test talking to an engine directly must.
+const engineAPIKey = "e2e-engine-key"
+
 func chat(base string, msgs []message, maxTokens int) (chatResult, error) {
+	return chatWithKey(base, "", msgs, maxTokens)
+}
+
+// chatWithKey is chat with apiKey as a bearer token (none when empty).
+func chatWithKey(base, apiKey string, msgs []message, maxTokens int) (chatResult, error) {
 	body, _ := json.Marshal(map[string]any{"model": "enginesim", "messages": msgs, "max_tokens": maxTokens})
-	resp, err := client.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	req, err := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return chatResult{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+	}
+	resp, err := client.Do(req)
 	if err != nil {
 		return chatResult{}, err
 	}

@@ -256,7 +256,8 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
 	}
-	rs := response{s: s, chat: chat, id: id, created: time.Now().Unix(), promptLen: len(ids)}
+	rs := response{s: s, chat: chat, id: id, created: time.Now().Unix(), promptLen: len(ids),
+		requestID: string(ctx.Request.Header.Peek("X-Request-Id"))}
 	if !stream {
 		s.respond(ctx, c, &rs)
 		return
@@ -364,6 +365,7 @@ type response struct {
 	s            *Server
 	chat         bool
 	id           uint64
+	requestID    string // the client's X-Request-Id: vLLM makes it the answer's id
 	created      int64
 	promptLen    int
 	cached       int
@@ -378,8 +380,12 @@ func (r *response) head(b []byte, object string) []byte {
 	} else {
 		b = append(b, "cmpl-"...)
 	}
-	b = append(b, r.s.idPrefix...)
-	b = strconv.AppendUint(b, r.id, 16)
+	if r.requestID != "" {
+		b = appendJSONStringBody(b, r.requestID)
+	} else {
+		b = append(b, r.s.idPrefix...)
+		b = strconv.AppendUint(b, r.id, 16)
+	}
 	b = append(b, `","object":"`...)
 	b = append(b, object...)
 	b = append(b, `","created":`...)

@@ -240,6 +240,12 @@ const hexDigits = "0123456789abcdef"
 // here: request bodies are checked first and output text is ours.
 func appendJSONString(b []byte, s string) []byte {
 	b = append(b, '"')
+	b = appendJSONStringBody(b, s)
+	return append(b, '"')
+}
+
+// appendJSONStringBody appends s escaped for a JSON string, without quotes.
+func appendJSONStringBody(b []byte, s string) []byte {
 	start := 0
 	for i := 0; i < len(s); i++ {
 		c := s[i]
@@ -261,6 +267,5 @@ func appendJSONString(b []byte, s string) []byte {
 		}
 		start = i + 1
 	}
-	b = append(b, s[start:]...)
-	return append(b, '"')
+	return append(b, s[start:]...)
 }

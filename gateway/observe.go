@@ -42,6 +42,7 @@ func (ex *exchange) Header(i int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrMode, []byte(t.mode))
 	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(ex.promptTokens), 10))
 	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(t.predicted), 10))
+	h.SetCanonical(hdrRequestID, ex.requestID)
 }
 
 var (
@@ -92,7 +93,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		}
 	}
 	if g.log.GetLevel() <= zerolog.DebugLevel {
-		ev := g.log.Debug().
+		ev := g.log.Debug().Bytes("request_id", ex.requestID).
 			Str("policy", ex.s.Policy.Name()).Str("model", ex.model).Str("path", ex.path).
 			Str("replica", t.name).Str("mode", string(t.mode)).
 			Int("prompt_tokens", ex.promptTokens).Int("predicted_cached", t.predicted).

@@ -59,6 +59,7 @@ type exchange struct {
 	firstByte bool
 	ttft      time.Duration
 	hdrBuf    [20]byte // formats header numbers
+	requestID []byte   // X-Request-Id, the client's or the router's
 }
 
 // targetInfo is what the gateway knows about each target it handed the proxy.
@@ -93,6 +94,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		g.fail(ctx, err)
 		return
 	}
+	var idBuf [maxRequestIDLen]byte
+	id := requestID(&ctx.Request.Header, idBuf[:0])
+	ctx.Response.Header.SetCanonical(hdrRequestID, id) // errors carry it too
 	var p *parsed
 	var err error
 	path := string(ctx.Path())
@@ -115,6 +119,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 	}
 	ex := g.getExchange(s)
 	ex.model, ex.path = p.Model, path
+	ex.requestID = append(ex.requestID[:0], id...)
 	if err := ex.decide(snap, p); err != nil {
 		g.putExchange(ex)
 		g.fail(ctx, err)
@@ -128,6 +133,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		}
 	}
 	req := proxy.Request{
+		ID:                ex.requestID,
 		Path:              ex.path,
 		Header:            &ctx.Request.Header,
 		Body:              body,

@@ -19,6 +19,8 @@ import (
 // Request is what to send upstream. Body is sent as is; the caller has
 // already made any change (such as asking for stream usage).
 type Request struct {
+	// ID names the request in log lines (its X-Request-Id).
+	ID []byte
 	// Path is the API path, e.g. /v1/chat/completions.
 	Path string
 	// Header holds the client's request headers; hop-by-hop headers and
@@ -130,7 +132,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			return -1
 		}
 		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
-		ev := f.Log.Warn().Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets))
+		ev := f.Log.Warn().Bytes("request_id", req.ID).Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets))
 		if err != nil {
 			ev = ev.Err(err)
 			lastErr = err
@@ -370,7 +372,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		}
 		if !res.Resumed {
 			if res.Err != nil {
-				f.Log.Warn().Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
+				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
 			}
 			obs.Finish(i, res)
 		}
@@ -379,7 +381,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		}
 		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
 		if res.Resumed {
-			f.Log.Warn().Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+			f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
 			obs.Finish(i, res)
 			cont := *req
 			cont.Body = body
@@ -420,7 +422,7 @@ func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs 
 			_ = resp.CloseBodyStream()
 			fasthttp.ReleaseResponse(resp)
 		}
-		f.Log.Warn().Err(res.Err).Str("replica", targets[j].Name).Msg("stream continuation failed")
+		f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", targets[j].Name).Msg("stream continuation failed")
 		obs.Finish(j, res)
 	}
 	return -1, nil, time.Time{}
