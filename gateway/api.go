@@ -197,6 +197,9 @@ type replicaView struct {
 	LocalInflightPrefillTokens   int `json:"local_inflight_prefill_tokens"`
 	// RoutingDegraded is true while the policy runs in least-load mode.
 	RoutingDegraded bool `json:"routing_degraded"`
+	// EjectedMS is how long the replica stays out of this router's routing
+	// after failing to answer (0: in routing).
+	EjectedMS int64 `json:"ejected_ms"`
 }
 
 func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
@@ -220,6 +223,9 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 			LocalInflightRequests:        int(l.requests.Load()),
 			LocalInflightPrefillTokens:   int(l.prefill.Load()),
 			RoutingDegraded:              degraded,
+		}
+		if until := l.eject.until.Load(); until > now.UnixNano() {
+			v.EjectedMS = time.Duration(until - now.UnixNano()).Milliseconds()
 		}
 		if v.Models == nil {
 			v.Models = []string{}

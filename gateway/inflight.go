@@ -21,6 +21,7 @@ type replicaLoad struct {
 	reportedRequests atomic.Int64
 	reportedPrefill  atomic.Int64
 	observers        [2]atomic.Value // prometheus.Observer: upstream latency, ttft (see metrics.latency)
+	eject            ejection        // out of routing after failing to answer
 }
 
 // clusterView combines the cluster-wide counts a sidecar gossiped (which

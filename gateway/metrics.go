@@ -22,6 +22,7 @@ type metrics struct {
 	actual          prometheus.Counter
 	retries         prometheus.Counter
 	errors          *prometheus.CounterVec
+	ejections       *prometheus.CounterVec
 	ttft            *prometheus.HistogramVec
 	upstreamLatency *prometheus.HistogramVec
 	handler         fasthttp.RequestHandler
@@ -46,6 +47,7 @@ func newMetrics(g *Gateway) *metrics {
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
+	m.ejections = f.counterVec("kvmesh_router_ejections_total", "Replicas taken out of routing for a while after a request could not reach them, by replica.", "replica")
 	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte (a stream's first event), by replica.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"errors"
 	"strconv"
 	"time"
 
@@ -30,6 +31,7 @@ func (ex *exchange) FirstByte(i int, ttft time.Duration) {
 	t := &ex.info[i]
 	if t.load != nil {
 		t.load.prefill.Add(-int64(t.uncached))
+		t.load.eject.reached()
 	}
 	ex.g.metrics.ttftOf(t.load, t.name).Observe(ttft.Seconds())
 }
@@ -60,6 +62,13 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 			l.prefill.Add(-int64(t.uncached))
 		}
 		l.requests.Add(-1)
+		if unreachable(r) {
+			if d := l.eject.failed(g.now()); d > 0 {
+				g.metrics.ejections.WithLabelValues(t.name).Inc()
+				g.log.Warn().Bytes("request_id", ex.requestID).Str("replica", t.name).AnErr("error", r.Err).
+					Dur("for", d).Msg("replica unreachable: out of routing")
+			}
+		}
 	}
 	m := g.metrics
 	m.latency(t.load, t.name).Observe(r.Elapsed.Seconds())
@@ -112,6 +121,13 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		ev.Msg("request")
 	}
 	g.putExchange(ex)
+}
+
+// unreachable reports whether an attempt failed for want of a replica that
+// answers: no response at all, not because the client left or the router
+// had no free connection to it.
+func unreachable(r proxy.Result) bool {
+	return r.Err != nil && r.Status == 0 && !r.ClientGone && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
 }
 
 var _ proxy.Observer = (*exchange)(nil)

@@ -200,7 +200,9 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	}
 	ms := s.Models[ex.model]
 	ex.loads = g.loadsOf(snap)
+	ex.req.Now = g.now()
 	known := len(ms.Fallback) > 0
+	ejected := 0
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
 		if !serves(r, ex.model) {
@@ -210,12 +212,20 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		if !r.Online {
 			continue
 		}
-		ex.cands = append(ex.cands, routing.Candidate{
-			Name:        r.Name,
-			PrefixAware: r.KVEvents && r.Selected && !r.Stale && r.Filter != nil,
-			Static:      r.Protocol == fleet.ProtocolStatic,
-		})
-		ex.snapIdx = append(ex.snapIdx, i)
+		if ex.loads[i].eject.out(ex.req.Now.UnixNano()) {
+			ejected++
+			continue
+		}
+		ex.addCandidate(r, i)
+	}
+	if len(ex.cands) == 0 && ejected > 0 {
+		// Every replica up is ejected: try them all the same (by load)
+		// rather than answer 503; one may be back already.
+		for i := range snap.Replicas {
+			if r := &snap.Replicas[i]; r.Online && serves(r, ex.model) {
+				ex.addCandidate(r, i)
+			}
+		}
 	}
 	if !known {
 		return &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", ex.model)}
@@ -248,7 +258,6 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	ex.tokens(p, ms)
 	ex.match(snap)
 	ex.req.PromptTokens = ex.promptTokens
-	ex.req.Now = g.now()
 	ex.req.Keys = ex.keys
 	s.Policy.Route(&ex.req, ex.cands, &ex.d)
 	if timed {
@@ -294,6 +303,16 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
 	}
 	return nil
+}
+
+// addCandidate makes snapshot replica i a candidate.
+func (ex *exchange) addCandidate(r *fleet.Replica, i int) {
+	ex.cands = append(ex.cands, routing.Candidate{
+		Name:        r.Name,
+		PrefixAware: r.KVEvents && r.Selected && !r.Stale && r.Filter != nil,
+		Static:      r.Protocol == fleet.ProtocolStatic,
+	})
+	ex.snapIdx = append(ex.snapIdx, i)
 }
 
 func (ex *exchange) addFallback(ms Model) {
