@@ -78,6 +78,12 @@ type Model struct {
 	Adapter, Base string
 	// Fallback takes requests no replica can serve (mode fallback).
 	Fallback []*proxy.Upstream
+	// SpillAfter, with a Fallback, sends a request to the fallback first
+	// when even its best replica is predicted to keep it waiting longer
+	// than this for a first token (kvaware's estimate, which counts the
+	// prefill its cached prefix saves: cold prompts spill before warm
+	// ones). 0: the fallback only takes what no replica can serve.
+	SpillAfter time.Duration
 }
 
 // tokenizer is ms's tokenizer, else the default one (nil: none).

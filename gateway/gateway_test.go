@@ -526,3 +526,41 @@ func TestReadyWaitsForFilters(t *testing.T) {
 		t.Fatalf("not ready with every filter in: %d %s", res.status, res.body)
 	}
 }
+
+// TestSpillToFallback: with spill_after, a request whose best replica would
+// keep it waiting longer goes to the fallback first (mode fallback, counted
+// in kvmesh_router_spills_total); a quiet fleet keeps it; a fallback that
+// fails leaves it to the replicas behind.
+func TestSpillToFallback(t *testing.T) {
+	backup, err := proxy.NewUpstream("backup", startEngine(t, testModel), "", proxy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusing, err := proxy.NewUpstream("refusing", refusedURL(t), "", proxy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t, Settings{Models: map[string]Model{testModel: {Fallback: []*proxy.Upstream{backup}, SpillAfter: 200 * time.Millisecond}}}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "e1", Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	setQueue := func(waiting int) { r.table.SetLoad("e1", fleet.Load{Waiting: waiting}, true, time.Now()) }
+
+	setQueue(0)
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 || res.header["x-kvmesh-replica"] != "e1" {
+		t.Fatalf("quiet fleet: served by %q (%s), want e1", res.header["x-kvmesh-replica"], res.header["x-kvmesh-mode"])
+	}
+	setQueue(64) // 64 requests queued: seconds before a first token
+	res := r.post(t, "/v1/chat/completions", chatBody)
+	if res.status != 200 || res.header["x-kvmesh-replica"] != "backup" || res.header["x-kvmesh-mode"] != "fallback" {
+		t.Fatalf("busy fleet: served by %q (%s), want the fallback", res.header["x-kvmesh-replica"], res.header["x-kvmesh-mode"])
+	}
+	if !strings.Contains(r.get(t, "/metrics").body, "kvmesh_router_spills_total 1") {
+		t.Error("spill not counted")
+	}
+	s := *r.g.Settings()
+	s.Models = map[string]Model{testModel: {Fallback: []*proxy.Upstream{refusing}, SpillAfter: 200 * time.Millisecond}}
+	r.g.Apply(s)
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 || res.header["x-kvmesh-replica"] != "e1" {
+		t.Fatalf("busy fleet, fallback down: %d served by %q, want e1", res.status, res.header["x-kvmesh-replica"])
+	}
+}

@@ -23,6 +23,7 @@ type metrics struct {
 	retries         prometheus.Counter
 	errors          *prometheus.CounterVec
 	ejections       *prometheus.CounterVec
+	spills          prometheus.Counter
 	ttft            *prometheus.HistogramVec
 	upstreamLatency *prometheus.HistogramVec
 	handler         fasthttp.RequestHandler
@@ -47,6 +48,7 @@ func newMetrics(g *Gateway) *metrics {
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
+	m.spills = f.counter("kvmesh_router_spills_total", "Requests sent to their model's fallback first because the best replica's predicted time to first token was over spill_after.")
 	m.ejections = f.counterVec("kvmesh_router_ejections_total", "Replicas taken out of routing for a while after a request could not reach them, by replica.", "replica")
 	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte (a stream's first event), by replica.",

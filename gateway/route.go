@@ -268,8 +268,15 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		ex.d.Mode = routing.ModeBalance
 	}
 
+	spill := ms.SpillAfter > 0 && len(ms.Fallback) > 0 && ex.d.PredictedTTFT > ms.SpillAfter
+	if spill {
+		ex.d.Reason = "spilled to the fallback: predicted ttft over spill_after"
+		g.metrics.spills.Inc()
+		ex.addFallback(ms) // first; the replicas stay behind it as retries
+	}
+	replicas := 0
 	for _, ci := range ex.d.Order {
-		if len(ex.targets) >= s.MaxAttempts {
+		if replicas >= s.MaxAttempts {
 			break
 		}
 		c := &ex.cands[ci]
@@ -297,8 +304,11 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 			name: r.Name, mode: mode, predicted: matched,
 			uncached: max(ex.promptTokens-matched, 0), load: ex.loads[ex.snapIndex(ci)],
 		})
+		replicas++
 	}
-	ex.addFallback(ms)
+	if !spill {
+		ex.addFallback(ms)
+	}
 	if len(ex.targets) == 0 {
 		return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
 	}

@@ -87,6 +87,10 @@ type Model struct {
 	// Fallback serves the model when no replica can: a backup pool or an
 	// upstream with its own API key.
 	Fallback []Endpoint `yaml:"fallback"`
+	// SpillAfter sends requests to the fallback first when the best
+	// replica's predicted time to first token is over it (kvaware only;
+	// 0: never).
+	SpillAfter time.Duration `yaml:"spill_after"`
 }
 
 // Endpoint is a fallback upstream.
@@ -165,6 +169,9 @@ func (c *Config) Validate() error {
 			errs = append(errs, fmt.Errorf("config: model %q listed twice", m.Name))
 		}
 		names[m.Name] = true
+		if m.SpillAfter < 0 || m.SpillAfter > 0 && len(m.Fallback) == 0 {
+			errs = append(errs, fmt.Errorf("config: model %q: spill_after needs a fallback and must not be negative", m.Name))
+		}
 		for j, f := range m.Fallback {
 			if !strings.HasPrefix(f.URL, "http://") && !strings.HasPrefix(f.URL, "https://") {
 				errs = append(errs, fmt.Errorf("config: model %q fallback[%d]: url %q must be http(s)", m.Name, j, f.URL))
@@ -232,6 +239,9 @@ func Overlay(base, file *Config) *Config {
 		}
 		if len(o.Fallback) == 0 {
 			o.Fallback = b.Fallback
+		}
+		if o.SpillAfter == 0 {
+			o.SpillAfter = b.SpillAfter
 		}
 		return o
 	})

@@ -91,14 +91,16 @@ func TestParseBuildAndOverlay(t *testing.T) {
 
 func TestInvalidConfigsAreRejected(t *testing.T) {
 	cases := map[string]string{
-		"unknown key":   "polciy: kvaware\n",
-		"bad policy":    "policy: fastest\n",
-		"selection":     "selection: [only-one]\n",
-		"bad duration":  "routing: {cold_slack: soon}\n",
-		"fallback url":  "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
-		"static twice":  "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
-		"no model name": "models: [{tokenizer: builtin}]\n",
-		"not yaml":      "{{{",
+		"unknown key":        "polciy: kvaware\n",
+		"bad policy":         "policy: fastest\n",
+		"selection":          "selection: [only-one]\n",
+		"bad duration":       "routing: {cold_slack: soon}\n",
+		"fallback url":       "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
+		"static twice":       "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
+		"no model name":      "models: [{tokenizer: builtin}]\n",
+		"spill, no fallback": "models: [{name: m, spill_after: 5s}]\n",
+		"negative spill":     "models: [{name: m, spill_after: -1s, fallback: [{url: 'http://x'}]}]\n",
+		"not yaml":           "{{{",
 	}
 	for name, doc := range cases {
 		if _, err := Parse([]byte(doc)); err == nil {
@@ -268,5 +270,31 @@ func TestEngineAPIKey(t *testing.T) {
 	t.Setenv("KVMESH_TEST_ENGINE_KEY", "")
 	if _, err := b.Build(c); err == nil || !strings.Contains(err.Error(), "KVMESH_TEST_ENGINE_KEY") {
 		t.Fatalf("empty variable: %v", err)
+	}
+}
+
+// TestSpillAfter: spill_after reaches the gateway's model settings from the
+// file and from --spill-after.
+func TestSpillAfter(t *testing.T) {
+	c, err := Parse([]byte("models: [{name: m, spill_after: 4s, fallback: [{url: 'http://127.0.0.1:9'}]}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	s, err := b.Build(Overlay(&Config{}, c))
+	if err != nil || s.Models["m"].SpillAfter != 4*time.Second {
+		t.Fatalf("from the file: %v %v", s.Models["m"].SpillAfter, err)
+	}
+	f, err := FromFlags(Flags{Fallbacks: List{"m=http://127.0.0.1:9"}, SpillAfter: List{"m=2500ms"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err = b.Build(f); err != nil || s.Models["m"].SpillAfter != 2500*time.Millisecond {
+		t.Fatalf("from flags: %v %v", s.Models["m"].SpillAfter, err)
+	}
+	for _, bad := range []string{"m", "m=soon", "=5s"} {
+		if _, err := FromFlags(Flags{Fallbacks: List{"m=http://127.0.0.1:9"}, SpillAfter: List{bad}}); err == nil {
+			t.Errorf("--spill-after %q accepted", bad)
+		}
 	}
 }

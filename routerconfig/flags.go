@@ -3,6 +3,7 @@ package routerconfig
 import (
 	"fmt"
 	"strings"
+	"time"
 )
 
 // List is a repeatable flag. One value may also hold several entries
@@ -30,7 +31,9 @@ type Flags struct {
 	// Statics: NAME=URL[,MODEL...].
 	Statics List
 	// Fallbacks: MODEL=URL[,API_KEY_ENV].
-	Fallbacks       List
+	Fallbacks List
+	// SpillAfter: MODEL=DURATION.
+	SpillAfter      List
 	MaxPrefixTokens int
 	MaxAttempts     int
 	ResumeStreams   bool
@@ -75,6 +78,14 @@ func FromFlags(f Flags) (*Config, error) {
 		url, env, _ := strings.Cut(rest, ",")
 		m := model(name)
 		m.Fallback = append(m.Fallback, Endpoint{URL: url, APIKeyEnv: env})
+	}
+	for _, sp := range f.SpillAfter {
+		name, text, ok := strings.Cut(sp, "=")
+		d, err := time.ParseDuration(text)
+		if !ok || name == "" || err != nil {
+			return nil, fmt.Errorf("--spill-after %q: want MODEL=DURATION (e.g. llama=5s)", sp)
+		}
+		model(name).SpillAfter = d
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err

@@ -84,6 +84,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		finish(d, cands, ModeBalance)
 		d.Degraded = true
 		d.PredictedCachedTokens = matched[d.Pick]
+		d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
 		d.Reason = "imbalanced fleet: least-load mode"
 		return
 	}

@@ -207,6 +207,9 @@ func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
 	if !d.Degraded || d.Mode != ModeBalance || d.Pick == 0 || deg.Degradations() != 1 {
 		t.Fatalf("no least-load switch under severe imbalance: %+v, degradations %d", d, deg.Degradations())
 	}
+	if d.PredictedTTFT <= 0 {
+		t.Fatal("no predicted ttft in least-load mode (spill_after reads it)")
+	}
 	route(t, p, &Request{PromptTokens: 8100, Now: t0}, cands)
 	if deg.Degradations() != 1 {
 		t.Fatal("staying degraded counted as a new degradation")

@@ -70,6 +70,7 @@ func parse(args []string) (*options, error) {
 	fs.IntVar(&o.maxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
 	fs.Var(&o.flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
 	fs.Var(&o.flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
+	fs.Var(&o.flags.SpillAfter, "spill-after", "MODEL=DURATION, repeatable: MODEL's requests go to its --fallback first when the best replica's predicted time to first token is longer (kvaware)")
 	fs.IntVar(&o.flags.MaxPrefixTokens, "max-prefix-tokens", 16384, "prompt tokens used for prefix matching")
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
 	fs.BoolVar(&o.flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
