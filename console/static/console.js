@@ -439,9 +439,14 @@
 
     let cls = 'pill ok';
     let text = 'online';
-    if (!r.online) { cls = 'pill bad'; text = 'offline'; } else if (r.stale) { cls = 'pill warn'; text = 'stale'; }
+    let title = '';
+    if (!r.online) { cls = 'pill bad'; text = 'offline'; } else if (r.ejected_ms > 0) {
+      cls = 'pill bad'; text = 'ejected';
+      title = 'failed to answer this router: out of its routing for ' + age(r.ejected_ms) + ' more';
+    } else if (r.stale) { cls = 'pill warn'; text = 'stale'; }
     c.status.className = cls;
     c.status.textContent = text;
+    c.status.title = title;
 
     if (!r.selected) {
       c.sel.className = 'pill plain';
