@@ -120,6 +120,7 @@ type Gateway struct {
 	table   *fleet.Table
 	cluster Clusterer
 	log     zerolog.Logger
+	authLog zerolog.Logger // log, at most one line a minute: replicas refusing the router
 
 	settings atomic.Pointer[Settings]
 	fwd      proxy.Forwarder
@@ -139,7 +140,8 @@ type Gateway struct {
 
 // New returns a gateway routing over table. cluster may be nil.
 func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) *Gateway {
-	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now, started: time.Now()}
+	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now, started: time.Now(),
+		authLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute})}
 	g.fwd = proxy.Forwarder{Log: log}
 	g.inflight.init()
 	empty := map[string]*proxy.Upstream{}

@@ -373,6 +373,9 @@ func TestEngineAPIKey(t *testing.T) {
 	if res := r.post(t, "/v1/chat/completions", chat, "Authorization", "Bearer client-key"); res.status != 401 {
 		t.Fatalf("after a reload to another key the engine answered %d, want its 401 (old pool kept?)", res.status)
 	}
+	if !strings.Contains(r.get(t, "/metrics").body, `kvmesh_router_errors_total{type="upstream_unauthorized"} 1`) {
+		t.Error("a replica refusing the router's key not counted")
+	}
 }
 
 // TestRetrieveModel: GET /v1/models/{id} answers one card, ids with
