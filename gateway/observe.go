@@ -85,9 +85,11 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		m.errors.WithLabelValues("stream").Inc()
 	case r.Status >= 500 || r.Status == 429:
 		m.errors.WithLabelValues("upstream_status").Inc()
-	case (r.Status == 401 || r.Status == 403) && t.load != nil:
-		// A replica refusing the router is a configuration fault, not the
-		// client's: say which flag to look at, once in a while.
+	case (r.Status == 401 || r.Status == 403) && t.load != nil && (ex.s.EngineAPIKey != "" || len(ex.s.APIKeys) > 0):
+		// The router, not the client, authenticates to replicas here, so a
+		// refusal is a configuration fault: say which flag to look at, once
+		// in a while. (Without either setting the client's own
+		// Authorization reached the engine: its 401 is the client's.)
 		m.errors.WithLabelValues("upstream_unauthorized").Inc()
 		g.authLog.Warn().Str("replica", t.name).Int("status", r.Status).Bool("engine_api_key_set", ex.s.EngineAPIKey != "").
 			Msg("replica refused the request: engines started with --api-key need the router's --engine-api-key (KVMESH_ENGINE_API_KEY)")
