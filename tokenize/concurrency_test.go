@@ -78,8 +78,8 @@ func TestSegmentCacheEvictsByBytes(t *testing.T) {
 // holding another text (what a hash collision would look like) is a miss.
 func TestSegmentCacheComparesText(t *testing.T) {
 	c := newSegmentCache(0)
-	k := segmentKey("hello world", false)
-	c.c.SetBig(k[:], append([]byte{1, 0, 0, 0}, "hello wordl"...))
+	k := segmentKey("hello world", false, false)
+	c.c.Set(k[:], append([]byte{1, 0, 0, 0}, "hello wordl"...))
 	if _, _, ok := c.appendTo(nil, nil, "hello world", false); ok {
 		t.Fatal("returned the ids of another text")
 	}
@@ -132,6 +132,30 @@ func TestSegmentCacheBigEntry(t *testing.T) {
 	got, _, ok := c.appendTo(nil, nil, text, true)
 	if !ok || !slices.Equal(got, ids) {
 		t.Fatalf("big entry: ok %v, %d ids", ok, len(got))
+	}
+}
+
+// TestSegmentCacheOddEntries: entries of any shape read back or miss, and
+// never make fastcache read one kind of entry as another. A 16-byte text
+// without ids once looked like SetBig's index and crashed GetBig (found by
+// FuzzLoad: a tokenizer with an empty vocabulary).
+func TestSegmentCacheOddEntries(t *testing.T) {
+	c := newSegmentCache(0)
+	for _, e := range []struct {
+		text string
+		ids  []uint32
+		kept bool
+	}{
+		{"0000000000000000", nil, true},                                       // 16 bytes, no ids
+		{strings.Repeat("ab", 8), []uint32{1}, true},                          // 20 bytes
+		{strings.Repeat("x", 1000), make([]uint32, 20000), false},             // more ids than bytes, past one chunk
+		{strings.Repeat("big ", minBigText/4+1), make([]uint32, 20000), true}, // big, across chunks
+	} {
+		c.put(nil, e.text, false, e.ids)
+		got, _, ok := c.appendTo(nil, nil, e.text, false)
+		if ok != e.kept || ok && len(got) != len(e.ids) {
+			t.Errorf("%d bytes, %d ids: found %v with %d ids, want found %v", len(e.text), len(e.ids), ok, len(got), e.kept)
+		}
 	}
 }
 

@@ -31,28 +31,48 @@ func newSegmentCache(maxBytes int64) *segmentCache {
 	return &segmentCache{c: fastcache.New(int(maxBytes)), maxBytes: maxBytes}
 }
 
-// An entry's key is the text's hash, length and first-ness; its value is the
-// ids (little-endian) followed by the text itself, compared on every hit so
-// that a hash collision can never return another segment's ids.
+// An entry's key is the text's hash, length, first-ness and whether the
+// entry is big (stored by SetBig under its own keys, so an index SetBig
+// keeps is never mistaken for ids); its value is the ids (little-endian)
+// followed by the text itself, compared on every hit so that a hash
+// collision can never return another segment's ids.
 const segmentKeyLen = 17
 
-func segmentKey(text string, first bool) [segmentKeyLen]byte {
+const (
+	keyFirst = 1 << iota
+	keyBig
+)
+
+func segmentKey(text string, first, big bool) [segmentKeyLen]byte {
 	var k [segmentKeyLen]byte
 	binary.LittleEndian.PutUint64(k[:], xxhash.Sum64String(text))
 	binary.LittleEndian.PutUint64(k[8:], uint64(len(text)))
 	if first {
-		k[16] = 1
+		k[16] |= keyFirst
+	}
+	if big {
+		k[16] |= keyBig
 	}
 	return k
 }
 
+// maxInlineEntry is the largest key plus value fastcache keeps in one chunk
+// (Set); larger entries take SetBig.
+const maxInlineEntry = 64<<10 - 4
+
+// minBigText is the shortest text whose entry may be big: below it, with at
+// most one id per byte of text (as byte-level BPE gives), the entry is
+// inline, so a lookup of a shorter text never needs a second probe.
+const minBigText = (maxInlineEntry - segmentKeyLen) / 5
+
 // appendTo appends the cached ids of (text, first) to dst if present; buf
 // is scratch the caller keeps (returned grown), so a hit does not allocate.
 func (c *segmentCache) appendTo(dst []uint32, buf []byte, text string, first bool) ([]uint32, []byte, bool) {
-	k := segmentKey(text, first)
-	buf, _ = c.c.HasGet(buf[:0], k[:])
-	if len(buf) == bigEntryMeta {
-		buf = c.c.GetBig(buf[:0], k[:]) // stored by SetBig: this was its index
+	k := segmentKey(text, first, false)
+	buf, found := c.c.HasGet(buf[:0], k[:])
+	if !found && len(text) >= minBigText {
+		k = segmentKey(text, first, true)
+		buf = c.c.GetBig(buf[:0], k[:])
 	}
 	n := len(buf) - len(text)
 	if n < 0 || n%4 != 0 || string(buf[n:]) != text {
@@ -74,18 +94,17 @@ func (c *segmentCache) put(buf []byte, text string, first bool, ids []uint32) []
 		buf = binary.LittleEndian.AppendUint32(buf, id)
 	}
 	buf = append(buf, text...)
-	k := segmentKey(text, first)
-	if len(k)+len(buf)+4 < 64<<10 {
-		c.c.Set(k[:], buf) // fits one fastcache chunk: one lookup per hit
-	} else {
+	switch {
+	case segmentKeyLen+len(buf) < maxInlineEntry:
+		k := segmentKey(text, first, false)
+		c.c.Set(k[:], buf) // one chunk: one lookup per hit
+	case len(text) >= minBigText:
+		k := segmentKey(text, first, true)
 		c.c.SetBig(k[:], buf)
 	}
+	// Otherwise a short text with more ids than bytes: not worth a second
+	// probe on every miss, so not cached.
 	return buf
 }
-
-// bigEntryMeta is the length of the index SetBig stores under the key. No
-// entry stored by Set has that length: segments are at least
-// minCachedSegment (16) bytes and carry at least one id.
-const bigEntryMeta = 16
 
 func (c *segmentCache) reset() { c.c.Reset() }
