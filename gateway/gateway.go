@@ -13,6 +13,7 @@ package gateway
 import (
 	"bytes"
 	"errors"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -121,6 +122,9 @@ type Gateway struct {
 	cluster Clusterer
 	log     zerolog.Logger
 	authLog zerolog.Logger // log, at most one line a minute: replicas refusing the router
+	// panicLog is log at most once a minute: a panic a request provokes
+	// repeats with every such request.
+	panicLog zerolog.Logger
 
 	settings atomic.Pointer[Settings]
 	fwd      proxy.Forwarder
@@ -141,7 +145,8 @@ type Gateway struct {
 // New returns a gateway routing over table. cluster may be nil.
 func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) *Gateway {
 	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now, started: time.Now(),
-		authLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute})}
+		authLog:  log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}),
+		panicLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute})}
 	g.fwd = proxy.Forwarder{Log: log}
 	g.inflight.init()
 	empty := map[string]*proxy.Upstream{}
@@ -176,6 +181,7 @@ func (g *Gateway) ClearRecords(names []string) {
 
 // Handler is the fasthttp handler for every route.
 func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
+	defer g.survive(ctx)
 	path := ctx.Path()
 	post := ctx.IsPost()
 	switch {
@@ -207,6 +213,21 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 	default:
 		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
 	}
+}
+
+// survive turns a panic in a request's handling into a 500 for that request
+// alone (fasthttp would let it end the process, and every stream with it),
+// counted as errors_total{type="panic"} and logged with its stack.
+func (g *Gateway) survive(ctx *fasthttp.RequestCtx) {
+	r := recover()
+	if r == nil {
+		return
+	}
+	g.metrics.errors.WithLabelValues("panic").Inc()
+	g.panicLog.Error().Interface("panic", r).Bytes("stack", debug.Stack()).Str("path", string(ctx.Path())).
+		Msg("request handler panicked")
+	ctx.Response.Reset()
+	proxy.WriteError(ctx, fasthttp.StatusInternalServerError, "internal_error", "internal error")
 }
 
 // modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes

@@ -3,6 +3,7 @@ package gateway
 import (
 	"bytes"
 	"fmt"
+	"runtime/debug"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -337,9 +338,36 @@ func (ex *exchange) snapIndex(ci int) int { return ex.snapIdx[ci] }
 
 // tokens tokenizes the prompt; a failure degrades to load-only routing.
 func (ex *exchange) tokens(p *parsed, ms Model) {
+	ids, err := ex.encode(p, ms)
+	if err != nil {
+		ex.tokenizeErr = err
+		ex.ids = nil
+		ex.promptTokens = 0
+		return
+	}
+	ex.ids = ids
+	ex.promptTokens = len(ids)
+	salt := ""
+	if p.CacheSalt != nil {
+		salt = *p.CacheSalt
+	}
+	ex.req.AffinityKey = 0
+	ex.seed = blockkey.Seed(ms.Adapter, salt)
+}
+
+// encode returns the prompt's token ids. A tokenizer that panics on some
+// input is an error like any other: that request is routed by load, the
+// router stays up, and the panic is counted and logged with its stack.
+func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			ids, err = nil, fmt.Errorf("tokenizer panic: %v", r)
+			ex.g.metrics.errors.WithLabelValues("tokenizer_panic").Inc()
+			ex.g.panicLog.Error().Str("model", ex.model).Interface("panic", r).Bytes("stack", debug.Stack()).
+				Msg("tokenizer panicked; the request is routed by load")
+		}
+	}()
 	tk := ex.s.tokenizer(ms)
-	var ids []uint32
-	var err error
 	switch {
 	case p.kind == kindOther:
 		err = errLoadOnly
@@ -373,20 +401,7 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
 		}
 	}
-	if err != nil {
-		ex.tokenizeErr = err
-		ex.ids = nil
-		ex.promptTokens = 0
-		return
-	}
-	ex.ids = ids
-	ex.promptTokens = len(ids)
-	salt := ""
-	if p.CacheSalt != nil {
-		salt = *p.CacheSalt
-	}
-	ex.req.AffinityKey = 0
-	ex.seed = blockkey.Seed(ms.Adapter, salt)
+	return ids, err
 }
 
 var (
