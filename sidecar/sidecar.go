@@ -30,11 +30,11 @@ import (
 type Config struct {
 	Name      string
 	EngineURL string // engine base URL, e.g. http://127.0.0.1:8000
+	Protocol  string // "vllm" or "sglang"
 	// EngineAPIKey, when set, is sent as a bearer token on every call to
 	// the engine: vLLM and SGLang started with --api-key refuse /v1/models
 	// without it.
 	EngineAPIKey string
-	Protocol  string // "vllm" or "sglang"
 
 	// KVEvents is the engine's PUB endpoint to connect to; KVEventsBind an
 	// endpoint to bind for publishers that connect. One of them, or neither
