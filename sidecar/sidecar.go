@@ -103,11 +103,13 @@ type Sidecar struct {
 	models     atomic.Pointer[[]string]
 	blockSize  atomic.Int64
 	scrapeErrs atomic.Uint64
-	rebuilds   atomic.Uint64
-	clearReq   chan struct{}
-	rebuildReq chan struct{}
-	keysBuf    []uint64   // the exact set copied for a rebuild; maintain goroutine only
-	announceMu sync.Mutex // one metadata announcement at a time
+	// metricsReadNanos is how long the last /metrics read took.
+	metricsReadNanos atomic.Int64
+	rebuilds         atomic.Uint64
+	clearReq         chan struct{}
+	rebuildReq       chan struct{}
+	keysBuf          []uint64   // the exact set copied for a rebuild; maintain goroutine only
+	announceMu       sync.Mutex // one metadata announcement at a time
 
 	httpSrv *http.Server
 }
@@ -377,10 +379,18 @@ func (s *Sidecar) maintain(ctx context.Context) {
 }
 
 // scrape health-checks the engine and reads its metrics every interval.
+// metricsBudget bounds the engine time the sidecar's /metrics reads take:
+// after a read that took d, the next waits at least metricsBudget×d, so at
+// most 1/metricsBudget of it. Rendering /metrics is not free for vLLM (its
+// API server renders every histogram, across processes with
+// --api-server-count), and routers have their own in-flight counts meanwhile.
+const metricsBudget = 20
+
 func (s *Sidecar) scrape(ctx context.Context) {
 	t := time.NewTicker(s.cfg.ScrapeInterval)
 	defer t.Stop()
 	lastModels := time.Now()
+	skip := 0 // ticks to pass before the next /metrics read
 	for {
 		select {
 		case <-ctx.Done():
@@ -390,7 +400,15 @@ func (s *Sidecar) scrape(ctx context.Context) {
 		was := s.healthy.Load()
 		s.checkHealth(ctx)
 		if s.healthy.Load() {
-			s.readMetrics(ctx)
+			if skip > 0 {
+				skip--
+			} else {
+				start := time.Now()
+				s.readMetrics(ctx)
+				took := time.Since(start)
+				s.metricsReadNanos.Store(int64(took))
+				skip = int(metricsBudget * took / s.cfg.ScrapeInterval)
+			}
 			if len(*s.models.Load()) == 0 || time.Since(lastModels) > s.cfg.ModelsInterval || !was {
 				lastModels = time.Now()
 				if s.refreshModels(ctx) {

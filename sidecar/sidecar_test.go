@@ -10,6 +10,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -493,5 +494,52 @@ func TestEngineAPIKey(t *testing.T) {
 	waitFor(t, 5*time.Second, "the other sidecar to join", func() bool { return tb.Snapshot().Find("without-key") >= 0 })
 	if m := models("without-key"); len(m) != 0 {
 		t.Errorf("a sidecar without the key announced models %v", m)
+	}
+}
+
+// TestSlowMetricsAreReadSparingly: an engine that takes 100 ms to render
+// /metrics is read at most once per 2 s (20 times that), while /health is
+// still checked every interval; the read time shows in /status.
+func TestSlowMetricsAreReadSparingly(t *testing.T) {
+	srv, err := enginesim.New(enginesim.Config{
+		Model: "sim", Tokenizer: tokenize.Builtin{},
+		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 16, MaxNumBatchedTokens: 2048, MaxModelLen: 4096}, Logger: testLog(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go srv.Run(ctx)
+	var metricsReads, healthChecks atomic.Int32
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &fasthttp.Server{Handler: func(c *fasthttp.RequestCtx) {
+		switch string(c.Path()) {
+		case "/metrics":
+			metricsReads.Add(1)
+			time.Sleep(100 * time.Millisecond)
+		case "/health":
+			healthChecks.Add(1)
+		}
+		srv.Handler(c)
+	}}
+	go func() { _ = hs.Serve(l) }()
+	defer func() { _ = hs.Shutdown() }()
+	statusAddr := freeAddr(t)
+	startSidecar(t, Config{Name: "e1", EngineURL: "http://" + l.Addr().String(), Listen: statusAddr}) // 50 ms interval
+	time.Sleep(1500 * time.Millisecond)
+	reads, checks := metricsReads.Load(), healthChecks.Load()
+	t.Logf("in 1.5 s: %d /metrics reads, %d /health checks", reads, checks)
+	if reads < 1 || reads > 2 {
+		t.Errorf("%d /metrics reads of a 100 ms /metrics in 1.5 s, want 1 or 2", reads)
+	}
+	if checks < 10 {
+		t.Errorf("only %d /health checks: the engine's health must still be followed every interval", checks)
+	}
+	if st := status(t, statusAddr); st.MetricsReadMS < 100 {
+		t.Errorf("metrics_read_ms %v, want ≥ 100", st.MetricsReadMS)
 	}
 }

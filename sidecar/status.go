@@ -39,6 +39,9 @@ type Status struct {
 	InflightRequests      int     `json:"inflight_requests"`
 	InflightPrefillTokens int     `json:"inflight_prefill_tokens"`
 	ScrapeErrors          uint64  `json:"scrape_errors"`
+	// MetricsReadMS is how long the engine took to answer the last /metrics
+	// read; reads are spaced to at least 20 times that.
+	MetricsReadMS float64 `json:"metrics_read_ms"`
 
 	KVEvents        bool     `json:"kv_events"`
 	EngineResets    uint64   `json:"engine_resets"`
@@ -69,6 +72,7 @@ func (s *Sidecar) Status() Status {
 		Running:        m.Running,
 		KVUsage:        m.KVUsage,
 		ScrapeErrors:   s.scrapeErrs.Load(),
+		MetricsReadMS:  float64(s.metricsReadNanos.Load()) / 1e6,
 		KVEvents:       s.kvEvents(),
 		FilterRebuilds: s.rebuilds.Load(),
 	}
@@ -156,6 +160,7 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_engine_kv_usage", "engine KV cache usage 0..1", false, func(s *Status) float64 { return s.KVUsage }},
 	{"kvmesh_sidecar_inflight_requests", "requests routers report in flight here", false, func(s *Status) float64 { return float64(s.InflightRequests) }},
 	{"kvmesh_sidecar_scrape_errors_total", "failed engine metric scrapes", true, func(s *Status) float64 { return float64(s.ScrapeErrors) }},
+	{"kvmesh_sidecar_engine_metrics_read_seconds", "time the engine took to answer the last /metrics read (reads are spaced to at least 20 times it)", false, func(s *Status) float64 { return s.MetricsReadMS / 1e3 }},
 	{"kvmesh_sidecar_routers", "routers this sidecar feeds", false, func(s *Status) float64 { return float64(s.Routers) }},
 	{"kvmesh_sidecar_gossip_members", "live cluster members", false, func(s *Status) float64 { return float64(s.Cluster.Members) }},
 	{"kvmesh_sidecar_gossip_sent_bytes_total", "bytes of kvmesh messages sent", true, func(s *Status) float64 { return float64(s.Cluster.SentBytes) }},
