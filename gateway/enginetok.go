@@ -3,6 +3,7 @@ package gateway
 import (
 	"errors"
 	"sync"
+	"time"
 
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/tokenize"
@@ -11,10 +12,12 @@ import (
 // EngineTokenizer returns a tokenizer that asks a live replica serving model
 // for its /tokenize answer (the `engine` tokenizer spec): exact for any
 // model, at a round trip per uncached prompt. It prefers the first online
-// replica in name order so that answers cache in one place. apiKey, when
-// set, is sent as a bearer token (engines started with an API key).
+// replica in name order so that answers cache in one place; a replica that
+// gives no answer (down, or a 5xx) is passed over for the next, and skipped
+// for a while after, as the router ejects replicas it cannot reach. apiKey,
+// when set, is sent as a bearer token (engines started with an API key).
 func EngineTokenizer(table *fleet.Table, model, apiKey string) tokenize.Model {
-	return &engineTokenizer{table: table, model: model, apiKey: apiKey, byURL: map[string]*tokenize.Engine{}}
+	return &engineTokenizer{table: table, model: model, apiKey: apiKey, byURL: map[string]*tokenizingEngine{}}
 }
 
 type engineTokenizer struct {
@@ -23,42 +26,82 @@ type engineTokenizer struct {
 	apiKey string
 
 	mu    sync.Mutex
-	byURL map[string]*tokenize.Engine
+	byURL map[string]*tokenizingEngine
 }
+
+type tokenizingEngine struct {
+	*tokenize.Engine
+	eject ejection
+}
+
+// maxEngineTries bounds the replicas one prompt is sent to.
+const maxEngineTries = 3
 
 var errNoEngine = errors.New("no live replica to tokenize with")
 
-func (e *engineTokenizer) engine() (*tokenize.Engine, error) {
+// engines returns up to maxEngineTries replicas to ask, in name order, those
+// not ejected first.
+func (e *engineTokenizer) engines(now time.Time) []*tokenizingEngine {
 	snap := e.table.Snapshot()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var in, out []*tokenizingEngine
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
 		if !r.Online || !r.Serves(e.model) || r.URL == "" {
 			continue
 		}
-		e.mu.Lock()
-		defer e.mu.Unlock()
 		eng := e.byURL[r.URL]
 		if eng == nil {
-			eng = tokenize.NewEngine(r.URL, e.model, tokenize.WithEngineAPIKey(e.apiKey))
+			eng = &tokenizingEngine{Engine: tokenize.NewEngine(r.URL, e.model, tokenize.WithEngineAPIKey(e.apiKey))}
 			e.byURL[r.URL] = eng
 		}
-		return eng, nil
+		if eng.eject.out(now.UnixNano()) {
+			out = append(out, eng)
+		} else {
+			in = append(in, eng)
+		}
+		if len(in) == maxEngineTries {
+			break
+		}
 	}
-	return nil, errNoEngine
+	in = append(in, out...)
+	return in[:min(len(in), maxEngineTries)]
 }
 
-func (e *engineTokenizer) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
-	eng, err := e.engine()
-	if err != nil {
-		return nil, err
+// ask calls f with each replica to ask until one answers (or refuses the
+// prompt itself: a 4xx would be the same everywhere).
+func (e *engineTokenizer) ask(f func(*tokenize.Engine) error) error {
+	now := time.Now()
+	engs := e.engines(now)
+	if len(engs) == 0 {
+		return errNoEngine
 	}
-	return eng.Encode(text, addSpecialTokens)
+	var err error
+	for _, eng := range engs {
+		err = f(eng.Engine)
+		var ee *tokenize.EngineError
+		if !errors.As(err, &ee) || ee.Status != 0 && ee.Status < 500 {
+			eng.eject.reached()
+			return err
+		}
+		eng.eject.failed(now)
+	}
+	return err
 }
 
-func (e *engineTokenizer) EncodeChat(chat tokenize.Chat) (string, []uint32, error) {
-	eng, err := e.engine()
-	if err != nil {
-		return "", nil, err
-	}
-	return eng.EncodeChat(chat)
+func (e *engineTokenizer) Encode(text string, addSpecialTokens bool) (ids []uint32, err error) {
+	err = e.ask(func(eng *tokenize.Engine) error {
+		ids, err = eng.Encode(text, addSpecialTokens)
+		return err
+	})
+	return ids, err
+}
+
+func (e *engineTokenizer) EncodeChat(chat tokenize.Chat) (prompt string, ids []uint32, err error) {
+	err = e.ask(func(eng *tokenize.Engine) error {
+		prompt, ids, err = eng.EncodeChat(chat)
+		return err
+	})
+	return prompt, ids, err
 }

@@ -567,3 +567,23 @@ func TestSpillToFallback(t *testing.T) {
 		t.Fatalf("busy fleet, fallback down: %d served by %q, want e1", res.status, res.header["x-kvmesh-replica"])
 	}
 }
+
+// TestEngineTokenizerPassesOverDeadReplica: the `engine` tokenizer asks the
+// first replica in name order; when that one is down it asks the next, so
+// routing keeps its tokens instead of falling to load only.
+func TestEngineTokenizerPassesOverDeadReplica(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	table := r.table
+	s := *r.g.Settings()
+	s.Models = map[string]Model{testModel: {Tokenizer: EngineTokenizer(table, testModel, "")}}
+	r.g.Apply(s)
+	table.AddStatic("a-dead", refusedURL(t), []string{testModel})
+	table.AddStatic("b-live", startEngine(t, testModel), []string{testModel})
+	want, _ := tokenize.Builtin{}.Encode("the first prompt", true)
+	for i := range 3 {
+		res := r.post(t, "/v1/completions", `{"model":"sim","prompt":"the first prompt","max_tokens":1}`)
+		if res.status != 200 || res.header["x-kvmesh-prompt-tokens"] != strconv.Itoa(len(want)) {
+			t.Fatalf("request %d: %d, prompt tokens %q, want %d (tokenized by the live replica)", i, res.status, res.header["x-kvmesh-prompt-tokens"], len(want))
+		}
+	}
+}
