@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"gopkg.in/yaml.v3"
 )
@@ -321,5 +322,81 @@ func readYAML(t *testing.T, path string, v any) {
 	}
 	if err := yaml.Unmarshal(raw, v); err != nil {
 		t.Fatalf("%s: %v", path, err)
+	}
+}
+
+// TestAlertRules: every alert in deploy/prometheus/alerts.yml queries only
+// metrics kvmesh exports, with balanced brackets, a severity and a summary;
+// the demo's Prometheus loads the file from where compose mounts it.
+func TestAlertRules(t *testing.T) {
+	var rules struct {
+		Groups []struct {
+			Name  string `yaml:"name"`
+			Rules []struct {
+				Alert       string            `yaml:"alert"`
+				Expr        string            `yaml:"expr"`
+				For         string            `yaml:"for"`
+				Labels      map[string]string `yaml:"labels"`
+				Annotations map[string]string `yaml:"annotations"`
+			} `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	readYAML(t, "../deploy/prometheus/alerts.yml", &rules)
+	exported := exportedMetrics(t)
+	seen := map[string]bool{}
+	n := 0
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			n++
+			if r.Alert == "" || seen[r.Alert] {
+				t.Errorf("group %s: alert name %q missing or repeated", g.Name, r.Alert)
+			}
+			seen[r.Alert] = true
+			if err := balanced(r.Expr); err != "" {
+				t.Errorf("%s: %s in %s", r.Alert, err, r.Expr)
+			}
+			names := metricName.FindAllString(r.Expr, -1)
+			if len(names) == 0 {
+				t.Errorf("%s: queries no metric", r.Alert)
+			}
+			for _, m := range names {
+				if !known(exported, m) {
+					t.Errorf("%s: %s is exported by no router, sidecar or engine", r.Alert, m)
+				}
+			}
+			if s := r.Labels["severity"]; s != "critical" && s != "warning" && s != "info" {
+				t.Errorf("%s: severity %q", r.Alert, s)
+			}
+			if r.Annotations["summary"] == "" {
+				t.Errorf("%s: no summary", r.Alert)
+			}
+			if r.For != "" {
+				if _, err := time.ParseDuration(r.For); err != nil {
+					t.Errorf("%s: for %q: %v", r.Alert, r.For, err)
+				}
+			}
+		}
+	}
+	if n < 5 {
+		t.Fatalf("%d alerts", n)
+	}
+	var prom struct {
+		RuleFiles []string `yaml:"rule_files"`
+	}
+	readYAML(t, "../deploy/prometheus/prometheus.yml", &prom)
+	var compose struct {
+		Services map[string]struct {
+			Volumes []string `yaml:"volumes"`
+		} `yaml:"services"`
+	}
+	readYAML(t, "../docker-compose.yml", &compose)
+	mounted := map[string]string{}
+	for _, v := range compose.Services["prometheus"].Volumes {
+		host, rest, _ := strings.Cut(v, ":")
+		inside, _, _ := strings.Cut(rest, ":")
+		mounted[inside] = host
+	}
+	if len(prom.RuleFiles) != 1 || mounted[prom.RuleFiles[0]] != "./deploy/prometheus/alerts.yml" {
+		t.Errorf("prometheus.yml loads %v; compose mounts %v", prom.RuleFiles, mounted)
 	}
 }
