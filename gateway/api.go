@@ -146,6 +146,13 @@ const warmupGrace = 10 * time.Second
 // router started late catches up from snapshots before it takes traffic),
 // or warmupGrace has passed.
 func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
+	if g.stopping.Load() {
+		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
+		ctx.SetContentType("application/json")
+		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
+		ctx.SetBodyString(`{"error":{"message":"shutting down","type":"service_unavailable","code":503}}`)
+		return
+	}
 	snap := g.table.Snapshot()
 	live, waiting := 0, 0
 	for i := range snap.Replicas {

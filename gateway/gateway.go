@@ -121,7 +121,9 @@ type Gateway struct {
 	table   *fleet.Table
 	cluster Clusterer
 	log     zerolog.Logger
-	authLog zerolog.Logger // log, at most one line a minute: replicas refusing the router
+	// stopping is set once shutdown began (Stopping).
+	stopping atomic.Bool
+	authLog  zerolog.Logger // log, at most one line a minute: replicas refusing the router
 	// panicLog is log at most once a minute: a panic a request provokes
 	// repeats with every such request.
 	panicLog zerolog.Logger
@@ -164,6 +166,11 @@ func (g *Gateway) Apply(s Settings) {
 		g.metrics.retirePolicy(old.Policy)
 	}
 }
+
+// Stopping makes /ready answer 503 from now on, while every other route
+// serves as before: load balancers take the router out before it stops
+// accepting connections.
+func (g *Gateway) Stopping() { g.stopping.Store(true) }
 
 // Settings returns the settings in force.
 func (g *Gateway) Settings() *Settings { return g.settings.Load() }

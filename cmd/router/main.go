@@ -41,7 +41,7 @@ type options struct {
 	engineAPIKey                      string
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
-	drainTimeout                      time.Duration
+	drainTimeout, shutdownDelay       time.Duration
 	flags                             routerconfig.Flags
 	log                               logging.Options
 }
@@ -78,6 +78,7 @@ func parse(args []string) (*options, error) {
 	fs.StringVar(&o.tlsCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
 	fs.StringVar(&o.tlsKey, "tls-key", "", "PEM private key of --tls-cert")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
+	fs.DurationVar(&o.shutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /ready with 503 but keep serving this long before draining, so load balancers stop sending first (k8s: a few readiness periods)")
 	fs.IntVar(&o.gcPercent, "gc-percent", 0, fmt.Sprintf("Go GC target (GOGC); 0: GOGC if set, else %d", gateway.DefaultGCPercent))
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -188,6 +189,11 @@ func run(args []string) error {
 	case err := <-served:
 		return err
 	case <-ctx.Done():
+	}
+	g.Stopping()
+	if o.shutdownDelay > 0 {
+		log.Info().Dur("shutdown_delay", o.shutdownDelay).Msg("shutting down: not ready, still serving")
+		time.Sleep(o.shutdownDelay)
 	}
 	log.Info().Int("inflight", g.Inflight()).Dur("drain_timeout", o.drainTimeout).Msg("shutting down: draining")
 	drainCtx, cancel := context.WithTimeout(context.Background(), o.drainTimeout)

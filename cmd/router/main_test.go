@@ -110,6 +110,54 @@ func TestSIGTERMDrainsInflightStream(t *testing.T) {
 	}
 }
 
+// TestShutdownDelayStopsReadinessFirst: with --shutdown-delay, SIGTERM turns
+// /ready to 503 at once while requests are still served for the delay; then
+// the router drains and exits.
+func TestShutdownDelayStopsReadinessFirst(t *testing.T) {
+	engine := upstream(t)
+	addr := freeAddr(t)
+	cmd := start(t, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+engine+",bench",
+		"--tokenizer", "*=builtin", "--shutdown-delay", "1s", "--log-level", "warn")
+	waitListening(t, addr)
+	get := func(path string) int {
+		status, _, err := fasthttp.GetTimeout(nil, "http://"+addr+path, 2*time.Second)
+		if err != nil {
+			return 0
+		}
+		return status
+	}
+	if s := get("/ready"); s != 200 {
+		t.Fatalf("/ready before shutdown: %d", s)
+	}
+	signalled := time.Now()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if s := get("/ready"); s != 503 {
+		t.Errorf("/ready during the shutdown delay: %d, want 503", s)
+	}
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI("http://" + addr + "/v1/completions")
+	req.Header.SetMethod("POST")
+	req.SetBodyString(`{"model":"bench","prompt":"hello","max_tokens":1}`)
+	if err := fasthttp.DoTimeout(req, resp, 2*time.Second); err != nil || resp.StatusCode() != 200 {
+		t.Errorf("a request during the shutdown delay: %v %d", err, resp.StatusCode())
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		if took := time.Since(signalled); err != nil || took < time.Second {
+			t.Fatalf("router exit after %v: %v (want ≥ the 1 s delay, clean)", took, err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("router did not exit")
+	}
+}
+
 // TestGossipRouterStartsAndLeaves: with --gossip-bind the router joins (a
 // cluster of one), serves, reports not ready without replicas, and leaves
 // on SIGTERM.
