@@ -2,13 +2,17 @@
 GO        ?= go
 BINARIES  := router sidecar enginesim loadtest healthcheck
 FUZZTIME  ?= 5s
+# The revision stamped into the binaries (buildinfo.Version, in logs and
+# metrics); empty outside git, where the binaries fall back to Go's own stamp.
+REVISION  := $(shell git describe --always --dirty --abbrev=12 2>/dev/null)
+LDFLAGS   := -s -w -X github.com/kvmesh/kvmesh/buildinfo.revision=$(REVISION)
 export CGO_ENABLED ?= 0
 
 .PHONY: build test vet fmt-check unit fuzz bench bench-proxy clean
 
 build:
 	@mkdir -p bin
-	$(GO) build -trimpath -ldflags='-s -w' -o bin/ $(addprefix ./cmd/,$(BINARIES))
+	$(GO) build -trimpath -ldflags='$(LDFLAGS)' -o bin/ $(addprefix ./cmd/,$(BINARIES))
 
 vet:
 	$(GO) vet ./...
@@ -51,7 +55,7 @@ COMPOSE_ENV   := $(if $(KVMESH_TOKENIZER_DIR),KVMESH_TOKENIZER_SPEC=/tokenizer)
 IMAGE_BINARIES := router sidecar enginesim healthcheck
 images:
 	@mkdir -p bin
-	$(GO) build -trimpath -ldflags='-s -w' -o bin/ $(addprefix ./cmd/,$(IMAGE_BINARIES))
+	$(GO) build -trimpath -ldflags='$(LDFLAGS)' -o bin/ $(addprefix ./cmd/,$(IMAGE_BINARIES))
 	docker build -q -f deploy/docker/Dockerfile -t $(IMAGE) bin
 
 # Start the demo and wait (bounded) until both routers are ready.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/tokenize"
@@ -228,7 +229,7 @@ func TestPrefixAwareRoutingFollowsFilters(t *testing.T) {
 	}
 	m := r.get(t, "/metrics")
 	for _, line := range []string{`kvmesh_router_routes_total{mode="prefix"} 1`, "kvmesh_router_prefix_hits_total 1",
-		"kvmesh_router_predicted_cached_tokens_total " + want, "kvmesh_router_degradations_total 0", "kvmesh_router_actual_cached_tokens_total", `kvmesh_router_info{policy="kvaware"} 1`,
+		"kvmesh_router_predicted_cached_tokens_total " + want, "kvmesh_router_degradations_total 0", "kvmesh_router_actual_cached_tokens_total", `kvmesh_router_info{policy="kvaware",version="` + buildinfo.Version() + `"} 1`,
 		`kvmesh_router_ttft_seconds_count{replica="`, `kvmesh_router_upstream_latency_seconds_count{replica="`} {
 		if !strings.Contains(m.body, line) {
 			t.Errorf("metrics lack %q", line)

@@ -9,6 +9,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/fasthttpadaptor"
 
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/routing"
 )
 
@@ -96,16 +97,16 @@ func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
 // RegisterMetrics adds c to the router's /metrics (e.g. gossip counters).
 func (g *Gateway) RegisterMetrics(c prometheus.Collector) error { return g.metrics.reg.Register(c) }
 
-// infoCollector exports kvmesh_router_info{policy} = 1, the policy in force
-// (it changes with a config reload).
+// infoCollector exports kvmesh_router_info{policy,version} = 1: the policy in
+// force (it changes with a config reload) and the build running.
 type infoCollector struct{ g *Gateway }
 
-var infoDesc = prometheus.NewDesc("kvmesh_router_info", "The router's routing policy (value 1).", []string{"policy"}, nil)
+var infoDesc = prometheus.NewDesc("kvmesh_router_info", "The router's routing policy and build (value 1).", []string{"policy", "version"}, nil)
 
 func (c infoCollector) Describe(ch chan<- *prometheus.Desc) { ch <- infoDesc }
 
 func (c infoCollector) Collect(ch chan<- prometheus.Metric) {
-	ch <- prometheus.MustNewConstMetric(infoDesc, prometheus.GaugeValue, 1, c.g.Settings().Policy.Name())
+	ch <- prometheus.MustNewConstMetric(infoDesc, prometheus.GaugeValue, 1, c.g.Settings().Policy.Name(), buildinfo.Version())
 }
 
 func (m *metrics) routed(mode routing.Mode) prometheus.Counter {

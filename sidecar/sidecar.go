@@ -21,6 +21,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/residentset"
@@ -246,7 +247,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 			}
 		}()
 	}
-	s.log.Info().Str("name", s.cfg.Name).Str("gossip", node.Addr()).Str("engine", s.cfg.EngineURL).
+	s.log.Info().Str("version", buildinfo.Version()).Str("name", s.cfg.Name).Str("gossip", node.Addr()).Str("engine", s.cfg.EngineURL).
 		Bool("kv_events", s.kvEvents()).Msg("sidecar running")
 
 	var runErr error

@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
 )
@@ -39,6 +40,8 @@ type Status struct {
 	InflightRequests      int     `json:"inflight_requests"`
 	InflightPrefillTokens int     `json:"inflight_prefill_tokens"`
 	ScrapeErrors          uint64  `json:"scrape_errors"`
+	// Version is the sidecar's build (git revision).
+	Version string `json:"version"`
 	// MetricsReadMS is how long the engine took to answer the last /metrics
 	// read; reads are spaced to at least 20 times that.
 	MetricsReadMS float64 `json:"metrics_read_ms"`
@@ -72,6 +75,7 @@ func (s *Sidecar) Status() Status {
 		Running:        m.Running,
 		KVUsage:        m.KVUsage,
 		ScrapeErrors:   s.scrapeErrs.Load(),
+		Version:        buildinfo.Version(),
 		MetricsReadMS:  float64(s.metricsReadNanos.Load()) / 1e6,
 		KVEvents:       s.kvEvents(),
 		FilterRebuilds: s.rebuilds.Load(),

@@ -16,6 +16,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/engine"
 	"github.com/kvmesh/kvmesh/enginesim"
 	"github.com/kvmesh/kvmesh/flagenv"
@@ -127,7 +128,7 @@ func run(ctx context.Context, args []string) error {
 	}
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- hs.Serve(ln) }()
-	log.Info().Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
+	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
 		Int("block_size", o.blockSize).Int("kv_blocks", o.kvBlocks).Float64("time_scale", o.timeScale).
 		Str("kv_events", o.kvEvents).Interface("cost", cost).Msg("serving")
 	select {

@@ -24,6 +24,7 @@ import (
 	// scratch image), so https upstreams verify without mounting certificates.
 	_ "golang.org/x/crypto/x509roots/fallback"
 
+	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/certfile"
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/fleet"
@@ -182,7 +183,7 @@ func run(args []string) error {
 	srv := g.Server(o.maxBodyBytes)
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
-	log.Info().Str("listen", ln.Addr().String()).Bool("tls", o.tlsCert != "").Str("policy", g.Settings().Policy.Name()).
+	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Bool("tls", o.tlsCert != "").Str("policy", g.Settings().Policy.Name()).
 		Bool("gossip", node != nil).Msg("router ready")
 
 	select {
