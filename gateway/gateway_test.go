@@ -333,8 +333,8 @@ func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
 func TestClientAPIKeys(t *testing.T) {
 	r := newRouter(t, Settings{APIKeys: map[string]bool{"k1": true}}, 1<<20)
 	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
-	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 401 {
-		t.Fatalf("no key: %d", res.status)
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 401 || res.header["x-request-id"] == "" {
+		t.Fatalf("no key: %d, X-Request-Id %q", res.status, res.header["x-request-id"])
 	}
 	if res := r.post(t, "/v1/chat/completions", chatBody, "Authorization", "Bearer k1"); res.status != 200 {
 		t.Fatalf("good key: %d %s", res.status, res.body)

@@ -90,14 +90,14 @@ func (g *Gateway) putExchange(ex *exchange) {
 }
 
 func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
+	var idBuf [maxRequestIDLen]byte
+	id := requestID(&ctx.Request.Header, idBuf[:0])
+	ctx.Response.Header.SetCanonical(hdrRequestID, id) // errors carry it too
 	s := g.Settings()
 	if err := s.authorize(ctx); err != nil {
 		g.fail(ctx, err)
 		return
 	}
-	var idBuf [maxRequestIDLen]byte
-	id := requestID(&ctx.Request.Header, idBuf[:0])
-	ctx.Response.Header.SetCanonical(hdrRequestID, id) // errors carry it too
 	var p *parsed
 	var err error
 	path := string(ctx.Path())
