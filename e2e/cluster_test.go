@@ -73,7 +73,9 @@ func warm(t *testing.T, s *stack, router, seed string, routers ...string) ([]mes
 			v := s.replicas(rt)[r.Replica]
 			return v.BlockSize > 0 && v.FilterKeys > 0
 		}); !ok {
-			t.Fatalf("%s: no filter keys for %s %v after the warm-up", rt, r.Replica, took)
+			// What each side believed, for the next reader of a failure.
+			t.Fatalf("%s: no filter keys for %s %v after the warm-up; the router's view %+v, the sidecar's %+v",
+				rt, r.Replica, took, s.replicas(rt)[r.Replica], s.sidecarStatus(r.Replica))
 		}
 	}
 	return msgs, r

@@ -322,6 +322,7 @@ type sidecarStatus struct {
 	EventsReceived   uint64 `json:"events_received"`
 	EngineResets     uint64 `json:"engine_resets"`
 	Connected        bool   `json:"events_connected"`
+	Routers          int    `json:"routers"`
 }
 
 // replicaView is one entry of a router's /admin/replicas.
