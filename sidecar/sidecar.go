@@ -380,12 +380,18 @@ func (s *Sidecar) maintain(ctx context.Context) {
 }
 
 // scrape health-checks the engine and reads its metrics every interval.
-// metricsBudget bounds the engine time the sidecar's /metrics reads take:
-// after a read that took d, the next waits at least metricsBudget×d, so at
-// most 1/metricsBudget of it. Rendering /metrics is not free for vLLM (its
-// API server renders every histogram, across processes with
-// --api-server-count), and routers have their own in-flight counts meanwhile.
-const metricsBudget = 20
+// metricsBudget bounds the engine time the sidecar's /metrics reads take
+// once they are slow (slowMetrics or more): after a read that took d, the
+// next waits at least metricsBudget×d, so at most 1/metricsBudget of it.
+// Rendering /metrics is not free for vLLM (its API server renders every
+// histogram, across processes with --api-server-count) and has made engines
+// unresponsive; routers have their own in-flight counts meanwhile. Faster
+// reads keep the load record fresh at every interval: an engine's queue
+// seen late sends requests to it that another replica would serve sooner.
+const (
+	metricsBudget = 20
+	slowMetrics   = 50 * time.Millisecond
+)
 
 func (s *Sidecar) scrape(ctx context.Context) {
 	t := time.NewTicker(s.cfg.ScrapeInterval)
@@ -408,7 +414,10 @@ func (s *Sidecar) scrape(ctx context.Context) {
 				s.readMetrics(ctx)
 				took := time.Since(start)
 				s.metricsReadNanos.Store(int64(took))
-				skip = int(metricsBudget * took / s.cfg.ScrapeInterval)
+				skip = 0
+				if took >= slowMetrics {
+					skip = int(metricsBudget * took / s.cfg.ScrapeInterval)
+				}
 			}
 			if len(*s.models.Load()) == 0 || time.Since(lastModels) > s.cfg.ModelsInterval || !was {
 				lastModels = time.Now()
