@@ -380,24 +380,15 @@ func (s *Sidecar) maintain(ctx context.Context) {
 }
 
 // scrape health-checks the engine and reads its metrics every interval.
-// metricsBudget bounds the engine time the sidecar's /metrics reads take
-// once they are slow (slowMetrics or more): after a read that took d, the
-// next waits at least metricsBudget×d, so at most 1/metricsBudget of it.
-// Rendering /metrics is not free for vLLM (its API server renders every
-// histogram, across processes with --api-server-count) and has made engines
-// unresponsive; routers have their own in-flight counts meanwhile. Faster
-// reads keep the load record fresh at every interval: an engine's queue
-// seen late sends requests to it that another replica would serve sooner.
-const (
-	metricsBudget = 20
-	slowMetrics   = 50 * time.Millisecond
-)
-
+// Every interval, however long /metrics takes to render: spacing slow reads
+// out was tried, and a load record left stale sent warm prompts away from
+// their replica on a loaded machine (a queue seen late is worse than a few
+// ms of the engine's time). How long reads take is exported instead
+// (kvmesh_sidecar_engine_metrics_read_seconds), for operators to see.
 func (s *Sidecar) scrape(ctx context.Context) {
 	t := time.NewTicker(s.cfg.ScrapeInterval)
 	defer t.Stop()
 	lastModels := time.Now()
-	skip := 0 // ticks to pass before the next /metrics read
 	for {
 		select {
 		case <-ctx.Done():
@@ -407,18 +398,9 @@ func (s *Sidecar) scrape(ctx context.Context) {
 		was := s.healthy.Load()
 		s.checkHealth(ctx)
 		if s.healthy.Load() {
-			if skip > 0 {
-				skip--
-			} else {
-				start := time.Now()
-				s.readMetrics(ctx)
-				took := time.Since(start)
-				s.metricsReadNanos.Store(int64(took))
-				skip = 0
-				if took >= slowMetrics {
-					skip = int(metricsBudget * took / s.cfg.ScrapeInterval)
-				}
-			}
+			start := time.Now()
+			s.readMetrics(ctx)
+			s.metricsReadNanos.Store(int64(time.Since(start)))
 			if len(*s.models.Load()) == 0 || time.Since(lastModels) > s.cfg.ModelsInterval || !was {
 				lastModels = time.Now()
 				if s.refreshModels(ctx) {

@@ -497,10 +497,10 @@ func TestEngineAPIKey(t *testing.T) {
 	}
 }
 
-// TestSlowMetricsAreReadSparingly: an engine that takes 100 ms to render
-// /metrics is read at most once per 2 s (20 times that), while /health is
-// still checked every interval; the read time shows in /status.
-func TestSlowMetricsAreReadSparingly(t *testing.T) {
+// TestSlowMetricsKeepTheirCadence: an engine that takes 100 ms to render
+// /metrics is still read every interval (a stale queue misroutes; spacing
+// reads out was tried and reverted), and the read time shows in /status.
+func TestSlowMetricsKeepTheirCadence(t *testing.T) {
 	srv, err := enginesim.New(enginesim.Config{
 		Model: "sim", Tokenizer: tokenize.Builtin{},
 		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 16, MaxNumBatchedTokens: 2048, MaxModelLen: 4096}, Logger: testLog(),
@@ -533,11 +533,8 @@ func TestSlowMetricsAreReadSparingly(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	reads, checks := metricsReads.Load(), healthChecks.Load()
 	t.Logf("in 1.5 s: %d /metrics reads, %d /health checks", reads, checks)
-	if reads < 1 || reads > 2 {
-		t.Errorf("%d /metrics reads of a 100 ms /metrics in 1.5 s, want 1 or 2", reads)
-	}
-	if checks < 10 {
-		t.Errorf("only %d /health checks: the engine's health must still be followed every interval", checks)
+	if reads < 8 || checks < 8 {
+		t.Errorf("%d /metrics reads and %d /health checks in 1.5 s, want one each per interval the reads allow (≥ 8)", reads, checks)
 	}
 	if st := status(t, statusAddr); st.MetricsReadMS < 100 {
 		t.Errorf("metrics_read_ms %v, want ≥ 100", st.MetricsReadMS)

@@ -43,7 +43,7 @@ type Status struct {
 	// Version is the sidecar's build (git revision).
 	Version string `json:"version"`
 	// MetricsReadMS is how long the engine took to answer the last /metrics
-	// read; from 50 ms on, reads are spaced to at least 20 times that.
+	// read.
 	MetricsReadMS float64 `json:"metrics_read_ms"`
 
 	KVEvents        bool     `json:"kv_events"`
@@ -164,7 +164,7 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_engine_kv_usage", "engine KV cache usage 0..1", false, func(s *Status) float64 { return s.KVUsage }},
 	{"kvmesh_sidecar_inflight_requests", "requests routers report in flight here", false, func(s *Status) float64 { return float64(s.InflightRequests) }},
 	{"kvmesh_sidecar_scrape_errors_total", "failed engine metric scrapes", true, func(s *Status) float64 { return float64(s.ScrapeErrors) }},
-	{"kvmesh_sidecar_engine_metrics_read_seconds", "time the engine took to answer the last /metrics read (from 50 ms on, reads are spaced to at least 20 times it)", false, func(s *Status) float64 { return s.MetricsReadMS / 1e3 }},
+	{"kvmesh_sidecar_engine_metrics_read_seconds", "time the engine took to answer the last /metrics read (it is read every scrape interval)", false, func(s *Status) float64 { return s.MetricsReadMS / 1e3 }},
 	{"kvmesh_sidecar_routers", "routers this sidecar feeds", false, func(s *Status) float64 { return float64(s.Routers) }},
 	{"kvmesh_sidecar_gossip_members", "live cluster members", false, func(s *Status) float64 { return float64(s.Cluster.Members) }},
 	{"kvmesh_sidecar_gossip_sent_bytes_total", "bytes of kvmesh messages sent", true, func(s *Status) float64 { return float64(s.Cluster.SentBytes) }},
