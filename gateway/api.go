@@ -10,6 +10,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -147,10 +148,7 @@ const warmupGrace = 10 * time.Second
 // or warmupGrace has passed.
 func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 	if g.stopping.Load() {
-		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
-		ctx.SetContentType("application/json")
-		ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
-		ctx.SetBodyString(`{"error":{"message":"shutting down","type":"service_unavailable","code":503}}`)
+		notReady(ctx, "shutting down")
 		return
 	}
 	snap := g.table.Snapshot()
@@ -166,17 +164,16 @@ func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	if live == 0 || waiting > 0 && g.now().Sub(g.started) < warmupGrace {
-		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
-		proxy503(ctx)
+		notReady(ctx, "no live replica")
 		return
 	}
 	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live, "awaiting_filters": waiting})
 }
 
-func proxy503(ctx *fasthttp.RequestCtx) {
-	ctx.SetContentType("application/json")
-	ctx.SetStatusCode(fasthttp.StatusServiceUnavailable)
-	ctx.SetBodyString(`{"error":{"message":"no live replica","type":"service_unavailable","code":503}}`)
+// notReady answers /ready with 503, OpenAI-shaped, and a Retry-After.
+func notReady(ctx *fasthttp.RequestCtx, why string) {
+	ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
+	proxy.WriteError(ctx, fasthttp.StatusServiceUnavailable, "service_unavailable", why)
 }
 
 // replicaView is one entry of /admin/replicas.
