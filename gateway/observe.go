@@ -44,7 +44,7 @@ func (ex *exchange) Header(i int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrMode, []byte(t.mode))
 	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(ex.promptTokens), 10))
 	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(t.predicted), 10))
-	h.SetCanonical(hdrRequestID, ex.requestID)
+	// X-Request-Id is already there: serveCompletion set it for every answer.
 }
 
 var (
