@@ -39,13 +39,16 @@ const maxEngineTries = 3
 
 var errNoEngine = errors.New("no live replica to tokenize with")
 
-// engines returns up to maxEngineTries replicas to ask, in name order, those
-// not ejected first.
-func (e *engineTokenizer) engines(now time.Time) []*tokenizingEngine {
+// engines fills picked with up to maxEngineTries replicas to ask, in name
+// order, those not ejected first, and returns how many. (An array, not a
+// slice: a prompt the engine answered before is served from its cache, and
+// choosing where to ask should not allocate then.)
+func (e *engineTokenizer) engines(now time.Time, picked *[maxEngineTries]*tokenizingEngine) int {
 	snap := e.table.Snapshot()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	var in, out []*tokenizingEngine
+	var ejected [maxEngineTries]*tokenizingEngine
+	n, nOut := 0, 0
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
 		if !r.Online || !r.Serves(e.model) || r.URL == "" {
@@ -56,27 +59,30 @@ func (e *engineTokenizer) engines(now time.Time) []*tokenizingEngine {
 			eng = &tokenizingEngine{Engine: tokenize.NewEngine(r.URL, e.model, tokenize.WithEngineAPIKey(e.apiKey))}
 			e.byURL[r.URL] = eng
 		}
-		if eng.eject.out(now.UnixNano()) {
-			out = append(out, eng)
-		} else {
-			in = append(in, eng)
-		}
-		if len(in) == maxEngineTries {
-			break
+		switch {
+		case !eng.eject.out(now.UnixNano()):
+			picked[n] = eng
+			if n++; n == maxEngineTries {
+				return n
+			}
+		case nOut < maxEngineTries:
+			ejected[nOut] = eng
+			nOut++
 		}
 	}
-	in = append(in, out...)
-	return in[:min(len(in), maxEngineTries)]
+	return n + copy(picked[n:], ejected[:nOut])
 }
 
 // ask calls f with each replica to ask until one answers (or refuses the
 // prompt itself: a 4xx would be the same everywhere).
 func (e *engineTokenizer) ask(f func(*tokenize.Engine) error) error {
 	now := time.Now()
-	engs := e.engines(now)
-	if len(engs) == 0 {
+	var picked [maxEngineTries]*tokenizingEngine
+	n := e.engines(now, &picked)
+	if n == 0 {
 		return errNoEngine
 	}
+	engs := picked[:n]
 	var err error
 	for _, eng := range engs {
 		err = f(eng.Engine)
