@@ -74,4 +74,4 @@ down:
 # down always. They skip with a message when no Docker engine answers, and
 # under plain `go test ./...` (they need KVMESH_E2E=1: minutes, not seconds).
 e2e:
-	KVMESH_E2E=1 $(GO) test -count=1 -timeout 8m -v ./e2e/
+	GO=$(GO) scripts/e2e

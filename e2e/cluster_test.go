@@ -213,10 +213,11 @@ func (l *load) finish() {
 // adds up to its max_tokens), the replica leaves routing on both routers
 // within 2 s and its route records are cleared.
 func testKillEngineUnderLoad(t *testing.T, s *stack) {
-	// Container ids first: docker-compose ps can take seconds under load.
-	engines := map[string]string{}
+	// Engine processes first: docker-compose ps can take seconds under load,
+	// and so can `docker kill` on a busy host, while the long stream runs on.
+	engines := map[string]engineProcess{}
 	for i := 1; i <= replicas; i++ {
-		engines[fmt.Sprintf("replica%d", i)] = s.container(fmt.Sprintf("engine%d", i))
+		engines[fmt.Sprintf("replica%d", i)] = s.engineProcess(fmt.Sprintf("engine%d", i))
 	}
 	l := startLoad(s, 8)
 	l.startStreams(4)
@@ -246,14 +247,19 @@ func testKillEngineUnderLoad(t *testing.T, s *stack) {
 			tokens++
 		}
 	}
+	secondToken := time.Now()
 	before := l.chats.ok.Load()
-	s.docker("kill", engines[victim])
+	s.kill(engines[victim])
 	killed := time.Now()
+	t.Logf("killed %s's engine %v after its stream's second token", victim, killed.Sub(secondToken).Round(time.Millisecond))
 	longDone := make(chan error, 1)
 	go func() {
 		n, err := readStream(io.MultiReader(strings.NewReader(seen.String()), stream))
 		if err == nil && n != longStreamTokens {
 			err = fmt.Errorf("%d text chunks, want %d", n, longStreamTokens)
+		}
+		if err == nil {
+			t.Logf("the long stream ended %v after the kill", time.Since(killed).Round(time.Millisecond))
 		}
 		longDone <- err
 	}()

@@ -21,7 +21,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -248,6 +250,34 @@ func (s *stack) container(svc string) string {
 		s.t.Fatalf("no container for %s", svc)
 	}
 	return id
+}
+
+// An engineProcess is a container and the host's pid of its entrypoint.
+type engineProcess struct {
+	container string
+	pid       int
+}
+
+func (s *stack) engineProcess(svc string) engineProcess {
+	s.t.Helper()
+	p := engineProcess{container: s.container(svc)}
+	out, err := exec.Command("docker", "inspect", "-f", "{{.State.Pid}}", p.container).Output()
+	if err == nil {
+		p.pid, _ = strconv.Atoi(strings.TrimSpace(string(out)))
+	}
+	return p
+}
+
+// kill ends an engine as `docker kill` does (SIGKILL to the container's
+// first process) but at once: the docker CLI and daemon can take seconds on
+// a loaded host, long enough for a stream meant to be cut to finish. Without
+// the right to signal it (not root), it falls back to `docker kill`.
+func (s *stack) kill(p engineProcess) {
+	s.t.Helper()
+	if p.pid > 0 && syscall.Kill(p.pid, syscall.SIGKILL) == nil {
+		return
+	}
+	s.docker("kill", p.container)
 }
 
 func (s *stack) docker(args ...string) {
