@@ -237,6 +237,49 @@ func TestPrefixAwareRoutingFollowsFilters(t *testing.T) {
 	}
 }
 
+// TestRetriedRequestTakesItsRecordsAlong: the replica holding a prompt's
+// first blocks refuses it and the next replica serves it; a sibling that
+// arrives before any engine event goes where the prompt was cached, not
+// where it was meant to go.
+func TestRetriedRequestTakesItsRecordsAlong(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: refusedURL(t), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	for _, n := range []string{"b", "c", "d"} {
+		r.table.Upsert(fleet.Info{Name: n, Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	}
+	prompt := strings.Repeat("Every sibling of a fan-out shares this long preamble. ", 20)
+	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
+	keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
+	for _, n := range []string{"a", "b", "c", "d"} {
+		f := bloom.NewFilter(1024, 0.001)
+		if n == "a" {
+			f.Add(keys[0])
+			f.Add(keys[1])
+		}
+		r.table.SetFilter(n, f, 1, 2, now)
+		r.table.SetLoad(n, fleet.Load{}, true, now)
+	}
+	res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, prompt))
+	servedAt := res.header["x-kvmesh-replica"]
+	if res.status != 200 || servedAt == "a" || servedAt == "" {
+		t.Fatalf("first request: %d %v", res.status, res.header)
+	}
+
+	sibling := prompt + "Now the sibling's own question?"
+	sids, _ := tokenize.Builtin{}.Encode(sibling, true)
+	skeys := blockkey.Append(nil, blockkey.Seed("", ""), sids, 16)
+	shared := 0
+	for shared < len(keys) && shared < len(skeys) && keys[shared] == skeys[shared] {
+		shared++
+	}
+	res = r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, sibling))
+	if want := strconv.Itoa(shared * 16); res.status != 200 || res.header["x-kvmesh-replica"] != servedAt ||
+		res.header["x-kvmesh-mode"] != "prefix" || res.header["x-kvmesh-cached-tokens"] != want {
+		t.Fatalf("sibling: %d %v; want %s (where the first was served), prefix, %s cached", res.status, res.header, servedAt, want)
+	}
+}
+
 // TestMediaChatRoutesOnTextBeforeIt: a chat holding an image is routed on
 // the blocks of the messages before it (a long system prompt here) to the
 // replica that holds them; an image in the first message leaves nothing to
@@ -566,6 +609,30 @@ func TestSpillToFallback(t *testing.T) {
 	r.g.Apply(s)
 	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 || res.header["x-kvmesh-replica"] != "e1" {
 		t.Fatalf("busy fleet, fallback down: %d served by %q, want e1", res.status, res.header["x-kvmesh-replica"])
+	}
+}
+
+// TestSpilledRequestLeavesNoRecord: a prompt spilled to the fallback is
+// cached at no replica, so the replica it was first meant for must not
+// claim it for the siblings that follow.
+func TestSpilledRequestLeavesNoRecord(t *testing.T) {
+	backup, err := proxy.NewUpstream("backup", startEngine(t, testModel), "", proxy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t, Settings{Models: map[string]Model{testModel: {Fallback: []*proxy.Upstream{backup}, SpillAfter: 200 * time.Millisecond}}}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "e1", Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	r.table.SetFilter("e1", bloom.NewFilter(1024, 0.001), 1, 0, now)
+	body := fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, strings.Repeat("A preamble every sibling shares. ", 20))
+	r.table.SetLoad("e1", fleet.Load{Waiting: 64}, true, time.Now())
+	if res := r.post(t, "/v1/completions", body); res.status != 200 || res.header["x-kvmesh-mode"] != "fallback" {
+		t.Fatalf("busy fleet: %d %v, want the fallback", res.status, res.header)
+	}
+	r.table.SetLoad("e1", fleet.Load{}, true, time.Now())
+	if res := r.post(t, "/v1/completions", body); res.status != 200 || res.header["x-kvmesh-replica"] != "e1" ||
+		res.header["x-kvmesh-cached-tokens"] != "0" || res.header["x-kvmesh-mode"] != "cold" {
+		t.Fatalf("quiet again: %d %v; want e1, cold, nothing cached (the spilled prompt went to the fallback)", res.status, res.header)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
 )
 
 // Attempt implements proxy.Observer: the request is dispatched to target i.
@@ -18,9 +19,41 @@ func (ex *exchange) Attempt(i int) {
 	if i > 0 {
 		ex.g.metrics.retries.Inc()
 	}
+	// Not where the policy recorded the prompt: a retry, or a spill whose
+	// fallback failed and now reaches a replica.
+	if i != ex.recordsAt && (ex.recordsAt >= 0 || i > 0) {
+		ex.rerouted(i)
+	}
 	if l := ex.info[i].load; l != nil {
 		l.requests.Add(1)
 		l.prefill.Add(int64(ex.info[i].uncached))
+	}
+}
+
+// rerouted tells a policy that remembers where it sent prompts (kvaware's
+// speculative records) that this one now goes to target i instead, or to
+// no replica at all (i < 0, or a fallback): siblings arriving before the
+// engines' events then follow the request, not the plan.
+func (ex *exchange) rerouted(i int) {
+	rr, ok := ex.s.Policy.(routing.Rerouter)
+	if !ok || len(ex.req.Keys) == 0 {
+		return
+	}
+	from := ""
+	if ex.recordsAt >= 0 {
+		from = ex.info[ex.recordsAt].name
+	}
+	to, matched := "", 0
+	if i >= 0 && !ex.info[i].fallback {
+		to, matched = ex.info[i].name, ex.info[i].predicted
+	}
+	if from == "" && to == "" {
+		return
+	}
+	rr.Rerouted(&ex.req, from, to, matched)
+	ex.recordsAt = -1
+	if to != "" {
+		ex.recordsAt = i
 	}
 }
 
@@ -98,6 +131,9 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		return
 	}
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
+	if !served && ex.recordsAt >= 0 {
+		ex.rerouted(-1) // nothing will be cached for it anywhere
+	}
 	if served {
 		m.routed(t.mode).Inc()
 		if t.predicted > 0 {

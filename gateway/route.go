@@ -57,6 +57,7 @@ type exchange struct {
 	info    []targetInfo
 
 	attempts  int
+	recordsAt int // the target the policy remembers this prompt at (-1: none); see rerouted
 	firstByte bool
 	ttft      time.Duration
 	hdrBuf    [20]byte // formats header numbers
@@ -77,6 +78,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
+	ex.recordsAt = -1
 	ex.mediaPrefix = false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
@@ -299,6 +301,9 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		}
 		if c.Static {
 			mode = routing.ModeStatic
+		}
+		if ci == ex.d.Pick {
+			ex.recordsAt = len(ex.info)
 		}
 		ex.targets = append(ex.targets, up)
 		ex.info = append(ex.info, targetInfo{

@@ -92,6 +92,19 @@ type Policy interface {
 	Route(req *Request, cands []Candidate, d *Decision)
 }
 
+// A Rerouter remembers where Route sent prompts (kvaware's speculative
+// records) and is told when a request was not served where it was sent: a
+// retry answered by the next replica after the pick failed, a spill to the
+// fallback, or no answer at all. It moves or forgets what it remembered, so
+// that siblings follow the request and not the plan. The gateway calls it
+// only then, never on the common path.
+type Rerouter interface {
+	// Rerouted: req, routed to pick, was served by served ("" when no
+	// replica of the fleet served it), whose filter already showed
+	// servedMatchedTokens of it.
+	Rerouted(req *Request, pick, served string, servedMatchedTokens int)
+}
+
 // Names lists the policies New accepts.
 var Names = []string{"kvaware", "random", "round-robin", "least-loaded", "chwbl", "prefix-pin"}
 

@@ -194,6 +194,40 @@ func TestClearRecordsForgetsSpeculation(t *testing.T) {
 	}
 }
 
+// TestReroutedRecordsFollowTheRequest: a request retried at another replica
+// takes its speculative records along, so its siblings go where the prefix
+// is being cached; one that no replica served leaves none behind.
+func TestReroutedRecordsFollowTheRequest(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	keys := []uint64{301, 302, 303, 304}
+	first := route(t, p, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 9, Now: t0}, fleetOf(4))
+	pick := fmt.Sprintf("r%d", first.Pick)
+	servedAt := (first.Pick + 1) % 4
+	served := fmt.Sprintf("r%d", servedAt)
+	// The pick failed before its first byte; the next replica, whose filter
+	// showed one block, answered.
+	p.(Rerouter).Rerouted(&Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, pick, served, 16)
+
+	sibling := &Request{PromptTokens: 80, Keys: []uint64{301, 302, 303, 999}, BlockSize: 16, AffinityKey: 9, Now: t0.Add(100 * time.Millisecond)}
+	cands := fleetOf(4)
+	cands[servedAt].MatchedTokens = 16
+	d := route(t, p, sibling, cands)
+	if d.Pick != servedAt || d.Mode != ModePrefix || d.PredictedCachedTokens != 48 {
+		t.Fatalf("sibling: pick %d mode %s cached %d; want %s (where the request went), prefix, 48", d.Pick, d.Mode, d.PredictedCachedTokens, served)
+	}
+
+	// Spilled to the fallback (or failed everywhere): nothing remembered.
+	q := mustPolicy(t, "kvaware")
+	first = route(t, q, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, fleetOf(4))
+	q.(Rerouter).Rerouted(&Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, fmt.Sprintf("r%d", first.Pick), "", 0)
+	if n := len(q.(*kvaware).spec.cur); n != 0 {
+		t.Fatalf("%d records of the spilled request left", n)
+	}
+	if d := route(t, q, sibling, fleetOf(4)); d.PredictedCachedTokens != 0 {
+		t.Fatalf("a request no replica served still predicts %d cached tokens at r%d", d.PredictedCachedTokens, d.Pick)
+	}
+}
+
 func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	deg := p.(interface {
