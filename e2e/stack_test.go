@@ -365,6 +365,9 @@ type replicaView struct {
 	FilterGeneration uint64 `json:"filter_generation"`
 	FilterKeys       int    `json:"filter_keys"`
 	StateAgeMS       int64  `json:"state_age_ms"`
+	Waiting          int    `json:"waiting"`
+	Running          int    `json:"running"`
+	ClusterInflight  int    `json:"cluster_inflight_requests"`
 }
 
 func (s *stack) replicas(router string) map[string]replicaView {
