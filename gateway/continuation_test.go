@@ -68,12 +68,14 @@ func TestContinuationBodies(t *testing.T) {
 // TestResumeStreamsTakesOverABrokenStream: with ResumeStreams, a chat
 // stream whose replica hangs up after two tokens is finished by the other
 // replica, asked to continue the assistant text the client already has.
-func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
-	chunk := func(s string) string {
-		return `data: {"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}` + "\n\n"
-	}
-	// An engine that dies after two tokens: the connection drops mid-stream.
-	dying := listen(t, &fasthttp.Server{Logger: log.New(io.Discard, "", 0), Handler: func(ctx *fasthttp.RequestCtx) {
+// chunk is a chat stream event carrying s.
+func chunk(s string) string {
+	return `data: {"choices":[{"index":0,"delta":{"content":"` + s + `"},"finish_reason":null}]}` + "\n\n"
+}
+
+// dyingEngine streams two events, then its connection drops mid-stream.
+func dyingEngine(t *testing.T) string {
+	return listen(t, &fasthttp.Server{Logger: log.New(io.Discard, "", 0), Handler: func(ctx *fasthttp.RequestCtx) {
 		ctx.SetContentType("text/event-stream")
 		conn := ctx.Conn()
 		ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
@@ -83,6 +85,10 @@ func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
 			_ = conn.Close()
 		})
 	}})
+}
+
+func TestResumeStreamsTakesOverABrokenStream(t *testing.T) {
+	dying := dyingEngine(t)
 	var continued atomic.Value
 	healthy := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
 		continued.Store(string(ctx.PostBody()))

@@ -149,7 +149,10 @@ func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) 
 	g := &Gateway{table: table, cluster: cluster, log: log, now: time.Now, started: time.Now(),
 		authLog:  log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}),
 		panicLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute})}
-	g.fwd = proxy.Forwarder{Log: log}
+	g.fwd = proxy.Forwarder{Log: log, OnPanic: func(v any, stack []byte) {
+		g.metrics.errors.WithLabelValues("panic").Inc()
+		g.panicLog.Error().Interface("panic", v).Bytes("stack", stack).Msg("stream relay panicked")
+	}}
 	g.inflight.init()
 	empty := map[string]*proxy.Upstream{}
 	g.upstreams.Store(&empty)

@@ -106,6 +106,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	m := g.metrics
 	m.latency(t.load, t.name).Observe(r.Elapsed.Seconds())
 	switch {
+	case r.Internal: // counted as a panic where it was recovered
 	case r.ClientGone:
 		m.errors.WithLabelValues("client_gone").Inc()
 	case r.Resumed:
@@ -171,7 +172,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 // answers: no response at all, not because the client left or the router
 // had no free connection to it.
 func unreachable(r proxy.Result) bool {
-	return r.Err != nil && r.Status == 0 && !r.ClientGone && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
+	return r.Err != nil && r.Status == 0 && !r.ClientGone && !r.Internal && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
 }
 
 var _ proxy.Observer = (*exchange)(nil)

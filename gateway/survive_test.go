@@ -58,3 +58,42 @@ func TestPanicsStayWithTheirRequest(t *testing.T) {
 		t.Fatalf("after the panic: %d %s", res.status, res.body)
 	}
 }
+
+// TestPanicWhileRelayingAStreamStaysWithIt: a stream is relayed from
+// fasthttp's own goroutine, with no handler above it. A panic there (here
+// the tokenizer, asked to count the text of a broken stream before it is
+// continued) ends that stream with an error event and is counted; the
+// process, its other requests and the replica's accounting live on.
+func TestPanicWhileRelayingAStreamStaysWithIt(t *testing.T) {
+	r := newRouter(t, Settings{DefaultTokenizer: panickingTokenizer{}, ResumeStreams: true}, 1<<20)
+	r.table.AddStatic("a", dyingEngine(t), []string{testModel})
+	r.table.AddStatic("b", startEngine(t, testModel), []string{testModel})
+	body := `{"model":"sim","stream":true,"max_tokens":10,"messages":[{"role":"user","content":"Greet me"}]}`
+	hit := false
+	for range 20 { // static replicas take turns: find streams that started on a
+		res := r.post(t, "/v1/chat/completions", body)
+		if res.header["x-kvmesh-replica"] != "a" {
+			continue
+		}
+		hit = true
+		if !strings.HasPrefix(res.body, chunk("Hel")) || !strings.Contains(res.body, `data: {"error":`) || !strings.Contains(res.body, "internal error") {
+			t.Fatalf("client got %q, want the first events, then an error event", res.body)
+		}
+	}
+	if !hit {
+		t.Fatal("no request was routed to replica a first")
+	}
+	if !strings.Contains(r.get(t, "/metrics").body, `kvmesh_router_errors_total{type="panic"}`) {
+		t.Error("the relay's panic was not counted")
+	}
+	if res := r.post(t, "/v1/chat/completions", strings.Replace(body, `"stream":true,`, "", 1)); res.status != 200 {
+		t.Fatalf("after the panics: %d %s", res.status, res.body)
+	}
+	waitFor(t, func() bool {
+		busy := false
+		r.g.inflight.each(func(_ string, l *replicaLoad) {
+			busy = busy || l.requests.Load() != 0 || l.prefill.Load() != 0
+		})
+		return !busy
+	})
+}

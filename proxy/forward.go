@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -77,6 +78,9 @@ type Result struct {
 	Resumed bool
 	// ClientGone is true when the client disconnected mid-stream.
 	ClientGone bool
+	// Internal is true when the router itself failed the attempt (a panic
+	// while relaying it): not the replica's fault.
+	Internal bool
 	// PromptTokens and CachedTokens come from the engine's usage report;
 	// -1 when the response carried none.
 	PromptTokens int
@@ -93,6 +97,10 @@ type Forwarder struct {
 	// MaxErrorBody bounds how much of a non-streamed answer is buffered
 	// (default 64 MiB).
 	MaxBody int
+	// OnPanic, when set, is told of a panic recovered while relaying a
+	// stream (its value and stack): that goroutine is fasthttp's, with no
+	// handler above it to catch one, so the panic would end the process.
+	OnPanic func(recovered any, stack []byte)
 }
 
 // Forward sends req to targets in order until one answers with something
@@ -359,6 +367,12 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	if req.Resume != nil {
 		tr = &transcript{}
 	}
+	open := i // the attempt dispatched and not finished yet (-1: none)
+	defer func() {
+		if v := recover(); v != nil {
+			f.survive(w, v, obs, open, start)
+		}
+	}()
 	for {
 		up := targets[i]
 		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, tr)
@@ -374,6 +388,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			if res.Err != nil {
 				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
 			}
+			open = -1
 			obs.Finish(i, res)
 		}
 		if !broken {
@@ -382,10 +397,12 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
 		if res.Resumed {
 			f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+			open = -1
 			obs.Finish(i, res)
 			cont := *req
 			cont.Body = body
 			next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs)
+			open = next
 		}
 		if next < 0 {
 			if tr != nil && tr.finished {
@@ -399,6 +416,24 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		}
 		tr.continuing()
 		i, resp, start = next, nextResp, nextStart
+	}
+}
+
+// survive ends a stream whose relay panicked: the attempt in flight is
+// finished as the router's failure (so its in-flight accounting returns and
+// the observer is released), the client gets the stream's error event, and
+// OnPanic hears of it.
+func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, open int, start time.Time) {
+	stack := debug.Stack()
+	if open >= 0 {
+		obs.Finish(open, Result{Err: fmt.Errorf("internal error: %v", v), Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+	}
+	writeStreamError(w, "internal error")
+	_ = w.Flush()
+	if f.OnPanic != nil {
+		f.OnPanic(v, stack)
+	} else {
+		f.Log.Error().Interface("panic", v).Bytes("stack", stack).Msg("stream relay panicked")
 	}
 }
 
