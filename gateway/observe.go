@@ -19,41 +19,20 @@ func (ex *exchange) Attempt(i int) {
 	if i > 0 {
 		ex.g.metrics.retries.Inc()
 	}
-	// Not where the policy recorded the prompt: a retry, or a spill whose
-	// fallback failed and now reaches a replica.
-	if i != ex.recordsAt && (ex.recordsAt >= 0 || i > 0) {
-		ex.rerouted(i)
-	}
+	ex.record(i)
 	if l := ex.info[i].load; l != nil {
 		l.requests.Add(1)
 		l.prefill.Add(int64(ex.info[i].uncached))
 	}
 }
 
-// rerouted tells a policy that remembers where it sent prompts (kvaware's
-// speculative records) that this one now goes to target i instead, or to
-// no replica at all (i < 0, or a fallback): siblings arriving before the
-// engines' events then follow the request, not the plan.
-func (ex *exchange) rerouted(i int) {
-	rr, ok := ex.s.Policy.(routing.Rerouter)
-	if !ok || len(ex.req.Keys) == 0 {
-		return
-	}
-	from := ""
-	if ex.recordsAt >= 0 {
-		from = ex.info[ex.recordsAt].name
-	}
-	to, matched := "", 0
-	if i >= 0 && !ex.info[i].fallback {
-		to, matched = ex.info[i].name, ex.info[i].predicted
-	}
-	if from == "" && to == "" {
-		return
-	}
-	rr.Rerouted(&ex.req, from, to, matched)
-	ex.recordsAt = -1
-	if to != "" {
-		ex.recordsAt = i
+// record tells a policy that remembers where prompts went
+// (routing.Recorder) that this one is sent to target i.
+func (ex *exchange) record(i int) {
+	if t := &ex.info[i]; t.prefixAware {
+		if rec, ok := ex.s.Policy.(routing.Recorder); ok {
+			rec.Record(&ex.req, t.name, t.filterMatched)
+		}
 	}
 }
 
@@ -132,9 +111,6 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		return
 	}
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
-	if !served && ex.recordsAt >= 0 {
-		ex.rerouted(-1) // nothing will be cached for it anywhere
-	}
 	if served {
 		m.routed(t.mode).Inc()
 		if t.predicted > 0 {

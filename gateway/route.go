@@ -57,7 +57,6 @@ type exchange struct {
 	info    []targetInfo
 
 	attempts  int
-	recordsAt int // the target the policy remembers this prompt at (-1: none); see rerouted
 	firstByte bool
 	ttft      time.Duration
 	hdrBuf    [20]byte // formats header numbers
@@ -72,13 +71,16 @@ type targetInfo struct {
 	uncached  int
 	fallback  bool
 	load      *replicaLoad
+	// prefixAware targets are recorded by the policy when the request is
+	// sent to them (routing.Recorder), from the blocks their filter showed.
+	prefixAware   bool
+	filterMatched int
 }
 
 func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
-	ex.recordsAt = -1
 	ex.mediaPrefix = false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
@@ -302,13 +304,11 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		if c.Static {
 			mode = routing.ModeStatic
 		}
-		if ci == ex.d.Pick {
-			ex.recordsAt = len(ex.info)
-		}
 		ex.targets = append(ex.targets, up)
 		ex.info = append(ex.info, targetInfo{
 			name: r.Name, mode: mode, predicted: matched,
 			uncached: max(ex.promptTokens-matched, 0), load: ex.loads[ex.snapIndex(ci)],
+			prefixAware: c.PrefixAware, filterMatched: c.MatchedTokens,
 		})
 		replicas++
 	}

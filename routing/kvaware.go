@@ -111,9 +111,15 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	d.PredictedCachedTokens = matched[d.Pick]
 	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
 	d.Reason = "smallest predicted ttft"
-	if c := &cands[d.Pick]; c.PrefixAware && req.BlockSize > 0 {
-		p.record(req, c.Name, c.MatchedTokens/req.BlockSize)
+}
+
+// Record implements Recorder. Nothing is recorded in least-load mode,
+// where prefixes do not steer requests.
+func (p *kvaware) Record(req *Request, replica string, filterMatchedTokens int) {
+	if req.BlockSize <= 0 || p.degraded.Load() {
+		return
 	}
+	p.record(req, replica, filterMatchedTokens/req.BlockSize)
 }
 
 // placeCold moves the consistent-hash home of a prefix nobody holds to the
@@ -254,23 +260,6 @@ func (p *kvaware) record(req *Request, replica string, from int) {
 	}
 }
 
-// Rerouted implements Rerouter: the records Route made for pick are
-// dropped (its cache will not hold this prompt) and, when a replica served
-// the request instead, made for that replica.
-func (p *kvaware) Rerouted(req *Request, pick, served string, servedMatchedTokens int) {
-	if req.BlockSize <= 0 || len(req.Keys) == 0 {
-		return
-	}
-	p.mu.Lock()
-	if i, ok := p.spec.index[pick]; ok {
-		p.spec.forget(req.Keys, i)
-	}
-	p.mu.Unlock()
-	if served != "" {
-		p.record(req, served, servedMatchedTokens/req.BlockSize)
-	}
-}
-
 // specRecords keeps speculative records in two generations: new records go
 // to cur; when cur is older than the TTL or full, prev is dropped whole and
 // cur becomes prev. Every record thus lives at least one TTL (or until the
@@ -320,17 +309,6 @@ func (s *specRecords) rotate(now int64, n int) {
 	s.prev, s.cur = s.cur, s.prev
 	clear(s.cur)
 	s.curSince = now
-}
-
-// forget drops the records of keys that name replica.
-func (s *specRecords) forget(keys []uint64, replica uint32) {
-	for _, m := range []map[uint64]specRecord{s.cur, s.prev} {
-		for _, k := range keys {
-			if r, ok := m[k]; ok && r.replica == replica {
-				delete(m, k)
-			}
-		}
-	}
 }
 
 func (s *specRecords) clear(names []string) {

@@ -92,17 +92,16 @@ type Policy interface {
 	Route(req *Request, cands []Candidate, d *Decision)
 }
 
-// A Rerouter remembers where Route sent prompts (kvaware's speculative
-// records) and is told when a request was not served where it was sent: a
-// retry answered by the next replica after the pick failed, a spill to the
-// fallback, or no answer at all. It moves or forgets what it remembered, so
-// that siblings follow the request and not the plan. The gateway calls it
-// only then, never on the common path.
-type Rerouter interface {
-	// Rerouted: req, routed to pick, was served by served ("" when no
-	// replica of the fleet served it), whose filter already showed
-	// servedMatchedTokens of it.
-	Rerouted(req *Request, pick, served string, servedMatchedTokens int)
+// A Recorder remembers where requests were sent (kvaware's speculative
+// records), so that siblings arriving before the engines' events follow
+// them. Route only reads that memory; the caller records each dispatch: to
+// the pick, to the replica a retry or a resumed stream moved the request
+// to, never to a fallback. A prompt is remembered where it went, not where
+// it was meant to go.
+type Recorder interface {
+	// Record: req was sent to replica, whose filter already showed
+	// filterMatchedTokens of it.
+	Record(req *Request, replica string, filterMatchedTokens int)
 }
 
 // Names lists the policies New accepts.

@@ -26,6 +26,17 @@ func route(t *testing.T, p Policy, req *Request, cands []Candidate) Decision {
 	return d
 }
 
+// dispatch routes req and records it at the pick, as the gateway does when
+// it sends the request there.
+func dispatch(t *testing.T, p Policy, req *Request, cands []Candidate) Decision {
+	t.Helper()
+	d := route(t, p, req, cands)
+	if c := cands[d.Pick]; c.PrefixAware {
+		p.(Recorder).Record(req, c.Name, c.MatchedTokens)
+	}
+	return d
+}
+
 func mustPolicy(t *testing.T, name string) Policy {
 	t.Helper()
 	p, err := New(name, Config{})
@@ -120,19 +131,19 @@ func TestColdHomeYieldsWhenBusy(t *testing.T) {
 func TestSpeculativeRecordsCoLocateSiblingsUntilTheyExpire(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	keys := []uint64{101, 102, 103, 104}
-	first := route(t, p, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 7, Now: t0}, fleetOf(4))
+	first := dispatch(t, p, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 7, Now: t0}, fleetOf(4))
 
 	// A sibling shares three blocks; no filter shows them yet.
 	sibling := &Request{PromptTokens: 80, Keys: []uint64{101, 102, 103, 999}, BlockSize: 16, AffinityKey: 7, Now: t0.Add(100 * time.Millisecond)}
 	cands := fleetOf(4)
-	d := route(t, p, sibling, cands)
+	d := dispatch(t, p, sibling, cands)
 	if d.Pick != first.Pick || d.Mode != ModePrefix || d.PredictedCachedTokens != 48 {
 		t.Fatalf("sibling: pick %d mode %s cached %d; want r%d, prefix, 48", d.Pick, d.Mode, d.PredictedCachedTokens, first.Pick)
 	}
 
 	later := *sibling
 	later.Now = t0.Add(time.Minute)
-	if d := route(t, p, &later, fleetOf(4)); d.PredictedCachedTokens != 0 {
+	if d := dispatch(t, p, &later, fleetOf(4)); d.PredictedCachedTokens != 0 {
 		t.Fatalf("expired speculative record still predicts %d cached tokens", d.PredictedCachedTokens)
 	}
 }
@@ -146,7 +157,7 @@ func TestSpeculativeRecordsExtendWhatTheFilterShows(t *testing.T) {
 	keys := []uint64{201, 202, 203, 204, 205}
 	cands := fleetOf(4)
 	cands[2].MatchedTokens = 32 // the filter shows two blocks
-	first := route(t, p, &Request{PromptTokens: 80, Keys: keys, BlockSize: 16, Now: t0}, cands)
+	first := dispatch(t, p, &Request{PromptTokens: 80, Keys: keys, BlockSize: 16, Now: t0}, cands)
 	if first.Pick != 2 {
 		t.Fatalf("pick %d, want the replica holding the prefix", first.Pick)
 	}
@@ -154,7 +165,7 @@ func TestSpeculativeRecordsExtendWhatTheFilterShows(t *testing.T) {
 		t.Fatalf("%d records, want 3 (only the blocks the filter did not show)", n)
 	}
 	sibling := &Request{PromptTokens: 80, Keys: []uint64{201, 202, 203, 204, 999}, BlockSize: 16, Now: t0.Add(50 * time.Millisecond)}
-	d := route(t, p, sibling, cands)
+	d := dispatch(t, p, sibling, cands)
 	if d.Pick != 2 || d.PredictedCachedTokens != 64 {
 		t.Fatalf("sibling: pick %d cached %d; want r2 with 64 (32 from the filter, 32 recorded)", d.Pick, d.PredictedCachedTokens)
 	}
@@ -162,7 +173,7 @@ func TestSpeculativeRecordsExtendWhatTheFilterShows(t *testing.T) {
 	// past its own prefix.
 	other := fleetOf(4)
 	other[2].MatchedTokens = 0
-	if d := route(t, p, sibling, other); d.PredictedCachedTokens != 0 {
+	if d := dispatch(t, p, sibling, other); d.PredictedCachedTokens != 0 {
 		t.Fatalf("records counted from block 0 although they start at block 2: %d", d.PredictedCachedTokens)
 	}
 }
@@ -172,13 +183,13 @@ func TestSpeculativeRecordsStayBounded(t *testing.T) {
 	kv := p.(*kvaware)
 	for i := range 500 {
 		keys := []uint64{uint64(i)*10 + 1, uint64(i)*10 + 2, uint64(i)*10 + 3}
-		route(t, p, &Request{PromptTokens: 48, Keys: keys, BlockSize: 16, Now: t0}, fleetOf(2))
+		dispatch(t, p, &Request{PromptTokens: 48, Keys: keys, BlockSize: 16, Now: t0}, fleetOf(2))
 	}
 	if n := len(kv.spec.cur) + len(kv.spec.prev); n > 1000 {
 		t.Fatalf("%d speculative records kept, bound is 1000", n)
 	}
 	// The newest records survive rotation.
-	d := route(t, p, &Request{PromptTokens: 48, Keys: []uint64{4991, 4992, 4993}, BlockSize: 16, Now: t0}, fleetOf(2))
+	d := dispatch(t, p, &Request{PromptTokens: 48, Keys: []uint64{4991, 4992, 4993}, BlockSize: 16, Now: t0}, fleetOf(2))
 	if d.PredictedCachedTokens != 48 {
 		t.Fatalf("newest record lost: predicted %d", d.PredictedCachedTokens)
 	}
@@ -187,44 +198,40 @@ func TestSpeculativeRecordsStayBounded(t *testing.T) {
 func TestClearRecordsForgetsSpeculation(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
-	first := route(t, p, req, fleetOf(3))
+	first := dispatch(t, p, req, fleetOf(3))
 	p.(interface{ ClearRecords([]string) }).ClearRecords([]string{fmt.Sprintf("r%d", first.Pick)})
-	if d := route(t, p, req, fleetOf(3)); d.PredictedCachedTokens != 0 {
+	if d := dispatch(t, p, req, fleetOf(3)); d.PredictedCachedTokens != 0 {
 		t.Fatal("cleared records still predicted a hit")
 	}
 }
 
-// TestReroutedRecordsFollowTheRequest: a request retried at another replica
-// takes its speculative records along, so its siblings go where the prefix
-// is being cached; one that no replica served leaves none behind.
-func TestReroutedRecordsFollowTheRequest(t *testing.T) {
+// TestRecordsFollowTheDispatch: a prompt is remembered where it was sent,
+// not where Route meant it to go: retried at another replica, its siblings
+// follow it there; spilled to a fallback (never sent to a replica), it
+// leaves no record.
+func TestRecordsFollowTheDispatch(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	keys := []uint64{301, 302, 303, 304}
-	first := route(t, p, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 9, Now: t0}, fleetOf(4))
-	pick := fmt.Sprintf("r%d", first.Pick)
-	servedAt := (first.Pick + 1) % 4
-	served := fmt.Sprintf("r%d", servedAt)
+	req := &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, AffinityKey: 9, Now: t0}
+	first := route(t, p, req, fleetOf(4))
+	retriedAt := (first.Pick + 1) % 4
 	// The pick failed before its first byte; the next replica, whose filter
-	// showed one block, answered.
-	p.(Rerouter).Rerouted(&Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, pick, served, 16)
+	// showed one block, got the request.
+	p.(Recorder).Record(req, fmt.Sprintf("r%d", retriedAt), 16)
 
 	sibling := &Request{PromptTokens: 80, Keys: []uint64{301, 302, 303, 999}, BlockSize: 16, AffinityKey: 9, Now: t0.Add(100 * time.Millisecond)}
 	cands := fleetOf(4)
-	cands[servedAt].MatchedTokens = 16
+	cands[retriedAt].MatchedTokens = 16
 	d := route(t, p, sibling, cands)
-	if d.Pick != servedAt || d.Mode != ModePrefix || d.PredictedCachedTokens != 48 {
-		t.Fatalf("sibling: pick %d mode %s cached %d; want %s (where the request went), prefix, 48", d.Pick, d.Mode, d.PredictedCachedTokens, served)
+	if d.Pick != retriedAt || d.Mode != ModePrefix || d.PredictedCachedTokens != 48 {
+		t.Fatalf("sibling: pick %d mode %s cached %d; want r%d (where the request went), prefix, 48", d.Pick, d.Mode, d.PredictedCachedTokens, retriedAt)
 	}
 
-	// Spilled to the fallback (or failed everywhere): nothing remembered.
+	// Spilled: routed, never recorded.
 	q := mustPolicy(t, "kvaware")
-	first = route(t, q, &Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, fleetOf(4))
-	q.(Rerouter).Rerouted(&Request{PromptTokens: 70, Keys: keys, BlockSize: 16, Now: t0}, fmt.Sprintf("r%d", first.Pick), "", 0)
-	if n := len(q.(*kvaware).spec.cur); n != 0 {
-		t.Fatalf("%d records of the spilled request left", n)
-	}
+	route(t, q, req, fleetOf(4))
 	if d := route(t, q, sibling, fleetOf(4)); d.PredictedCachedTokens != 0 {
-		t.Fatalf("a request no replica served still predicts %d cached tokens at r%d", d.PredictedCachedTokens, d.Pick)
+		t.Fatalf("a request no replica got still predicts %d cached tokens at r%d", d.PredictedCachedTokens, d.Pick)
 	}
 }
 
