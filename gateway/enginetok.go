@@ -21,9 +21,10 @@ func EngineTokenizer(table *fleet.Table, model, apiKey string) tokenize.Model {
 }
 
 type engineTokenizer struct {
-	table  *fleet.Table
-	model  string
-	apiKey string
+	table   *fleet.Table
+	model   string
+	apiKey  string
+	timeout time.Duration // per call; 0: the tokenize package's default
 
 	mu    sync.Mutex
 	byURL map[string]*tokenizingEngine
@@ -56,7 +57,11 @@ func (e *engineTokenizer) engines(now time.Time, picked *[maxEngineTries]*tokeni
 		}
 		eng := e.byURL[r.URL]
 		if eng == nil {
-			eng = &tokenizingEngine{Engine: tokenize.NewEngine(r.URL, e.model, tokenize.WithEngineAPIKey(e.apiKey))}
+			opts := []tokenize.EngineOption{tokenize.WithEngineAPIKey(e.apiKey)}
+			if e.timeout > 0 {
+				opts = append(opts, tokenize.WithEngineTimeout(e.timeout))
+			}
+			eng = &tokenizingEngine{Engine: tokenize.NewEngine(r.URL, e.model, opts...)}
 			e.byURL[r.URL] = eng
 		}
 		switch {
@@ -91,7 +96,9 @@ func (e *engineTokenizer) ask(f func(*tokenize.Engine) error) error {
 			eng.eject.reached()
 			return err
 		}
-		eng.eject.failed(now)
+		// Ejected from the moment it failed: a call that timed out took
+		// seconds, and an ejection counted from before it would be over.
+		eng.eject.failed(time.Now())
 	}
 	return err
 }

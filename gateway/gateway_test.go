@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/buildinfo"
@@ -633,6 +635,28 @@ func TestSpilledRequestLeavesNoRecord(t *testing.T) {
 	if res := r.post(t, "/v1/completions", body); res.status != 200 || res.header["x-kvmesh-replica"] != "e1" ||
 		res.header["x-kvmesh-cached-tokens"] != "0" || res.header["x-kvmesh-mode"] != "cold" {
 		t.Fatalf("quiet again: %d %v; want e1, cold, nothing cached (the spilled prompt went to the fallback)", res.status, res.header)
+	}
+}
+
+// TestEngineTokenizerEjectsAHungReplica: a replica whose /tokenize does
+// not answer costs one timeout, then is skipped: its ejection runs from
+// when the call gave up, not from before it (which had expired by then).
+func TestEngineTokenizerEjectsAHungReplica(t *testing.T) {
+	hung := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) { time.Sleep(2 * time.Second) }})
+	table := fleet.NewTable(fleet.TableConfig{StaleAfter: time.Hour, DropAfter: time.Hour})
+	table.AddStatic("a-hung", hung, []string{testModel})
+	table.AddStatic("b-live", startEngine(t, testModel), []string{testModel})
+	tk := EngineTokenizer(table, testModel, "").(*engineTokenizer)
+	tk.timeout = 1500 * time.Millisecond // over the 1 s first ejection
+	if _, err := tk.Encode("hello", true); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if _, err := tk.Encode("hello again", true); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > 500*time.Millisecond {
+		t.Fatalf("second prompt took %v: the hung replica was asked again", took)
 	}
 }
 
