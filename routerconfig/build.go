@@ -44,6 +44,11 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		b.tokenizers = map[string]tokenize.Model{}
 	}
 	var errs []error
+	for _, m := range c.Models {
+		if m.SpillAfter > 0 && len(m.Fallback) == 0 {
+			errs = append(errs, fmt.Errorf("config: model %q: spill_after needs a fallback (models[].fallback or --fallback)", m.Name))
+		}
+	}
 	engineKey := b.EngineAPIKey
 	if c.EngineAPIKeyEnv != "" {
 		if engineKey = os.Getenv(c.EngineAPIKeyEnv); engineKey == "" {

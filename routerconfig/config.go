@@ -169,8 +169,10 @@ func (c *Config) Validate() error {
 			errs = append(errs, fmt.Errorf("config: model %q listed twice", m.Name))
 		}
 		names[m.Name] = true
-		if m.SpillAfter < 0 || m.SpillAfter > 0 && len(m.Fallback) == 0 {
-			errs = append(errs, fmt.Errorf("config: model %q: spill_after needs a fallback and must not be negative", m.Name))
+		// That spill_after has a fallback is checked by Build, on the
+		// merged config: the two may come from flags and file apart.
+		if m.SpillAfter < 0 {
+			errs = append(errs, fmt.Errorf("config: model %q: spill_after must not be negative", m.Name))
 		}
 		for j, f := range m.Fallback {
 			if !strings.HasPrefix(f.URL, "http://") && !strings.HasPrefix(f.URL, "https://") {

@@ -91,16 +91,15 @@ func TestParseBuildAndOverlay(t *testing.T) {
 
 func TestInvalidConfigsAreRejected(t *testing.T) {
 	cases := map[string]string{
-		"unknown key":        "polciy: kvaware\n",
-		"bad policy":         "policy: fastest\n",
-		"selection":          "selection: [only-one]\n",
-		"bad duration":       "routing: {cold_slack: soon}\n",
-		"fallback url":       "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
-		"static twice":       "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
-		"no model name":      "models: [{tokenizer: builtin}]\n",
-		"spill, no fallback": "models: [{name: m, spill_after: 5s}]\n",
-		"negative spill":     "models: [{name: m, spill_after: -1s, fallback: [{url: 'http://x'}]}]\n",
-		"not yaml":           "{{{",
+		"unknown key":    "polciy: kvaware\n",
+		"bad policy":     "policy: fastest\n",
+		"selection":      "selection: [only-one]\n",
+		"bad duration":   "routing: {cold_slack: soon}\n",
+		"fallback url":   "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
+		"static twice":   "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
+		"no model name":  "models: [{tokenizer: builtin}]\n",
+		"negative spill": "models: [{name: m, spill_after: -1s, fallback: [{url: 'http://x'}]}]\n",
+		"not yaml":       "{{{",
 	}
 	for name, doc := range cases {
 		if _, err := Parse([]byte(doc)); err == nil {
@@ -116,6 +115,9 @@ func TestInvalidConfigsAreRejected(t *testing.T) {
 	}
 	if _, err := b.Build(&Config{Models: []Model{{Name: "m", Fallback: []Endpoint{{URL: "http://x", APIKeyEnv: "KVMESH_TEST_UNSET_VAR"}}}}}); err == nil {
 		t.Error("fallback with an empty key variable accepted")
+	}
+	if _, err := b.Build(&Config{Models: []Model{{Name: "m", SpillAfter: 5 * time.Second}}}); err == nil {
+		t.Error("spill_after without a fallback accepted")
 	}
 }
 
@@ -291,6 +293,23 @@ func TestSpillAfter(t *testing.T) {
 	}
 	if s, err = b.Build(f); err != nil || s.Models["m"].SpillAfter != 2500*time.Millisecond {
 		t.Fatalf("from flags: %v %v", s.Models["m"].SpillAfter, err)
+	}
+	// The two halves from different sources: file and flags merge first.
+	fileSpill, err := Parse([]byte("models: [{name: m, spill_after: 3s}]\n"))
+	if err != nil {
+		t.Fatalf("spill_after in the file, its fallback a flag: %v", err)
+	}
+	flagFallback, _ := FromFlags(Flags{Fallbacks: List{"m=http://127.0.0.1:9"}})
+	if s, err = b.Build(Overlay(flagFallback, fileSpill)); err != nil || s.Models["m"].SpillAfter != 3*time.Second || len(s.Models["m"].Fallback) != 1 {
+		t.Fatalf("file spill_after + --fallback: %v %v", s.Models["m"], err)
+	}
+	flagSpill, err := FromFlags(Flags{SpillAfter: List{"m=2s"}})
+	if err != nil {
+		t.Fatalf("--spill-after, its fallback in the file: %v", err)
+	}
+	fileFallback, _ := Parse([]byte("models: [{name: m, fallback: [{url: 'http://127.0.0.1:9'}]}]\n"))
+	if s, err = b.Build(Overlay(flagSpill, fileFallback)); err != nil || s.Models["m"].SpillAfter != 2*time.Second {
+		t.Fatalf("--spill-after + file fallback: %v %v", s.Models["m"], err)
 	}
 	for _, bad := range []string{"m", "m=soon", "=5s"} {
 		if _, err := FromFlags(Flags{Fallbacks: List{"m=http://127.0.0.1:9"}, SpillAfter: List{bad}}); err == nil {
