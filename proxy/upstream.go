@@ -14,6 +14,7 @@
 package proxy
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -98,10 +99,10 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 	}
 	given := opt
 	opt = opt.withDefaults()
-	tls := u.Scheme == "https"
+	useTLS := u.Scheme == "https"
 	addr := u.Host
 	if u.Port() == "" {
-		if tls {
+		if useTLS {
 			addr = net.JoinHostPort(u.Hostname(), "443")
 		} else {
 			addr = net.JoinHostPort(u.Hostname(), "80")
@@ -118,13 +119,25 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 	}
 	up.authorization = bearer(apiKey)
 	dialer := &net.Dialer{Timeout: opt.DialTimeout, KeepAlive: 30 * time.Second}
+	var tlsConfig *tls.Config
+	if useTLS {
+		tlsConfig = &tls.Config{ServerName: u.Hostname(), ClientSessionCache: tls.NewLRUClientSessionCache(0), MinVersion: tls.VersionTLS12}
+	}
 	up.hc = &fasthttp.HostClient{
 		Addr:  addr,
-		IsTLS: tls,
+		IsTLS: useTLS,
 		Dial: func(a string) (net.Conn, error) {
 			c, err := dialer.Dial("tcp", a)
 			if err != nil {
 				return nil, err
+			}
+			if tlsConfig != nil {
+				// TLS goes under deadlineConn, not over it (fasthttp would
+				// wrap it otherwise): a tagged request must be read in the
+				// clear to be found (abort.go).
+				if c, err = handshake(c, tlsConfig, opt.DialTimeout); err != nil {
+					return nil, err
+				}
 			}
 			// After the first bytes (a stream's headers may come before
 			// prefill) the connection only has a backstop; the relay times
@@ -220,6 +233,27 @@ type deadlineConn struct {
 	// aborted the tag an Abort ended (abort.go).
 	watched        *watched
 	owner, aborted atomic.Uint64
+}
+
+// handshake runs the TLS handshake on c within timeout.
+func handshake(c net.Conn, cfg *tls.Config, timeout time.Duration) (net.Conn, error) {
+	tc := tls.Client(c, cfg)
+	_ = tc.SetDeadline(time.Now().Add(timeout))
+	if err := tc.Handshake(); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	_ = tc.SetDeadline(time.Time{})
+	return tc, nil
+}
+
+// Handshake is what tells fasthttp that a connection speaks TLS already
+// (Dial did the handshake), so that it does not wrap it in another.
+func (c *deadlineConn) Handshake() error {
+	if h, ok := c.Conn.(interface{ Handshake() error }); ok {
+		return h.Handshake()
+	}
+	return nil
 }
 
 func (c *deadlineConn) Write(p []byte) (int, error) {
