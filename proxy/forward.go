@@ -224,17 +224,19 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 
 // unforwarded are the request headers the engine never sees: hop-by-hop
 // ones (they describe one connection), Accept-Encoding (the router reads the
-// body) and Expect (the router already read it). Authorization is dropped
-// too when the router checked it against its own keys.
+// body), Expect (the router already read it) and the router's own request
+// tag (a client's would claim another request's abort). Authorization is
+// dropped too when the router checked it against its own keys.
 var unforwarded = []string{
 	"Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization",
 	"Te", "Trailer", "Transfer-Encoding", "Upgrade", fasthttp.HeaderAcceptEncoding, fasthttp.HeaderExpect,
+	headerRequestTag,
 	fasthttp.HeaderAuthorization, // must stay last: see dropUnforwarded
 }
 
 // dropUnforwarded deletes the unforwarded headers h holds. It finds them in
 // one pass: a Del normalizes its name and scans every header, and most
-// requests carry one or two of the eleven (eleven Dels took 350 ns).
+// requests carry one or two of the twelve (eleven Dels took 350 ns).
 func dropUnforwarded(h *fasthttp.RequestHeader, authorization bool) {
 	n := len(unforwarded)
 	if !authorization {

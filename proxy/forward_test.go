@@ -423,9 +423,10 @@ func TestStaleConnectionErrorsAreRetriedOnce(t *testing.T) {
 	}
 }
 
-// TestForwardDropsHopByHopHeaders: connection-scoped headers, Expect and
-// Accept-Encoding stay at the router; every other header reaches the engine
-// as the client sent it.
+// TestForwardDropsHopByHopHeaders: connection-scoped headers, Expect,
+// Accept-Encoding and a client's X-Kvmesh-Request (the router's own request
+// tag) stay at the router; every other header reaches the engine as the
+// client sent it.
 func TestForwardDropsHopByHopHeaders(t *testing.T) {
 	seen := make(chan string, 1)
 	base := serve(t, func(ctx *fasthttp.RequestCtx) {
@@ -445,7 +446,7 @@ func TestForwardDropsHopByHopHeaders(t *testing.T) {
 	body := `{"model":"m","prompt":"hi"}`
 	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"+
 		"Keep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\n"+
-		"Trailer: X-T\r\nUpgrade: h2c\r\nAccept-Encoding: gzip\r\nX-Tenant: acme\r\nOpenAI-Organization: org-1\r\nConnection: close\r\n\r\n%s", len(body), body)
+		"Trailer: X-T\r\nUpgrade: h2c\r\nAccept-Encoding: gzip\r\nX-Tenant: acme\r\nOpenAI-Organization: org-1\r\nX-Kvmesh-Request: 7\r\nConnection: close\r\n\r\n%s", len(body), body)
 	resp := fasthttp.AcquireResponse()
 	if err := resp.Read(bufio.NewReader(conn)); err != nil {
 		t.Fatal(err)
@@ -454,7 +455,7 @@ func TestForwardDropsHopByHopHeaders(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode())
 	}
 	got := strings.ToLower(<-seen)
-	for _, h := range []string{"keep-alive:", "proxy-authorization:", "proxy-connection:", "te:", "trailer:", "upgrade:", "accept-encoding:", "connection:"} {
+	for _, h := range []string{"keep-alive:", "proxy-authorization:", "proxy-connection:", "te:", "trailer:", "upgrade:", "accept-encoding:", "connection:", "x-kvmesh-request:"} {
 		if strings.Contains(got, "\n"+h) || strings.HasPrefix(got, h) {
 			t.Errorf("engine received %q:\n%s", h, got)
 		}
