@@ -84,6 +84,9 @@ type Sidecar struct {
 	cfg    Config
 	log    zerolog.Logger
 	client *http.Client
+	// modelsLog is log at most once a minute: while the engine refuses
+	// /v1/models it is asked every scrape interval.
+	modelsLog zerolog.Logger
 
 	// mu guards the exact set and the filter: the event goroutine applies
 	// batches, the maintenance goroutine rebuilds.
@@ -162,11 +165,12 @@ func New(cfg Config) (*Sidecar, error) {
 		return nil, err
 	}
 	s := &Sidecar{
-		cfg:      cfg,
-		log:      cfg.Logger,
-		client:   &http.Client{Timeout: 2 * time.Second},
-		set:      residentset.New(residentset.Options{LoRANames: cfg.LoRANames}),
-		clearReq: make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
+		cfg:       cfg,
+		log:       cfg.Logger,
+		modelsLog: cfg.Logger.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}),
+		client:    &http.Client{Timeout: 2 * time.Second},
+		set:       residentset.New(residentset.Options{LoRANames: cfg.LoRANames}),
+		clearReq:  make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
 	}
 	s.gens = s.newGenerations(time.Now(), 1)
 	s.obs = observer{s.gens}
@@ -484,13 +488,13 @@ func (s *Sidecar) refreshModels(ctx context.Context) bool {
 	body, err := s.get(ctx, "/v1/models")
 	if err != nil {
 		if _, refused := err.(*statusError); refused {
-			s.log.Warn().Err(err).Msg("models")
+			s.modelsLog.Warn().Err(err).Msg("engine refuses to list its models")
 		}
 		return false
 	}
 	models, err := ParseModels(body)
 	if err != nil {
-		s.log.Warn().Err(err).Msg("models")
+		s.modelsLog.Warn().Err(err).Msg("engine's model list unreadable")
 		return false
 	}
 	if slices.Equal(models, *s.models.Load()) {

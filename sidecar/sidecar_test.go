@@ -10,6 +10,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -495,6 +496,50 @@ func TestEngineAPIKey(t *testing.T) {
 	if m := models("without-key"); len(m) != 0 {
 		t.Errorf("a sidecar without the key announced models %v", m)
 	}
+}
+
+// TestRefusedModelsLogOncePerMinute: a sidecar missing the engine's key is
+// refused /v1/models at every scrape (20 a second here); it says so once a
+// minute, not every time.
+func TestRefusedModelsLogOncePerMinute(t *testing.T) {
+	url, _ := startEngineWithKey(t, nil, "engine-secret")
+	var out lockedBuffer
+	s, err := New(Config{Name: "without-key", EngineURL: url, Logger: zerolog.New(&out), ScrapeInterval: 50 * time.Millisecond,
+		Gossip: gossip.Config{BindAddr: "127.0.0.1:0"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	time.Sleep(time.Second)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(out.String(), "engine refuses to list its models"); n != 1 {
+		t.Fatalf("%d refusal lines in a second, want 1:\n%s", n, out.String())
+	}
+	if !strings.Contains(out.String(), "--engine-api-key") {
+		t.Errorf("the refusal does not say which flag to look at:\n%s", out.String())
+	}
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // TestSlowMetricsKeepTheirCadence: an engine that takes 100 ms to render
