@@ -105,7 +105,9 @@ func (w *watched) remove(id uint64) {
 // noteWrite is called with the start of every request a connection
 // writes: a tagged one is attached to its Abort.
 func (w *watched) noteWrite(c *deadlineConn, p []byte) {
-	c.owner.Store(0)
+	if c.owner.Load() != 0 {
+		c.setOwner(0)
+	}
 	if w.n.Load() == 0 || !bytes.HasPrefix(p, []byte("POST ")) {
 		return
 	}
@@ -125,7 +127,7 @@ func (w *watched) noteWrite(c *deadlineConn, p []byte) {
 	if err != nil {
 		return
 	}
-	c.owner.Store(id)
+	c.setOwner(id)
 	w.mu.Lock()
 	a := w.m[id]
 	w.mu.Unlock()
@@ -134,9 +136,20 @@ func (w *watched) noteWrite(c *deadlineConn, p []byte) {
 	}
 }
 
+// setOwner changes the request the connection carries. It waits for an
+// abort in progress: one that found the old owner must not cut the next
+// request's read.
+func (c *deadlineConn) setOwner(id uint64) {
+	c.ownerMu.Lock()
+	c.owner.Store(id)
+	c.ownerMu.Unlock()
+}
+
 // abort makes the connection's pending and next reads fail, if it still
 // carries request id.
 func (c *deadlineConn) abort(id uint64) {
+	c.ownerMu.Lock()
+	defer c.ownerMu.Unlock()
 	if c.owner.Load() != id {
 		return
 	}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +15,17 @@ import (
 
 	"github.com/kvmesh/kvmesh/certfile"
 )
+
+// engineCert is made once per process: the first verification loads the
+// trusted roots for good, so a second run of the test (-count) must present
+// the same certificate.
+var engineCert = sync.OnceValue(func() (c struct{ certPEM, keyPEM []byte }) {
+	var err error
+	if c.certPEM, c.keyPEM, err = certfile.SelfSigned([]string{"127.0.0.1"}, time.Hour); err != nil {
+		panic(err)
+	}
+	return c
+})
 
 // TestHTTPSUpstreams: an https engine answers through the proxy, and a
 // client that leaves ends its non-streamed request there as over plain
@@ -25,10 +37,7 @@ import (
 // which Go reads once per process: this must be the package's first test
 // to verify a certificate.
 func TestHTTPSUpstreams(t *testing.T) {
-	certPEM, keyPEM, err := certfile.SelfSigned([]string{"127.0.0.1"}, time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
+	certPEM, keyPEM := engineCert().certPEM, engineCert().keyPEM
 	roots := filepath.Join(t.TempDir(), "ca.pem")
 	if err := os.WriteFile(roots, certPEM, 0o600); err != nil {
 		t.Fatal(err)

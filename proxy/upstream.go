@@ -20,6 +20,7 @@ import (
 	"net"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -233,6 +234,7 @@ type deadlineConn struct {
 	// aborted the tag an Abort ended (abort.go).
 	watched        *watched
 	owner, aborted atomic.Uint64
+	ownerMu        sync.Mutex // an abort and a change of owner exclude each other
 }
 
 // handshake runs the TLS handshake on c within timeout.
@@ -279,6 +281,11 @@ func (c *deadlineConn) Read(p []byte) (int, error) {
 			return 0, err
 		}
 		c.deadline = want
+		// An abort since the check above set its deadline first: this one
+		// would undo it and the read would wait out the whole timeout.
+		if id := c.aborted.Load(); id != 0 && id == c.owner.Load() {
+			return 0, errAborted
+		}
 	}
 	n, err := c.Conn.Read(p)
 	if n > 0 && c.waiting.Load() {
