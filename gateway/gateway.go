@@ -233,8 +233,12 @@ func (g *Gateway) survive(ctx *fasthttp.RequestCtx) {
 	if r == nil {
 		return
 	}
+	stack := debug.Stack()
+	if p, ok := r.(*proxy.Panic); ok { // re-raised once its attempt was finished
+		r, stack = p.Value, p.Stack
+	}
 	g.metrics.errors.WithLabelValues("panic").Inc()
-	g.panicLog.Error().Interface("panic", r).Bytes("stack", debug.Stack()).Str("path", string(ctx.Path())).
+	g.panicLog.Error().Interface("panic", r).Bytes("stack", stack).Str("path", string(ctx.Path())).
 		Msg("request handler panicked")
 	ctx.Response.Reset()
 	proxy.WriteError(ctx, fasthttp.StatusInternalServerError, "internal_error", "internal error")

@@ -112,14 +112,25 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 	var last *fasthttp.Response // last retryable failure, relayed if all fail
 	lastIdx := -1
 	var lastErr error
+	open, start := -1, time.Time{} // the attempt dispatched and not finished yet
 	defer func() {
 		if last != nil {
 			fasthttp.ReleaseResponse(last)
 		}
+		if open >= 0 {
+			// A panic left attempt open unfinished: finish it as the
+			// router's failure (its in-flight accounting would stay raised
+			// for good), then let the panic go on to the handler's recover.
+			if v := recover(); v != nil {
+				p := &Panic{Value: v, Stack: debug.Stack()}
+				obs.Finish(open, Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+				panic(p)
+			}
+		}
 	}()
 	for i, up := range targets {
 		obs.Attempt(i)
-		start := time.Now()
+		open, start = i, time.Now()
 		resp, err := f.dispatch(up, req)
 		if err == nil && !retryable(resp.StatusCode()) {
 			// For a stream the first token is the first event, not the
@@ -128,6 +139,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 				obs.FirstByte(i, time.Since(start))
 			}
 			f.relay(ctx, req, targets, i, resp, start, obs)
+			open = -1
 			return i
 		}
 		if req.Abort != nil && req.Abort.Aborted() {
@@ -135,6 +147,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if resp != nil {
 				fasthttp.ReleaseResponse(resp)
 			}
+			open = -1
 			obs.Finish(i, Result{Err: errAborted, ClientGone: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "client gone")
 			return -1
@@ -162,6 +175,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 		}
 		res.Elapsed = time.Since(start)
 		ev.Bool("retrying", res.Retried).Msg("upstream attempt failed")
+		open = -1
 		if res.Retried {
 			obs.Finish(i, res)
 			continue
@@ -420,6 +434,15 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 		i, resp, start = next, nextResp, nextStart
 	}
 }
+
+// A Panic is one recovered while an attempt was in flight, passed on with
+// the stack of where it happened once the attempt was finished.
+type Panic struct {
+	Value any
+	Stack []byte
+}
+
+func (p *Panic) Error() string { return fmt.Sprintf("internal error: %v", p.Value) }
 
 // survive ends a stream whose relay panicked: the attempt in flight is
 // finished as the router's failure (so its in-flight accounting returns and

@@ -730,3 +730,33 @@ func TestAbortEndsANonStreamedRequestAtTheEngine(t *testing.T) {
 		t.Fatalf("attempts %v, finish %+v, second target hit %d times, tagged %v", rec.attempts, r, second.Load(), tagged.Load())
 	}
 }
+
+// headerPanics is an observer with a bug that fires while an answer is
+// being relayed, between its attempt and its finish.
+type headerPanics struct{ *recorder }
+
+func (headerPanics) Header(int, *fasthttp.ResponseHeader) { panic("boom") }
+
+// TestPanicMidAttemptFinishesIt: a panic between an attempt and its finish
+// still finishes the attempt (as the router's failure, so in-flight counts
+// return), then goes on up to the handler with the stack where it began.
+func TestPanicMidAttemptFinishesIt(t *testing.T) {
+	rec := newRecorder()
+	targets := upstreams(t, serve(t, jsonEngine))
+	f := &Forwarder{Log: zerolog.Nop()}
+	caught := make(chan any, 1)
+	url := serve(t, func(ctx *fasthttp.RequestCtx) {
+		defer func() { caught <- recover() }()
+		f.Forward(ctx, &Request{Path: "/v1/completions", Header: &ctx.Request.Header, Body: []byte(`{"prompt":"x"}`)}, targets, headerPanics{rec})
+	})
+	go func() { _, _, _ = fasthttp.Post(nil, url+"/v1/completions", nil) }()
+	p, ok := (<-caught).(*Panic)
+	if !ok || p.Value != "boom" || !strings.Contains(string(p.Stack), "headerPanics.Header") {
+		t.Fatalf("handler recovered %#v, want the *Panic with the stack of Header", p)
+	}
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if r, finished := rec.finish[0]; !finished || !r.Internal || len(rec.attempts) != 1 {
+		t.Fatalf("attempts %v, finish %+v: the attempt was left open", rec.attempts, rec.finish)
+	}
+}
