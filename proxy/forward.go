@@ -138,8 +138,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if !isEventStream(resp) {
 				obs.FirstByte(i, time.Since(start))
 			}
-			f.relay(ctx, req, targets, i, resp, start, obs)
-			open = -1
+			f.relay(ctx, req, targets, i, resp, start, obs, &open)
 			return i
 		}
 		if req.Abort != nil && req.Abort.Aborted() {
@@ -309,7 +308,11 @@ var skippedResponseHeaders = [][]byte{
 
 // relay writes resp into ctx: SSE streams event by event, anything else
 // buffered.
-func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) {
+//
+// open is the caller's record of the attempt in flight: relay clears it as
+// it finishes the attempt or hands it to the stream's goroutine, so that a
+// panic is never finished twice.
+func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer, open *int) {
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
@@ -324,6 +327,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		_ = bw.Flush()
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
+		*open = -1
 		obs.Finish(i, res)
 		return
 	}
@@ -334,6 +338,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 			res.PromptTokens, res.CachedTokens = usageFromBody(resp.Body())
 			fasthttp.ReleaseResponse(resp)
 			res.Elapsed = time.Since(start)
+			*open = -1
 			obs.Finish(i, res)
 			return
 		}
@@ -359,6 +364,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		}
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
+		*open = -1
 		obs.Finish(i, res)
 		return
 	}
@@ -374,6 +380,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		// The handler has returned: ctx must not be touched from here on.
 		f.relayStream(w, &stream, targets, i, resp, start, obs)
 	})
+	*open = -1 // the stream's goroutine finishes it
 }
 
 // relayStream relays target i's event stream and, when it breaks and req
@@ -417,8 +424,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			obs.Finish(i, res)
 			cont := *req
 			cont.Body = body
-			next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs)
-			open = next
+			next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs, &open)
 		}
 		if next < 0 {
 			if tr != nil && tr.finished {
@@ -444,6 +450,12 @@ type Panic struct {
 
 func (p *Panic) Error() string { return fmt.Sprintf("internal error: %v", p.Value) }
 
+// Unwrap returns the panic's value when it was an error.
+func (p *Panic) Unwrap() error {
+	err, _ := p.Value.(error)
+	return err
+}
+
 // survive ends a stream whose relay panicked: the attempt in flight is
 // finished as the router's failure (so its in-flight accounting returns and
 // the observer is released), the client gets the stream's error event, and
@@ -465,9 +477,10 @@ func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, open int, star
 // continueAt dispatches a continuation to the targets from `from` on and
 // returns the first that answers with an event stream (-1 if none does;
 // each failure is finished with obs, the last one as final).
-func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs Observer) (int, *fasthttp.Response, time.Time) {
+func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs Observer, open *int) (int, *fasthttp.Response, time.Time) {
 	for j := from; j < len(targets); j++ {
 		obs.Attempt(j)
+		*open = j
 		start := time.Now()
 		resp, err := f.dispatch(targets[j], req)
 		if err == nil && resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp) && resp.BodyStream() != nil {
@@ -483,6 +496,7 @@ func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs 
 			fasthttp.ReleaseResponse(resp)
 		}
 		f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", targets[j].Name).Msg("stream continuation failed")
+		*open = -1
 		obs.Finish(j, res)
 	}
 	return -1, nil, time.Time{}

@@ -760,3 +760,66 @@ func TestPanicMidAttemptFinishesIt(t *testing.T) {
 		t.Fatalf("attempts %v, finish %+v: the attempt was left open", rec.attempts, rec.finish)
 	}
 }
+
+// finishPanics is an observer whose first Finish panics after it ran.
+type finishPanics struct {
+	*recorder
+	calls atomic.Int32
+}
+
+func (o *finishPanics) Finish(i int, r Result) {
+	if o.calls.Add(1) == 1 {
+		panic("finish boom")
+	}
+}
+
+// TestPanicInFinishIsNotFinishedTwice: the observer may release its state
+// on Finish; a panic from inside it must not bring a second Finish.
+func TestPanicInFinishIsNotFinishedTwice(t *testing.T) {
+	obs := &finishPanics{recorder: newRecorder()}
+	targets := upstreams(t, serve(t, jsonEngine))
+	f := &Forwarder{Log: zerolog.Nop()}
+	caught := make(chan any, 1)
+	url := serve(t, func(ctx *fasthttp.RequestCtx) {
+		defer func() { caught <- recover() }()
+		f.Forward(ctx, &Request{Path: "/v1/completions", Header: &ctx.Request.Header, Body: []byte(`{"prompt":"x"}`)}, targets, obs)
+	})
+	go func() { _, _, _ = fasthttp.Post(nil, url+"/v1/completions", nil) }()
+	if v := <-caught; v == nil {
+		t.Fatal("no panic reached the handler")
+	}
+	if n := obs.calls.Load(); n != 1 {
+		t.Fatalf("Finish called %d times", n)
+	}
+}
+
+// TestPanicInAContinuationFinishesIt: a panic while a broken stream is
+// being continued at the next target finishes that target's attempt.
+func TestPanicInAContinuationFinishesIt(t *testing.T) {
+	broken := brokenSSE(t, `{"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}`,
+		`{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":null}]}`)
+	targets := append(upstreams(t, broken), nil) // dispatching to nil panics
+	rec := newRecorder()
+	f := &Forwarder{Log: zerolog.Nop(), OnPanic: func(any, []byte) {}}
+	url := serve(t, func(ctx *fasthttp.RequestCtx) {
+		f.Forward(ctx, &Request{Path: "/v1/chat/completions", Header: &ctx.Request.Header, Body: []byte(`{"stream":true}`), Stream: true,
+			Resume: func([]byte, int) ([]byte, bool) { return []byte(`{}`), true }}, targets, rec)
+	})
+	_, _, _ = fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		rec.mu.Lock()
+		r, finished := rec.finish[1]
+		rec.mu.Unlock()
+		if finished {
+			if !r.Internal {
+				t.Fatalf("continuation finished as %+v, want the router's failure", r)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the continuation's attempt was never finished")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
