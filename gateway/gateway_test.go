@@ -240,45 +240,54 @@ func TestPrefixAwareRoutingFollowsFilters(t *testing.T) {
 }
 
 // TestRetriedRequestTakesItsRecordsAlong: the replica holding a prompt's
-// first blocks refuses it and the next replica serves it; a sibling that
-// arrives before any engine event goes where the prompt was cached, not
-// where it was meant to go.
+// first blocks fails it (refuses the connection, or answers 503 after
+// longer than the records live) and the next replica serves it; a sibling
+// that arrives before any engine event goes where the prompt was cached,
+// not where it was meant to go.
 func TestRetriedRequestTakesItsRecordsAlong(t *testing.T) {
-	r := newRouter(t, Settings{}, 1<<20)
-	now := time.Now()
-	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: refusedURL(t), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
-	for _, n := range []string{"b", "c", "d"} {
-		r.table.Upsert(fleet.Info{Name: n, Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
-	}
-	prompt := strings.Repeat("Every sibling of a fan-out shares this long preamble. ", 20)
-	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
-	keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
-	for _, n := range []string{"a", "b", "c", "d"} {
-		f := bloom.NewFilter(1024, 0.001)
-		if n == "a" {
-			f.Add(keys[0])
-			f.Add(keys[1])
-		}
-		r.table.SetFilter(n, f, 1, 2, now)
-		r.table.SetLoad(n, fleet.Load{}, true, now)
-	}
-	res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, prompt))
-	servedAt := res.header["x-kvmesh-replica"]
-	if res.status != 200 || servedAt == "a" || servedAt == "" {
-		t.Fatalf("first request: %d %v", res.status, res.header)
-	}
+	slow503 := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		time.Sleep(2200 * time.Millisecond) // over speculative_ttl: recorded at the decision, it would have expired
+		ctx.SetStatusCode(503)
+	}})
+	for name, failing := range map[string]string{"refused": refusedURL(t), "slow 503": slow503} {
+		t.Run(name, func(t *testing.T) {
+			r := newRouter(t, Settings{}, 1<<20)
+			now := time.Now()
+			r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: failing, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+			for _, n := range []string{"b", "c", "d"} {
+				r.table.Upsert(fleet.Info{Name: n, Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+			}
+			prompt := strings.Repeat("Every sibling of a fan-out shares this long preamble. ", 20)
+			ids, _ := tokenize.Builtin{}.Encode(prompt, true)
+			keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
+			for _, n := range []string{"a", "b", "c", "d"} {
+				f := bloom.NewFilter(1024, 0.001)
+				if n == "a" {
+					f.Add(keys[0])
+					f.Add(keys[1])
+				}
+				r.table.SetFilter(n, f, 1, 2, now)
+				r.table.SetLoad(n, fleet.Load{}, true, now)
+			}
+			res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, prompt))
+			servedAt := res.header["x-kvmesh-replica"]
+			if res.status != 200 || servedAt == "a" || servedAt == "" {
+				t.Fatalf("first request: %d %v", res.status, res.header)
+			}
 
-	sibling := prompt + "Now the sibling's own question?"
-	sids, _ := tokenize.Builtin{}.Encode(sibling, true)
-	skeys := blockkey.Append(nil, blockkey.Seed("", ""), sids, 16)
-	shared := 0
-	for shared < len(keys) && shared < len(skeys) && keys[shared] == skeys[shared] {
-		shared++
-	}
-	res = r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, sibling))
-	if want := strconv.Itoa(shared * 16); res.status != 200 || res.header["x-kvmesh-replica"] != servedAt ||
-		res.header["x-kvmesh-mode"] != "prefix" || res.header["x-kvmesh-cached-tokens"] != want {
-		t.Fatalf("sibling: %d %v; want %s (where the first was served), prefix, %s cached", res.status, res.header, servedAt, want)
+			sibling := prompt + "Now the sibling's own question?"
+			sids, _ := tokenize.Builtin{}.Encode(sibling, true)
+			skeys := blockkey.Append(nil, blockkey.Seed("", ""), sids, 16)
+			shared := 0
+			for shared < len(keys) && shared < len(skeys) && keys[shared] == skeys[shared] {
+				shared++
+			}
+			res = r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":1}`, sibling))
+			if want := strconv.Itoa(shared * 16); res.status != 200 || res.header["x-kvmesh-replica"] != servedAt ||
+				res.header["x-kvmesh-mode"] != "prefix" || res.header["x-kvmesh-cached-tokens"] != want {
+				t.Fatalf("sibling: %d %v; want %s (where the first was served), prefix, %s cached", res.status, res.header, servedAt, want)
+			}
+		})
 	}
 }
 

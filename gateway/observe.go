@@ -27,11 +27,12 @@ func (ex *exchange) Attempt(i int) {
 }
 
 // record tells a policy that remembers where prompts went
-// (routing.Recorder) that this one is sent to target i.
+// (routing.Recorder) that this one is sent to target i now. Requests routed
+// in least-load mode are not recorded: prefixes did not steer them.
 func (ex *exchange) record(i int) {
-	if t := &ex.info[i]; t.prefixAware {
+	if t := &ex.info[i]; t.prefixAware && !ex.d.Degraded {
 		if rec, ok := ex.s.Policy.(routing.Recorder); ok {
-			rec.Record(&ex.req, t.name, t.filterMatched)
+			rec.Record(&ex.req, t.name, t.filterMatched, ex.g.now())
 		}
 	}
 }

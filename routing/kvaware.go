@@ -113,13 +113,13 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	d.Reason = "smallest predicted ttft"
 }
 
-// Record implements Recorder. Nothing is recorded in least-load mode,
-// where prefixes do not steer requests.
-func (p *kvaware) Record(req *Request, replica string, filterMatchedTokens int) {
-	if req.BlockSize <= 0 || p.degraded.Load() {
+// Record implements Recorder. (The gateway does not record requests
+// routed in least-load mode, where prefixes did not steer them.)
+func (p *kvaware) Record(req *Request, replica string, filterMatchedTokens int, at time.Time) {
+	if req.BlockSize <= 0 {
 		return
 	}
-	p.record(req, replica, filterMatchedTokens/req.BlockSize)
+	p.record(req, replica, filterMatchedTokens/req.BlockSize, at)
 }
 
 // placeCold moves the consistent-hash home of a prefix nobody holds to the
@@ -244,16 +244,16 @@ func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []
 }
 
 // record notes that req's blocks past the first from will be resident at
-// replica (from is what its filter already showed).
-func (p *kvaware) record(req *Request, replica string, from int) {
+// replica from time at (from is what its filter already showed).
+func (p *kvaware) record(req *Request, replica string, from int, at time.Time) {
 	if req.BlockSize <= 0 || from >= len(req.Keys) {
 		return
 	}
 	keys := req.Keys[max(from, 0):]
-	expires := req.Now.Add(p.cfg.SpeculativeTTL).UnixNano()
+	expires := at.Add(p.cfg.SpeculativeTTL).UnixNano()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.spec.rotate(req.Now.UnixNano(), len(keys))
+	p.spec.rotate(at.UnixNano(), len(keys))
 	r := specRecord{replica: p.spec.intern(replica), expires: expires}
 	for _, k := range keys {
 		p.spec.cur[k] = r

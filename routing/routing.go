@@ -99,9 +99,10 @@ type Policy interface {
 // to, never to a fallback. A prompt is remembered where it went, not where
 // it was meant to go.
 type Recorder interface {
-	// Record: req was sent to replica, whose filter already showed
+	// Record: req was sent to replica at time at (a retry may come long
+	// after the decision), and the replica's filter already showed
 	// filterMatchedTokens of it.
-	Record(req *Request, replica string, filterMatchedTokens int)
+	Record(req *Request, replica string, filterMatchedTokens int, at time.Time)
 }
 
 // Names lists the policies New accepts.

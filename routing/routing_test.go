@@ -32,7 +32,7 @@ func dispatch(t *testing.T, p Policy, req *Request, cands []Candidate) Decision 
 	t.Helper()
 	d := route(t, p, req, cands)
 	if c := cands[d.Pick]; c.PrefixAware {
-		p.(Recorder).Record(req, c.Name, c.MatchedTokens)
+		p.(Recorder).Record(req, c.Name, c.MatchedTokens, req.Now)
 	}
 	return d
 }
@@ -217,7 +217,7 @@ func TestRecordsFollowTheDispatch(t *testing.T) {
 	retriedAt := (first.Pick + 1) % 4
 	// The pick failed before its first byte; the next replica, whose filter
 	// showed one block, got the request.
-	p.(Recorder).Record(req, fmt.Sprintf("r%d", retriedAt), 16)
+	p.(Recorder).Record(req, fmt.Sprintf("r%d", retriedAt), 16, req.Now)
 
 	sibling := &Request{PromptTokens: 80, Keys: []uint64{301, 302, 303, 999}, BlockSize: 16, AffinityKey: 9, Now: t0.Add(100 * time.Millisecond)}
 	cands := fleetOf(4)
