@@ -262,16 +262,23 @@ func (s *stack) engineProcess(svc string) engineProcess {
 	s.t.Helper()
 	p := engineProcess{container: s.container(svc)}
 	out, err := exec.Command("docker", "inspect", "-f", "{{.State.Pid}}", p.container).Output()
-	if err == nil {
-		p.pid, _ = strconv.Atoi(strings.TrimSpace(string(out)))
+	if err != nil {
+		return p
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(out)))
+	// The pid is the daemon's view; run from inside another container the
+	// same number is some other process of ours. Signal it only when its
+	// cgroup names the container.
+	if cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid)); err == nil && strings.Contains(string(cg), p.container) {
+		p.pid = pid
 	}
 	return p
 }
 
 // kill ends an engine as `docker kill` does (SIGKILL to the container's
 // first process) but at once: the docker CLI and daemon can take seconds on
-// a loaded host, long enough for a stream meant to be cut to finish. Without
-// the right to signal it (not root), it falls back to `docker kill`.
+// a loaded host, long enough for a stream meant to be cut to finish. Where
+// the test cannot see or signal the process, it falls back to `docker kill`.
 func (s *stack) kill(p engineProcess) {
 	s.t.Helper()
 	if p.pid > 0 && syscall.Kill(p.pid, syscall.SIGKILL) == nil {

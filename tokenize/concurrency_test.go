@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -91,10 +92,15 @@ func TestSegmentCacheComparesText(t *testing.T) {
 
 // TestGrowingChatTokenizesOnlyTheNewTurn: after turn 1 is encoded, encoding
 // turns 1+2 tokenizes only the segments turn 2 adds.
+var growingChatRuns atomic.Int32
+
 func TestGrowingChatTokenizesOnlyTheNewTurn(t *testing.T) {
 	tok, _ := goldenTokenizer(t, "llama3")
-	turn1 := `[{"role":"system","content":"You are a helpful assistant who answers briefly."},{"role":"user","content":"What is the capital of France, and why is it famous?"}]`
-	turn2 := turn1[:len(turn1)-1] + `,{"role":"assistant","content":"Paris: art, food, history and the Eiffel Tower."},{"role":"user","content":"And which river runs through that city?"}]`
+	// The tokenizer (and its caches) outlive one run of the test (-count):
+	// each run's turns are its own.
+	run := growingChatRuns.Add(1)
+	turn1 := fmt.Sprintf(`[{"role":"system","content":"You are a helpful assistant who answers briefly."},{"role":"user","content":"What is the capital of France (run %d), and why is it famous?"}]`, run)
+	turn2 := turn1[:len(turn1)-1] + fmt.Sprintf(`,{"role":"assistant","content":"Paris (run %d): art, food, history and the Eiffel Tower."},{"role":"user","content":"And which river runs through that city (run %d)?"}]`, run, run)
 	_, first, err := tok.EncodeChat(Chat{Messages: []byte(turn1), AddGenerationPrompt: true})
 	if err != nil {
 		t.Fatal(err)
