@@ -26,8 +26,9 @@ type engineTokenizer struct {
 	apiKey  string
 	timeout time.Duration // per call; 0: the tokenize package's default
 
-	mu    sync.Mutex
-	byURL map[string]*tokenizingEngine
+	mu     sync.Mutex
+	byURL  map[string]*tokenizingEngine
+	pruned time.Time // when byURL last lost the replicas gone from the table
 }
 
 type tokenizingEngine struct {
@@ -48,6 +49,20 @@ func (e *engineTokenizer) engines(now time.Time, picked *[maxEngineTries]*tokeni
 	snap := e.table.Snapshot()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if now.Sub(e.pruned) >= time.Minute {
+		// Each engine keeps an answer cache (up to 16M ids): one whose
+		// replica left the table (a pod replaced in a rollout) is dropped.
+		e.pruned = now
+		present := make(map[string]bool, len(snap.Replicas))
+		for i := range snap.Replicas {
+			present[snap.Replicas[i].URL] = true
+		}
+		for url := range e.byURL {
+			if !present[url] {
+				delete(e.byURL, url)
+			}
+		}
+	}
 	var ejected [maxEngineTries]*tokenizingEngine
 	n, nOut := 0, 0
 	for i := range snap.Replicas {

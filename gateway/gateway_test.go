@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -686,5 +687,69 @@ func TestEngineTokenizerPassesOverDeadReplica(t *testing.T) {
 		if res.status != 200 || res.header["x-kvmesh-prompt-tokens"] != strconv.Itoa(len(want)) {
 			t.Fatalf("request %d: %d, prompt tokens %q, want %d (tokenized by the live replica)", i, res.status, res.header["x-kvmesh-prompt-tokens"], len(want))
 		}
+	}
+}
+
+// TestDepartedReplicasAreForgotten: a replica that left the table keeps
+// nothing in the router once it has been gone long enough and nothing of it
+// is in flight: no in-flight entry, connection pool or metric series (a
+// rollout replaces every pod under a new name; these grew with each).
+func TestDepartedReplicasAreForgotten(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("pod-a", startEngine(t, testModel), []string{testModel})
+	r.table.AddStatic("pod-b", startEngine(t, testModel), []string{testModel})
+	for range 2 { // ties go to pod-a, first by name
+		if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 {
+			t.Fatalf("%d %s", res.status, res.body)
+		}
+	}
+	if m := r.get(t, "/metrics").body; !strings.Contains(m, `kvmesh_router_ttft_seconds_count{replica="pod-a"}`) {
+		t.Fatalf("no metric series for pod-a to begin with:\n%s", m)
+	}
+	r.table.RemoveStatic(map[string]bool{"pod-b": true})
+	missing := map[string]time.Time{}
+	now := time.Now()
+	if gone := r.g.forgetDeparted(missing, now, 10*time.Minute); len(gone) != 0 {
+		t.Fatalf("forgot %v at once", gone)
+	}
+	if gone := r.g.forgetDeparted(missing, now.Add(11*time.Minute), 10*time.Minute); !slices.Equal(gone, []string{"pod-a"}) {
+		t.Fatalf("forgot %v after 11 minutes, want pod-a", gone)
+	}
+	if _, pooled := (*r.g.upstreams.Load())["pod-a"]; pooled {
+		t.Error("pod-a's connection pool kept")
+	}
+	r.g.inflight.mu.RLock()
+	_, counted := r.g.inflight.m["pod-a"]
+	r.g.inflight.mu.RUnlock()
+	if counted {
+		t.Error("pod-a's in-flight entry kept")
+	}
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 || res.header["x-kvmesh-replica"] != "pod-b" {
+		t.Fatalf("after forgetting: %d %v", res.status, res.header)
+	}
+	m := r.get(t, "/metrics").body
+	if strings.Contains(m, `replica="pod-a"`) {
+		t.Errorf("pod-a's metric series kept:\n%s", m)
+	}
+	if !strings.Contains(m, `kvmesh_router_ttft_seconds_count{replica="pod-b"}`) {
+		t.Error("pod-b has no series")
+	}
+}
+
+// TestEngineTokenizerForgetsDepartedEngines: the engine tokenizer keeps an
+// answer cache per engine; an engine gone from the table is dropped with it.
+func TestEngineTokenizerForgetsDepartedEngines(t *testing.T) {
+	table := fleet.NewTable(fleet.TableConfig{StaleAfter: time.Hour, DropAfter: time.Hour})
+	table.AddStatic("pod-a", startEngine(t, testModel), []string{testModel})
+	tk := EngineTokenizer(table, testModel, "").(*engineTokenizer)
+	if _, err := tk.Encode("hello", true); err != nil || len(tk.byURL) != 1 {
+		t.Fatalf("%v, %d engines", err, len(tk.byURL))
+	}
+	table.RemoveStatic(nil)
+	podB := startEngine(t, testModel)
+	table.AddStatic("pod-b", podB, []string{testModel})
+	var picked [maxEngineTries]*tokenizingEngine
+	if n := tk.engines(time.Now().Add(2*time.Minute), &picked); n != 1 || len(tk.byURL) != 1 || tk.byURL[podB] == nil {
+		t.Fatalf("%d picked, engines %v: pod-a's should be gone, pod-b's there", n, tk.byURL)
 	}
 }

@@ -55,6 +55,12 @@ func (t *inflightTable) get(name string) *replicaLoad {
 	return l
 }
 
+func (t *inflightTable) remove(name string) {
+	t.mu.Lock()
+	delete(t.m, name)
+	t.mu.Unlock()
+}
+
 // loadIndex holds the in-flight entries of one snapshot's replicas, in the
 // snapshot's order, so a decision reads each candidate's entry by index
 // instead of looking fifty names up under a lock.
@@ -65,7 +71,8 @@ type loadIndex struct {
 
 // loadsOf returns the in-flight entries of snap's replicas (index i is
 // snap.Replicas[i]). Snapshots are immutable, so the slice is built once per
-// snapshot; entries are never removed from the table, so it stays valid.
+// snapshot; entries are removed only for replicas no snapshot has held for
+// minutes (ForgetDeparted), so it stays valid.
 func (g *Gateway) loadsOf(snap *fleet.Snapshot) []*replicaLoad {
 	if li := g.loadIdx.Load(); li != nil && li.snap == snap {
 		return li.loads

@@ -139,6 +139,13 @@ func cachedObserver(l *replicaLoad, slot int, vec *prometheus.HistogramVec, repl
 	return o
 }
 
+// forget deletes replica's metric series (it left the fleet for good).
+func (m *metrics) forget(replica string) {
+	m.ttft.DeleteLabelValues(replica)
+	m.upstreamLatency.DeleteLabelValues(replica)
+	m.ejections.DeleteLabelValues(replica)
+}
+
 func (m *metrics) retirePolicy(p routing.Policy) {
 	if d, ok := p.(degrader); ok {
 		m.mu.Lock()

@@ -151,6 +151,7 @@ func run(args []string) error {
 		go g.ReportInflight(100*time.Millisecond, ctx.Done())
 	}
 	go g.DiscoverStatic(10*time.Second, ctx.Done())
+	go g.ForgetDeparted(time.Minute, 10*time.Minute, ctx.Done())
 	if o.configPath != "" {
 		reload := func() {
 			if reloader.Reload() == nil {
