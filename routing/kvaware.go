@@ -278,11 +278,19 @@ func newSpecRecords(ttl time.Duration, maxKeys int) specRecords {
 		index: map[string]uint32{}}
 }
 
-// intern returns the index of replica in names, adding it if new. Names
-// stay until every record is cleared (a fleet has few replicas).
+// maxSpecNames bounds the replica names records may refer to. A fleet has
+// few replicas at a time, but rollouts bring new names (new pods) and the
+// old ones stay referable until every record is cleared: past the bound,
+// all records are dropped (they are hints that live seconds).
+const maxSpecNames = 4096
+
+// intern returns the index of replica in names, adding it if new.
 func (s *specRecords) intern(replica string) uint32 {
 	if i, ok := s.index[replica]; ok {
 		return i
+	}
+	if len(s.names) >= maxSpecNames {
+		s.clear(nil)
 	}
 	i := uint32(len(s.names))
 	s.names = append(s.names, replica)

@@ -195,6 +195,24 @@ func TestSpeculativeRecordsStayBounded(t *testing.T) {
 	}
 }
 
+// TestRecordsForgetReplicaNamesPastTheBound: rollouts bring new replica
+// names without end; the names records can refer to stay bounded.
+func TestRecordsForgetReplicaNamesPastTheBound(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
+	for i := range maxSpecNames + 10 {
+		p.(Recorder).Record(req, fmt.Sprintf("pod-%d", i), 0, t0)
+	}
+	if n := len(p.(*kvaware).spec.names); n > maxSpecNames {
+		t.Fatalf("%d names kept, bound %d", n, maxSpecNames)
+	}
+	// The newest record still counts.
+	cands := []Candidate{{Name: fmt.Sprintf("pod-%d", maxSpecNames+9), PrefixAware: true}, {Name: "other", PrefixAware: true}}
+	if d := route(t, p, req, cands); d.Pick != 0 || d.PredictedCachedTokens != 32 {
+		t.Fatalf("newest record lost: pick %d cached %d", d.Pick, d.PredictedCachedTokens)
+	}
+}
+
 func TestClearRecordsForgetsSpeculation(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
