@@ -672,6 +672,30 @@ func TestTranscriptKnowsWhatCannotBeContinued(t *testing.T) {
 	}
 }
 
+// workingEngine accepts one connection on ln and reads it as an engine
+// generating for minutes does, noticing only a close: request gets what the
+// first read brought, closed when the connection closed.
+func workingEngine(ln net.Listener) (request <-chan string, closed <-chan time.Time) {
+	req, done := make(chan string, 1), make(chan time.Time, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 64<<10)
+		n, _ := c.Read(buf)
+		req <- string(buf[:n])
+		for {
+			if _, err := c.Read(buf); err != nil {
+				done <- time.Now()
+				return
+			}
+		}
+	}()
+	return req, done
+}
+
 // TestAbortEndsANonStreamedRequestAtTheEngine: an Abort closes the
 // connection of the attempt in flight (the engine sees it within 100 ms and
 // stops) and no other target is tried.
@@ -681,24 +705,7 @@ func TestAbortEndsANonStreamedRequestAtTheEngine(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	closed := make(chan time.Time, 1)
-	var tagged atomic.Bool
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		buf := make([]byte, 64<<10)
-		n, _ := c.Read(buf) // the request; then work "forever", noticing a close
-		tagged.Store(strings.Contains(string(buf[:n]), "\r\nX-Kvmesh-Request: "))
-		for {
-			if _, err := c.Read(buf); err != nil {
-				closed <- time.Now()
-				return
-			}
-		}
-	}()
+	request, closed := workingEngine(ln)
 	var second atomic.Int32
 	other := serve(t, func(ctx *fasthttp.RequestCtx) { second.Add(1); jsonEngine(ctx) })
 	targets := upstreams(t, "http://"+ln.Addr().String(), other)
@@ -726,8 +733,9 @@ func TestAbortEndsANonStreamedRequestAtTheEngine(t *testing.T) {
 	<-rec.done
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
-	if r := rec.finish[0]; !r.ClientGone || len(rec.attempts) != 1 || second.Load() != 0 || !tagged.Load() {
-		t.Fatalf("attempts %v, finish %+v, second target hit %d times, tagged %v", rec.attempts, r, second.Load(), tagged.Load())
+	tagged := strings.Contains(<-request, "\r\nX-Kvmesh-Request: ")
+	if r := rec.finish[0]; !r.ClientGone || len(rec.attempts) != 1 || second.Load() != 0 || !tagged {
+		t.Fatalf("attempts %v, finish %+v, second target hit %d times, tagged %v", rec.attempts, r, second.Load(), tagged)
 	}
 }
 

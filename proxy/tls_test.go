@@ -69,21 +69,7 @@ func TestHTTPSUpstreams(t *testing.T) {
 	}
 
 	working := listenTLS()
-	closed := make(chan time.Time, 1)
-	go func() {
-		c, err := working.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		buf := make([]byte, 64<<10)
-		for { // generating for minutes, noticing a close
-			if _, err := c.Read(buf); err != nil {
-				closed <- time.Now()
-				return
-			}
-		}
-	}()
+	_, closed := workingEngine(working)
 	targets = upstreams(t, "https://"+working.Addr().String())
 	aborts := make(chan *Abort, 1)
 	url = serve(t, func(ctx *fasthttp.RequestCtx) {
