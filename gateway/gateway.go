@@ -150,8 +150,7 @@ func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) 
 		authLog:  log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}),
 		panicLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute})}
 	g.fwd = proxy.Forwarder{Log: log, OnPanic: func(v any, stack []byte) {
-		g.metrics.errors.WithLabelValues("panic").Inc()
-		g.panicLog.Error().Interface("panic", v).Bytes("stack", stack).Msg("stream relay panicked")
+		g.panicked("panic", v, stack).Msg("stream relay panicked")
 	}}
 	g.inflight.init()
 	empty := map[string]*proxy.Upstream{}
@@ -237,11 +236,16 @@ func (g *Gateway) survive(ctx *fasthttp.RequestCtx) {
 	if p, ok := r.(*proxy.Panic); ok { // re-raised once its attempt was finished
 		r, stack = p.Value, p.Stack
 	}
-	g.metrics.errors.WithLabelValues("panic").Inc()
-	g.panicLog.Error().Interface("panic", r).Bytes("stack", stack).Str("path", string(ctx.Path())).
-		Msg("request handler panicked")
+	g.panicked("panic", r, stack).Str("path", string(ctx.Path())).Msg("request handler panicked")
 	ctx.Response.Reset()
 	proxy.WriteError(ctx, fasthttp.StatusInternalServerError, "internal_error", "internal error")
+}
+
+// panicked counts a recovered panic as errors_total{type=typ} and returns
+// the (rate-limited) log event that tells it, with its stack.
+func (g *Gateway) panicked(typ string, v any, stack []byte) *zerolog.Event {
+	g.metrics.errors.WithLabelValues(typ).Inc()
+	return g.panicLog.Error().Interface("panic", v).Bytes("stack", stack)
 }
 
 // modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes

@@ -367,8 +367,7 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			ids, err = nil, fmt.Errorf("tokenizer panic: %v", r)
-			ex.g.metrics.errors.WithLabelValues("tokenizer_panic").Inc()
-			ex.g.panicLog.Error().Str("model", ex.model).Interface("panic", r).Bytes("stack", debug.Stack()).
+			ex.g.panicked("tokenizer_panic", r, debug.Stack()).Str("model", ex.model).
 				Msg("tokenizer panicked; the request is routed by load")
 		}
 	}()
