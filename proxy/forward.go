@@ -461,16 +461,16 @@ func (p *Panic) Unwrap() error {
 // the observer is released), the client gets the stream's error event, and
 // OnPanic hears of it.
 func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, open int, start time.Time) {
-	stack := debug.Stack()
+	p := &Panic{Value: v, Stack: debug.Stack()}
 	if open >= 0 {
-		obs.Finish(open, Result{Err: fmt.Errorf("internal error: %v", v), Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+		obs.Finish(open, Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 	}
 	writeStreamError(w, "internal error")
 	_ = w.Flush()
 	if f.OnPanic != nil {
-		f.OnPanic(v, stack)
+		f.OnPanic(p.Value, p.Stack)
 	} else {
-		f.Log.Error().Interface("panic", v).Bytes("stack", stack).Msg("stream relay panicked")
+		f.Log.Error().Interface("panic", v).Bytes("stack", p.Stack).Msg("stream relay panicked")
 	}
 }
 

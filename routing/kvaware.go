@@ -113,15 +113,6 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	d.Reason = "smallest predicted ttft"
 }
 
-// Record implements Recorder. (The gateway does not record requests
-// routed in least-load mode, where prefixes did not steer them.)
-func (p *kvaware) Record(req *Request, replica string, filterMatchedTokens int, at time.Time) {
-	if req.BlockSize <= 0 {
-		return
-	}
-	p.record(req, replica, filterMatchedTokens/req.BlockSize, at)
-}
-
 // placeCold moves the consistent-hash home of a prefix nobody holds to the
 // front of d.Order when it is nearly as good as the best, so that routers
 // which have not yet seen each other's choices still agree.
@@ -179,7 +170,7 @@ func (p *kvaware) checkImbalance(cands []Candidate) bool {
 // speculativeMatches sets matched[i] to the leading blocks candidate i's
 // filter shows, extended by the blocks recently routed to it that the filter
 // may not show yet. Records are kept only past what the chosen replica's
-// filter showed (see record), so each walk starts where the filter stops:
+// filter showed (see Record), so each walk starts where the filter stops:
 // a request whose prefix is already visible costs one lookup, not one per
 // block.
 func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []int) {
@@ -243,10 +234,16 @@ func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []
 	}
 }
 
-// record notes that req's blocks past the first from will be resident at
-// replica from time at (from is what its filter already showed).
-func (p *kvaware) record(req *Request, replica string, from int, at time.Time) {
-	if req.BlockSize <= 0 || from >= len(req.Keys) {
+// Record implements Recorder: req's blocks past those the replica's filter
+// already showed (filterMatchedTokens) will be resident there from time at.
+// (The gateway does not record requests routed in least-load mode, where
+// prefixes did not steer them.)
+func (p *kvaware) Record(req *Request, replica string, filterMatchedTokens int, at time.Time) {
+	if req.BlockSize <= 0 {
+		return
+	}
+	from := filterMatchedTokens / req.BlockSize
+	if from >= len(req.Keys) {
 		return
 	}
 	keys := req.Keys[max(from, 0):]
