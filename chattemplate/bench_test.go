@@ -54,6 +54,8 @@ func longChat(chars, perMessage int) json.RawMessage {
 //   - growing: each request adds a new ~2 KB user turn to the same earlier
 //     turns (the router's common case): one miss, the rest hits;
 //   - cold: no cache, every message decoded and prepared.
+//
+// Each runs the native renderer (native.go) and, as its baseline, jinja.
 func BenchmarkRenderLlama3_32k(b *testing.B) {
 	tmpl, err := Compile(llama3Template)
 	if err != nil {
@@ -76,11 +78,14 @@ func BenchmarkRenderLlama3_32k(b *testing.B) {
 		next.Messages = buf
 		return next
 	}
-	for _, mode := range []string{"cached", "growing", "cold"} {
+	for _, mode := range []string{"cached/native", "cached/jinja", "growing/native", "growing/jinja", "cold/native", "cold/jinja"} {
 		b.Run(mode, func(b *testing.B) {
 			t := *tmpl
-			if mode == "cold" {
+			if strings.HasPrefix(mode, "cold") {
 				t.values = nil
+			}
+			if strings.HasSuffix(mode, "jinja") {
+				t.native = nil
 			}
 			out, err := t.Render(in)
 			if err != nil {
@@ -92,7 +97,7 @@ func BenchmarkRenderLlama3_32k(b *testing.B) {
 			n := 0
 			for b.Loop() {
 				req := in
-				if mode == "growing" {
+				if strings.HasPrefix(mode, "growing") {
 					n++
 					req = newTurn(n)
 				}

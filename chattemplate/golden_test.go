@@ -15,9 +15,18 @@ import (
 // root (the directory holding go.mod), or skips the test.
 func sharedTokenizers(t testing.TB) string {
 	t.Helper()
+	path, err := findSharedTokenizers()
+	if err != nil {
+		t.Skip(err)
+	}
+	return path
+}
+
+// findSharedTokenizers locates ../shared/tokenizers beside the repository.
+func findSharedTokenizers() (string, error) {
 	dir, err := os.Getwd()
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	for {
 		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
@@ -25,15 +34,15 @@ func sharedTokenizers(t testing.TB) string {
 		}
 		parent := filepath.Dir(dir)
 		if parent == dir {
-			t.Skip("go.mod not found above the test directory; cannot locate ../shared/tokenizers")
+			return "", errors.New("go.mod not found above the test directory; cannot locate ../shared/tokenizers")
 		}
 		dir = parent
 	}
 	path := filepath.Join(dir, "..", "shared", "tokenizers")
 	if _, err := os.Stat(path); err != nil {
-		t.Skipf("golden tokenizer data not found at %s (expected ../shared/tokenizers beside the repo): %v", path, err)
+		return "", fmt.Errorf("golden tokenizer data not found at %s (expected ../shared/tokenizers beside the repo): %v", path, err)
 	}
-	return path
+	return path, nil
 }
 
 type goldenFile struct {

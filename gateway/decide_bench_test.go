@@ -95,7 +95,8 @@ func mustMessages(body []byte) json.RawMessage {
 
 // BenchmarkDecision times what the router does before proxying a 4 KB chat
 // prompt among 50 replicas: tokenize (chat template + BPE), block keys,
-// filter walk, scoring. Parsing is reported apart. Run with -cpu 1 for
+// filter walk, scoring. Parsing is reported apart. llama3-jinja renders
+// the same template through jinja rather than natively. Run with -cpu 1 for
 // "one core"; p50/p99 are reported from every iteration's duration, in
 // wall time and in the thread's CPU time (robust on a shared machine).
 func BenchmarkDecision(b *testing.B) {
@@ -112,6 +113,21 @@ func BenchmarkDecision(b *testing.B) {
 	dir := filepath.Join("..", "..", "shared", "tokenizers", "llama3")
 	if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err == nil {
 		tokenizers = append(tokenizers, tk{"llama3", func() (tokenize.Model, error) { return tokenize.LoadDir(dir) }})
+		// The baseline: the same template made unknown to the native
+		// renderers by a branch that never runs, so jinja renders it.
+		tokenizers = append(tokenizers, tk{"llama3-jinja", func() (tokenize.Model, error) {
+			data, err := os.ReadFile(filepath.Join(dir, "tokenizer_config.json"))
+			if err != nil {
+				return nil, err
+			}
+			var cfg struct {
+				ChatTemplate string `json:"chat_template"`
+			}
+			if err := json.Unmarshal(data, &cfg); err != nil {
+				return nil, err
+			}
+			return tokenize.LoadDir(dir, tokenize.WithChatTemplate(cfg.ChatTemplate+"{% if false %}{% endif %}"))
+		}})
 	}
 	for _, t := range tokenizers {
 		model, err := t.load()

@@ -1,0 +1,246 @@
+package chattemplate
+
+import (
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// nativeTemplates are the templates with a native renderer: the package's
+// copies and, when ../shared/tokenizers is there, the models' own.
+func nativeTemplates(t testing.TB) map[string]string {
+	srcs := map[string]string{"llama3": llama3Template, "qwen2.5": qwen25Template}
+	dir, err := findSharedTokenizers()
+	if err != nil {
+		t.Logf("only the package's copies: %v", err)
+		return srcs
+	}
+	for _, m := range []string{"llama3", "qwen2.5"} {
+		data, err := os.ReadFile(filepath.Join(dir, m, "tokenizer_config.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var cfg struct {
+			ChatTemplate string `json:"chat_template"`
+		}
+		if err := json.Unmarshal(data, &cfg); err != nil {
+			t.Fatal(err)
+		}
+		srcs[m+" (tokenizer_config.json)"] = cfg.ChatTemplate
+	}
+	return srcs
+}
+
+// jinjaOnly returns a copy of tmpl that always renders through jinja.
+func jinjaOnly(tmpl *Template) *Template {
+	c := *tmpl
+	c.native = nil
+	return &c
+}
+
+func TestKnownTemplatesRenderNatively(t *testing.T) {
+	for name, src := range nativeTemplates(t) {
+		tmpl, err := Compile(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tmpl.native == nil {
+			t.Errorf("%s: no native renderer (fingerprint %x)", name, fingerprint(mustPreprocess(t, src)))
+		}
+		// Other spacing inside tags is the same template...
+		respaced := strings.ReplaceAll(strings.ReplaceAll(src, " %}", " \t %}"), "{{ ", "{{\n ")
+		if tmpl, err := Compile(respaced); err != nil || tmpl.native == nil {
+			t.Errorf("%s respaced: native %v, err %v", name, tmpl != nil && tmpl.native != nil, err)
+		}
+		// ...but a change inside a string literal or of the code is not.
+		for _, changed := range []string{
+			strings.Replace(src, "<|im_start|>system", "<|im_start|> system", 1),
+			strings.Replace(src, "<|eot_id|>", "<|eot_id|>\n", 1),
+			strings.Replace(src, "add_generation_prompt", "not add_generation_prompt", 1),
+		} {
+			if changed == src {
+				continue
+			}
+			tmpl, err := Compile(changed)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tmpl.native != nil {
+				t.Errorf("%s: a changed template still renders natively", name)
+			}
+		}
+	}
+}
+
+func mustPreprocess(t testing.TB, src string) string {
+	pre, _, err := preprocess(src, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pre
+}
+
+// TestNativeMatchesJinja renders random conversations through both paths:
+// the same prompt or the same error, always; and most of them native.
+func TestNativeMatchesJinja(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for name, src := range nativeTemplates(t) {
+		tmpl, err := Compile(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		viaJinja := jinjaOnly(tmpl)
+		native := 0
+		const n = 3000
+		for i := range n {
+			in := randomChat(r)
+			if rendersNatively(tmpl, in) {
+				native++
+			}
+			got, gerr := tmpl.Render(in)
+			want, werr := viaJinja.Render(in)
+			if got != want || fmt.Sprint(gerr) != fmt.Sprint(werr) {
+				t.Fatalf("%s case %d %s (generation prompt %v, continue %v, bos %q):\nnative %q, %v\njinja  %q, %v",
+					name, i, in.Messages, in.AddGenerationPrompt, in.ContinueFinalMessage, in.BOSToken, got, gerr, want, werr)
+			}
+		}
+		if native < n/5 {
+			t.Errorf("%s: only %d of %d conversations rendered natively", name, native, n)
+		}
+		t.Logf("%s: %d of %d rendered natively", name, native, n)
+	}
+}
+
+// rendersNatively reports whether Render takes the native path for in.
+func rendersNatively(tmpl *Template, in Input) bool {
+	if tmpl.native == nil || !isNull(in.Tools) || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
+		return false
+	}
+	msgs, err := tmpl.decodeMessages(in.Messages)
+	var b strings.Builder
+	return err == nil && tmpl.native(&b, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt)
+}
+
+// TestGoldenPromptsRenderNatively: the prompts transformers rendered for
+// Llama 3 and Qwen2.5 come out of the native renderers too, for every
+// golden conversation they take (those without tools or tool turns).
+func TestGoldenPromptsRenderNatively(t *testing.T) {
+	root := sharedTokenizers(t)
+	for _, model := range []string{"llama3", "qwen2.5"} {
+		data, err := os.ReadFile(filepath.Join(root, model, "golden.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var g goldenFile
+		if err := json.Unmarshal(data, &g); err != nil {
+			t.Fatal(err)
+		}
+		bos, eos := specialTokens(t, filepath.Join(root, model, "tokenizer_config.json"))
+		tmpl, err := Compile(g.ChatTemplates["default"])
+		if err != nil {
+			t.Fatal(err)
+		}
+		native := 0
+		for _, c := range g.Chat {
+			in := Input{Messages: c.Messages, Tools: c.Tools, AddGenerationPrompt: c.AddGenerationPrompt, BOSToken: bos, EOSToken: eos}
+			if c.Prompt == nil || !rendersNatively(tmpl, in) {
+				continue
+			}
+			native++
+			if got, err := tmpl.Render(in); err != nil || got != *c.Prompt {
+				t.Errorf("%s/%s: %v %s", model, c.ID, err, diffContext(got, *c.Prompt))
+			}
+		}
+		t.Logf("%s: %d of %d golden conversations rendered natively", model, native, len(g.Chat))
+		if native == 0 {
+			t.Errorf("%s: no golden conversation took the native path", model)
+		}
+	}
+}
+
+// randomChat is a conversation of the shapes clients send, with the
+// whitespace and characters where renderers differ.
+func randomChat(r *rand.Rand) Input {
+	pieces := []string{"hi", " ", "\n", "\t", "\r\n", "\u00a0", "\u2028", "\x1c", "\u3000", "é", "\"q\"", "\\", "<|eot_id|>", "{{ x }}", "a b", "\x00", "\U0001F600"}
+	text := func() string {
+		var b strings.Builder
+		for range r.IntN(6) {
+			b.WriteString(pieces[r.IntN(len(pieces))])
+		}
+		return b.String()
+	}
+	roles := []string{"system", "user", "assistant", "user", "assistant", "tool", "developer"}
+	var msgs []string
+	for range r.IntN(6) {
+		role := roles[r.IntN(len(roles))]
+		c, _ := json.Marshal(text())
+		content := string(c)
+		switch r.IntN(12) {
+		case 0:
+			content = "null"
+		case 1:
+			content = fmt.Sprintf(`[{"type":"text","text":%s},{"type":"text","text":"b"}]`, c)
+		case 2:
+			content = "7"
+		}
+		m := fmt.Sprintf(`{"role":%q,"content":%s`, role, content)
+		switch r.IntN(10) {
+		case 0:
+			m += `,"tool_calls":[{"type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]`
+		case 1:
+			m += `,"name":"n"`
+		case 2:
+			m = fmt.Sprintf(`{"content":%s`, content)
+		}
+		msgs = append(msgs, m+"}")
+	}
+	in := Input{
+		Messages:            json.RawMessage("[" + strings.Join(msgs, ",") + "]"),
+		AddGenerationPrompt: r.IntN(2) == 0,
+		BOSToken:            []string{"<|begin_of_text|>", "", "<s>"}[r.IntN(3)],
+	}
+	if !in.AddGenerationPrompt && r.IntN(4) == 0 {
+		in.ContinueFinalMessage = true
+	}
+	switch r.IntN(10) {
+	case 0:
+		in.Tools = json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
+	case 1:
+		in.Kwargs = json.RawMessage(`{"bos_token":"B"}`)
+	case 2:
+		in.Tools = json.RawMessage(`null`)
+	}
+	return in
+}
+
+// FuzzNativeMatchesJinja: for any messages JSON, both paths give the same
+// prompt or both fail.
+func FuzzNativeMatchesJinja(f *testing.F) {
+	var templates []*Template
+	for _, src := range []string{llama3Template, qwen25Template} {
+		tmpl, err := Compile(src)
+		if err != nil {
+			f.Fatal(err)
+		}
+		templates = append(templates, tmpl)
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 20 {
+		f.Add([]byte(randomChat(r).Messages), true, false, "<s>")
+	}
+	f.Add([]byte(`[]`), false, true, "")
+	f.Fuzz(func(t *testing.T, messages []byte, genPrompt, cont bool, bos string) {
+		in := Input{Messages: messages, AddGenerationPrompt: genPrompt, ContinueFinalMessage: cont, BOSToken: bos}
+		for _, tmpl := range templates {
+			got, gerr := tmpl.Render(in)
+			want, werr := jinjaOnly(tmpl).Render(in)
+			if got != want || (gerr == nil) != (werr == nil) {
+				t.Fatalf("native %q, %v; jinja %q, %v", got, gerr, want, werr)
+			}
+		}
+	})
+}
