@@ -23,9 +23,9 @@ import (
 // prompts from transformers run through the native path.
 
 // A nativeRender appends the prompt for msgs (as vLLM prepared them) to b,
-// or reports false, leaving b as it was, when the request is one it does
-// not cover.
-type nativeRender func(b *strings.Builder, msgs []jinja.Value, bos string, addGenerationPrompt bool) bool
+// or reports false, having written nothing, when the request is one it
+// does not cover.
+type nativeRender func(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool)
 
 // natives maps a template's fingerprint to its renderer.
 var natives = map[[sha256.Size]byte]nativeRender{
@@ -120,68 +120,67 @@ func roleAndContent(m jinja.Value) (role, content string, ok bool) {
 
 // renderLlama3 is Llama 3.0's template: each message as a header, its
 // content stripped, <|eot_id|>; bos_token before the first.
-func renderLlama3(b *strings.Builder, msgs []jinja.Value, bos string, addGenerationPrompt bool) bool {
+func renderLlama3(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool) {
 	if bos == "" { // undefined in the template: let jinja decide what that means
-		return false
+		return b, false
 	}
 	for _, m := range msgs {
 		if _, _, ok := roleAndContent(m); !ok {
-			return false
+			return b, false
 		}
 	}
 	for i, m := range msgs {
 		role, content, _ := roleAndContent(m)
 		if i == 0 {
-			b.WriteString(bos)
+			b = append(b, bos...)
 		}
-		b.WriteString("<|start_header_id|>")
-		b.WriteString(role)
-		b.WriteString("<|end_header_id|>\n\n")
-		b.WriteString(strings.TrimFunc(content, pyIsSpace))
-		b.WriteString("<|eot_id|>")
+		b = append(b, "<|start_header_id|>"...)
+		b = append(b, role...)
+		b = append(b, "<|end_header_id|>\n\n"...)
+		b = append(b, strings.TrimFunc(content, pyIsSpace)...)
+		b = append(b, "<|eot_id|>"...)
 	}
 	if addGenerationPrompt {
-		b.WriteString("<|start_header_id|>assistant<|end_header_id|>\n\n")
+		b = append(b, "<|start_header_id|>assistant<|end_header_id|>\n\n"...)
 	}
-	return true
+	return b, true
 }
 
 // renderQwen25 is Qwen2.5's template without tools: a system turn (the
 // client's or Qwen's default), then user, system and assistant turns in
 // ChatML. Assistant tool calls and tool results stay with jinja.
-func renderQwen25(b *strings.Builder, msgs []jinja.Value, _ string, addGenerationPrompt bool) bool {
+func renderQwen25(b []byte, msgs []jinja.Value, _ string, addGenerationPrompt bool) ([]byte, bool) {
 	if len(msgs) == 0 {
-		return false
+		return b, false
 	}
 	for _, m := range msgs {
 		role, _, ok := roleAndContent(m)
 		if !ok || role == "tool" {
-			return false
+			return b, false
 		}
 		if _, has := m.AsDict().Get("tool_calls"); has && role == "assistant" {
-			return false
+			return b, false
 		}
 	}
-	role0, content0, _ := roleAndContent(msgs[0])
-	if role0 == "system" {
-		b.WriteString("<|im_start|>system\n")
-		b.WriteString(content0)
-		b.WriteString("<|im_end|>\n")
+	if role0, content0, _ := roleAndContent(msgs[0]); role0 == "system" {
+		b = append(b, "<|im_start|>system\n"...)
+		b = append(b, content0...)
+		b = append(b, "<|im_end|>\n"...)
 	} else {
-		b.WriteString("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n")
+		b = append(b, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"...)
 	}
 	for i, m := range msgs {
 		role, content, _ := roleAndContent(m)
 		if role == "user" || role == "assistant" || (role == "system" && i > 0) {
-			b.WriteString("<|im_start|>")
-			b.WriteString(role)
-			b.WriteString("\n")
-			b.WriteString(content)
-			b.WriteString("<|im_end|>\n")
+			b = append(b, "<|im_start|>"...)
+			b = append(b, role...)
+			b = append(b, '\n')
+			b = append(b, content...)
+			b = append(b, "<|im_end|>\n"...)
 		}
 	}
 	if addGenerationPrompt {
-		b.WriteString("<|im_start|>assistant\n")
+		b = append(b, "<|im_start|>assistant\n"...)
 	}
-	return true
+	return b, true
 }

@@ -107,6 +107,14 @@ func TestNativeMatchesJinja(t *testing.T) {
 				t.Fatalf("%s case %d %s (generation prompt %v, continue %v, bos %q):\nnative %q, %v\njinja  %q, %v",
 					name, i, in.Messages, in.AddGenerationPrompt, in.ContinueFinalMessage, in.BOSToken, got, gerr, want, werr)
 			}
+			// AppendRender appends the same prompt, or nothing on error.
+			for _, tm := range []*Template{tmpl, viaJinja} {
+				dst := append(make([]byte, 0, 8+r.IntN(2)*4096), "before|"...)
+				appended, err := tm.AppendRender(dst, in)
+				if fmt.Sprint(err) != fmt.Sprint(gerr) || string(appended) != "before|"+got {
+					t.Fatalf("%s case %d: AppendRender %q, %v; Render %q, %v", name, i, appended, err, got, gerr)
+				}
+			}
 		}
 		if native < n/5 {
 			t.Errorf("%s: only %d of %d conversations rendered natively", name, native, n)
@@ -121,8 +129,11 @@ func rendersNatively(tmpl *Template, in Input) bool {
 		return false
 	}
 	msgs, err := tmpl.decodeMessages(in.Messages)
-	var b strings.Builder
-	return err == nil && tmpl.native(&b, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt)
+	if err != nil {
+		return false
+	}
+	_, ok := tmpl.native(nil, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt)
+	return ok
 }
 
 // TestGoldenPromptsRenderNatively: the prompts transformers rendered for

@@ -73,6 +73,7 @@ import (
 	"regexp"
 	"strings"
 	"time"
+	"unsafe"
 
 	"encoding/json"
 
@@ -249,21 +250,68 @@ func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, err
 }
 
 // Render renders the template for one request.
-func (t *Template) Render(in Input) (out string, err error) {
+func (t *Template) Render(in Input) (string, error) {
 	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
 		return "", err
 	}
-	if t.native != nil && isNull(in.Tools) && isNull(in.Kwargs) && !(in.ContinueFinalMessage && in.AddGenerationPrompt) {
-		var b strings.Builder
-		b.Grow(len(in.Messages) + 256)
-		if t.native(&b, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt) {
-			if in.ContinueFinalMessage {
-				return cutAfterFinalMessage(b.String(), msgs.AsList())
-			}
-			return b.String(), nil
+	if buf, ok, err := t.renderNative(nil, in, msgs); ok || err != nil {
+		if err != nil || len(buf) == 0 {
+			return "", err
 		}
+		// buf is this call's own and never written again (strings.Builder's
+		// String does the same).
+		return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
 	}
+	return t.renderJinja(in, msgs)
+}
+
+// AppendRender appends the prompt for one request to dst: a caller that
+// reuses dst across requests makes no garbage for prompts the native
+// renderers produce. On error it returns dst unchanged.
+func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
+	msgs, err := t.decodeMessages(in.Messages)
+	if err != nil {
+		return dst, err
+	}
+	if buf, ok, err := t.renderNative(dst, in, msgs); ok || err != nil {
+		if err != nil {
+			return dst, err
+		}
+		return buf, nil
+	}
+	out, err := t.renderJinja(in, msgs)
+	if err != nil {
+		return dst, err
+	}
+	return append(dst, out...), nil
+}
+
+// renderNative appends the prompt to dst if the template has a native
+// renderer that covers in; ok is false (dst unchanged) otherwise.
+func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []byte, ok bool, err error) {
+	if t.native == nil || !isNull(in.Tools) || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
+		return dst, false, nil
+	}
+	if dst == nil {
+		dst = make([]byte, 0, len(in.Messages)+256)
+	}
+	start := len(dst)
+	if out, ok = t.native(dst, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt); !ok {
+		return dst[:start], false, nil
+	}
+	if in.ContinueFinalMessage {
+		cut, err := cutAfterFinalMessage(string(out[start:]), msgs.AsList())
+		if err != nil {
+			return dst[:start], true, err
+		}
+		out = out[:start+len(cut)]
+	}
+	return out, true, nil
+}
+
+// renderJinja renders through jinja.
+func (t *Template) renderJinja(in Input, msgs jinja.Value) (out string, err error) {
 	vars, messages, cont, err := t.buildVars(in, msgs)
 	if err != nil {
 		return "", err

@@ -27,6 +27,9 @@ const affinityBlocks = 4
 // huge prompt does not pin its buffer for good.
 const maxReusedIDs = 1 << 18
 
+// maxReusedPrompt bounds the prompt buffer an idle exchange keeps.
+const maxReusedPrompt = 1 << 20
+
 // exchange is one request's routing state, reused through a pool. It is the
 // proxy's Observer, so it also does in-flight accounting and metrics.
 type exchange struct {
@@ -51,7 +54,10 @@ type exchange struct {
 	keys     []uint64
 	ids      []uint32 // the prompt's ids: p.promptIDs or idsBuf
 	idsBuf   []uint32 // reused by the tokenizer across requests
-	seed     uint64
+	// promptBuf is reused to render chat prompts into: only their ids are
+	// kept, and a 4 KB prompt a request is most of a decision's garbage.
+	promptBuf []byte
+	seed      uint64
 
 	targets []*proxy.Upstream
 	info    []targetInfo
@@ -390,7 +396,12 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
 			IDs:                  ex.idsBuf,
 		}
-		_, ids, err = tk.EncodeChat(chat)
+		if ex.promptBuf == nil {
+			ex.promptBuf = make([]byte, 0, 4096)
+		}
+		chat.Prompt = ex.promptBuf
+		var prompt string
+		prompt, ids, err = tk.EncodeChat(chat)
 		if k, media := tokenize.MediaMessage(err); media && k > 0 {
 			// The engine expands media into tokens the router cannot know,
 			// but the messages before the first media part are rendered
@@ -403,6 +414,11 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 		}
 		if cap(ids) > cap(ex.idsBuf) && cap(ids) <= maxReusedIDs {
 			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
+		}
+		if n := len(prompt); n > cap(ex.promptBuf) && n <= maxReusedPrompt {
+			// Rendered into a grown copy the exchange cannot take back: the
+			// next request gets a buffer this size.
+			ex.promptBuf = make([]byte, 0, n+n/4)
 		}
 	}
 	return ids, err

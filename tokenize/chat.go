@@ -2,6 +2,7 @@ package tokenize
 
 import (
 	"errors"
+	"unsafe"
 
 	"github.com/kvmesh/kvmesh/chattemplate"
 )
@@ -27,6 +28,7 @@ func MediaMessage(err error) (int, bool) {
 // chatRenderer is the seam to package chattemplate.
 type chatRenderer interface {
 	Render(chattemplate.Input) (string, error)
+	AppendRender([]byte, chattemplate.Input) ([]byte, error)
 }
 
 func compileChatTemplate(src string) (chatRenderer, error) {
@@ -53,7 +55,20 @@ func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
 	if r == nil {
 		return "", t.chatErr
 	}
-	return r.Render(chattemplate.Input{
+	in := t.templateInput(chat)
+	if chat.Prompt == nil {
+		return r.Render(in)
+	}
+	buf, err := r.AppendRender(chat.Prompt[:0], in)
+	if err != nil || len(buf) == 0 {
+		return "", err
+	}
+	// Shares chat.Prompt's memory (or its grown copy), as Chat documents.
+	return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
+}
+
+func (t *HF) templateInput(chat Chat) chattemplate.Input {
+	return chattemplate.Input{
 		Messages:             chat.Messages,
 		Tools:                chat.Tools,
 		Kwargs:               chat.TemplateKwargs,
@@ -61,7 +76,7 @@ func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
 		ContinueFinalMessage: chat.ContinueFinalMessage,
 		BOSToken:             t.bosToken,
 		EOSToken:             t.eosToken,
-	})
+	}
 }
 
 // EncodeChat implements Model: render the template, then tokenize without

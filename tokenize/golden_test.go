@@ -143,14 +143,26 @@ func TestGoldenChatPromptIDs(t *testing.T) {
 }
 
 // TestGoldenChat renders every chat case with its template and checks the
-// prompt and ids, or that the template raises.
+// prompt and ids, or that the template raises. Each case runs three times:
+// into a new prompt, then twice into one buffer every case reuses (Chat's
+// Prompt), so that anything the tokenizer cached from a reused buffer
+// without copying it would spoil a later case.
 func TestGoldenChat(t *testing.T) {
 	for _, model := range goldenModels {
 		t.Run(model, func(t *testing.T) {
 			base, g := goldenTokenizer(t, model)
 			byTemplate := map[string]chatRenderer{}
 			pass, total := 0, 0
-			for _, c := range append(slices.Clone(g.Chat), g.ChatExtra...) {
+			cases := append(slices.Clone(g.Chat), g.ChatExtra...)
+			reused := make([]byte, 0, 1<<16)
+			var passes []goldenChatCase
+			for _, buf := range [][]byte{nil, reused, reused} {
+				for _, c := range cases {
+					passes = append(passes, goldenChatCase{c, buf})
+				}
+			}
+			for _, pc := range passes {
+				c := pc.goldenChat
 				total++
 				tmpl := byTemplate[c.Template]
 				if tmpl == nil {
@@ -168,6 +180,7 @@ func TestGoldenChat(t *testing.T) {
 					Messages:            c.Messages,
 					Tools:               c.Tools,
 					AddGenerationPrompt: c.AddGenerationPrompt,
+					Prompt:              pc.prompt,
 				}, 0)
 				if c.Error != nil {
 					if err == nil {
@@ -194,6 +207,11 @@ func TestGoldenChat(t *testing.T) {
 			t.Logf("%s: chat %d/%d", model, pass, total)
 		})
 	}
+}
+
+type goldenChatCase struct {
+	goldenChat
+	prompt []byte // Chat.Prompt
 }
 
 func TestNoChatTemplate(t *testing.T) {
