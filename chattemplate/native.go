@@ -27,12 +27,26 @@ import (
 // does not cover.
 type nativeRender func(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool)
 
+type native struct {
+	name   string
+	render nativeRender
+}
+
 // natives maps a template's fingerprint to its renderer.
-var natives = map[[sha256.Size]byte]nativeRender{
+var natives = map[[sha256.Size]byte]native{
 	// Meta-Llama-3-8B-Instruct / 70B-Instruct (Llama 3.0).
-	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): renderLlama3,
+	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"llama3", renderLlama3},
 	// Qwen2.5-*-Instruct (also Qwen2.5-Coder-*-Instruct).
-	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): renderQwen25,
+	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"qwen2.5", renderQwen25},
+}
+
+// Renderer names how the template renders the common request: "native
+// llama3" (a renderer of native.go) or "jinja".
+func (t *Template) Renderer() string {
+	if t.native == nil {
+		return "jinja"
+	}
+	return "native " + t.nativeName
 }
 
 // fingerprint identifies preprocessed template code up to whitespace inside

@@ -51,6 +51,9 @@ func TestKnownTemplatesRenderNatively(t *testing.T) {
 		if tmpl.native == nil {
 			t.Errorf("%s: no native renderer (fingerprint %x)", name, fingerprint(mustPreprocess(t, src)))
 		}
+		if want := "native " + strings.Fields(name)[0]; tmpl.Renderer() != want {
+			t.Errorf("%s: Renderer() = %q, want %q", name, tmpl.Renderer(), want)
+		}
 		// Other spacing inside tags is the same template...
 		respaced := strings.ReplaceAll(strings.ReplaceAll(src, " %}", " \t %}"), "{{ ", "{{\n ")
 		if tmpl, err := Compile(respaced); err != nil || tmpl.native == nil {
@@ -69,8 +72,8 @@ func TestKnownTemplatesRenderNatively(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tmpl.native != nil {
-				t.Errorf("%s: a changed template still renders natively", name)
+			if tmpl.native != nil || tmpl.Renderer() != "jinja" {
+				t.Errorf("%s: a changed template still renders natively (%s)", name, tmpl.Renderer())
 			}
 		}
 	}

@@ -97,7 +97,8 @@ type Template struct {
 	helpers []helper
 	// native renders the common request without jinja (native.go); nil
 	// for templates it does not know.
-	native nativeRender
+	native     nativeRender
+	nativeName string
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -182,7 +183,10 @@ func compile(src string, allowDirect bool) (t *Template, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
-	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre), openaiParts: contentLoop.MatchString(pre), native: natives[fp]}
+	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre), openaiParts: contentLoop.MatchString(pre)}
+	if n, ok := natives[fp]; ok {
+		t.native, t.nativeName = n.render, n.name
+	}
 	for _, h := range helpers {
 		// Jinja has no lookup by computed name: a helper the source does not
 		// name cannot be reached, and each variable costs a map insert (and

@@ -45,6 +45,16 @@ func WithChatTemplate(src string) Option {
 	return func(o *options) { o.chatTemplate = &src }
 }
 
+// ChatRenderer names how chats render: "native llama3" and the like for
+// templates package chattemplate renders in Go, "jinja" for the rest, ""
+// without a chat template.
+func (t *HF) ChatRenderer() string {
+	if r, ok := t.chat.(interface{ Renderer() string }); ok {
+		return r.Renderer()
+	}
+	return ""
+}
+
 // RenderChat renders a chat with the model's template, as transformers'
 // apply_chat_template(tokenize=False) does.
 func (t *HF) RenderChat(chat Chat) (string, error) {
