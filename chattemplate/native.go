@@ -14,11 +14,13 @@ import (
 // messages, and for those jinja spends its time on machinery, not output:
 // a scope map and a loop dict per message, and a new string per + (a 4 KB
 // Llama-3 chat: 18 µs of a 60 µs routing decision on a slow host). A
-// template whose source is, up to whitespace inside its tags, one listed in
-// natives gets that template's renderer written in Go, used for the common
-// request: messages only (no tools, no chat_template_kwargs), every role and
-// content a string. Any other request takes the jinja path, so a renderer
-// only has to be exact where it says yes. TestNativeMatchesJinja and
+// template whose preprocessed code is one listed in natives — compared up to
+// the amount of whitespace between the tokens of its tags — gets that
+// template's renderer written in Go. It renders the common request: no
+// tools, no chat_template_kwargs, and (for Qwen2.5) no tool calls or tool
+// turns; messages as vLLM prepared them (content parts joined, null content
+// empty). Any other request takes the jinja path, so a renderer only has to
+// be exact where it says yes. TestNativeMatchesJinja and
 // FuzzNativeMatchesJinja hold both paths to the same prompt; the golden
 // prompts from transformers run through the native path.
 
@@ -27,17 +29,18 @@ import (
 // does not cover.
 type nativeRender func(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool)
 
+// A native is a known template's renderer.
 type native struct {
-	name   string
+	name   string // what Renderer reports
 	render nativeRender
 }
 
 // natives maps a template's fingerprint to its renderer.
-var natives = map[[sha256.Size]byte]native{
+var natives = map[[sha256.Size]byte]*native{
 	// Meta-Llama-3-8B-Instruct / 70B-Instruct (Llama 3.0).
-	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"llama3", renderLlama3},
+	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"native llama3", renderLlama3},
 	// Qwen2.5-*-Instruct (also Qwen2.5-Coder-*-Instruct).
-	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"qwen2.5", renderQwen25},
+	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"native qwen2.5", renderQwen25},
 }
 
 // Renderer names how the template renders the common request: "native
@@ -46,12 +49,15 @@ func (t *Template) Renderer() string {
 	if t.native == nil {
 		return "jinja"
 	}
-	return "native " + t.nativeName
+	return t.native.name
 }
 
-// fingerprint identifies preprocessed template code up to whitespace inside
-// tags (outside string literals), which jinja ignores: a template saved by
-// another tool with other spacing is the same template.
+// fingerprint identifies preprocessed template code up to the amount of
+// whitespace between the tokens of its tags and at their edges (never inside
+// string literals), which jinja ignores: a template saved by a tool that
+// spaces tags otherwise is the same template. preprocess has already
+// dropped comments and whitespace-control markers and turned text into
+// literals.
 func fingerprint(pre string) [sha256.Size]byte {
 	var b strings.Builder
 	b.Grow(len(pre))
@@ -119,6 +125,8 @@ func mustHex(s string) (sum [sha256.Size]byte) {
 }
 
 // roleAndContent returns a message's role and content if both are strings.
+// Messages as prepareMessage leaves them always are (for templates that do
+// not loop over content); the check keeps a renderer exact if that changes.
 func roleAndContent(m jinja.Value) (role, content string, ok bool) {
 	if !m.IsDict() {
 		return "", "", false

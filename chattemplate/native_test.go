@@ -128,14 +128,11 @@ func TestNativeMatchesJinja(t *testing.T) {
 
 // rendersNatively reports whether Render takes the native path for in.
 func rendersNatively(tmpl *Template, in Input) bool {
-	if tmpl.native == nil || !isNull(in.Tools) || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
-		return false
-	}
 	msgs, err := tmpl.decodeMessages(in.Messages)
 	if err != nil {
 		return false
 	}
-	_, ok := tmpl.native(nil, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt)
+	_, ok, _ := tmpl.renderNative(nil, in, msgs)
 	return ok
 }
 
@@ -252,8 +249,12 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 		for _, tmpl := range templates {
 			got, gerr := tmpl.Render(in)
 			want, werr := jinjaOnly(tmpl).Render(in)
-			if got != want || (gerr == nil) != (werr == nil) {
+			if got != want || fmt.Sprint(gerr) != fmt.Sprint(werr) {
 				t.Fatalf("native %q, %v; jinja %q, %v", got, gerr, want, werr)
+			}
+			appended, aerr := tmpl.AppendRender([]byte("x"), in)
+			if string(appended) != "x"+got || fmt.Sprint(aerr) != fmt.Sprint(gerr) {
+				t.Fatalf("AppendRender %q, %v; Render %q, %v", appended, aerr, got, gerr)
 			}
 		}
 	})

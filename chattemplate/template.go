@@ -46,9 +46,9 @@
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does;
 //   - the templates of some common models (Llama 3, Qwen2.5), recognised by
-//     their source, render the usual request (messages only, string roles
-//     and contents) in Go rather than jinja: the same prompt, in a fraction
-//     of the time and garbage (native.go).
+//     their source, render the usual request (no tools, no
+//     chat_template_kwargs) in Go rather than jinja: the same prompt, in a
+//     fraction of the time and garbage (native.go).
 //
 // Known differences left inside jinja v1.8.0's evaluator (see
 // knownExpressionGaps in the tests): the ~ operator prints None as "" and
@@ -97,8 +97,7 @@ type Template struct {
 	helpers []helper
 	// native renders the common request without jinja (native.go); nil
 	// for templates it does not know.
-	native     nativeRender
-	nativeName string
+	native *native
 }
 
 // Input is what decides one rendered prompt. Messages, Tools and Kwargs are
@@ -184,9 +183,7 @@ func compile(src string, allowDirect bool) (t *Template, err error) {
 		return nil, fmt.Errorf("chattemplate: compile: %w", err)
 	}
 	t = &Template{tmpl: jt, direct: direct, sourceBytes: len(pre), openaiParts: contentLoop.MatchString(pre)}
-	if n, ok := natives[fp]; ok {
-		t.native, t.nativeName = n.render, n.name
-	}
+	t.native = natives[fp]
 	for _, h := range helpers {
 		// Jinja has no lookup by computed name: a helper the source does not
 		// name cannot be reached, and each variable costs a map insert (and
@@ -272,7 +269,8 @@ func (t *Template) Render(in Input) (string, error) {
 
 // AppendRender appends the prompt for one request to dst: a caller that
 // reuses dst across requests makes no garbage for prompts the native
-// renderers produce. On error it returns dst unchanged.
+// renderers produce (jinja's output is copied in: for templates Renderer
+// calls "jinja", Render saves that copy). On error it returns dst unchanged.
 func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
 	msgs, err := t.decodeMessages(in.Messages)
 	if err != nil {
@@ -301,7 +299,7 @@ func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []b
 		dst = make([]byte, 0, len(in.Messages)+256)
 	}
 	start := len(dst)
-	if out, ok = t.native(dst, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt); !ok {
+	if out, ok = t.native.render(dst, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt); !ok {
 		return dst[:start], false, nil
 	}
 	if in.ContinueFinalMessage {

@@ -55,7 +55,7 @@ type exchange struct {
 	ids      []uint32 // the prompt's ids: p.promptIDs or idsBuf
 	idsBuf   []uint32 // reused by the tokenizer across requests
 	// promptBuf is reused to render chat prompts into: only their ids are
-	// kept, and a 4 KB prompt a request is most of a decision's garbage.
+	// kept, and a new prompt per request was most of a decision's garbage.
 	promptBuf []byte
 	seed      uint64
 
@@ -395,13 +395,9 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
 			IDs:                  ex.idsBuf,
+			Prompt:               &ex.promptBuf,
 		}
-		if ex.promptBuf == nil {
-			ex.promptBuf = make([]byte, 0, 4096)
-		}
-		chat.Prompt = ex.promptBuf
-		var prompt string
-		prompt, ids, err = tk.EncodeChat(chat)
+		_, ids, err = tk.EncodeChat(chat)
 		if k, media := tokenize.MediaMessage(err); media && k > 0 {
 			// The engine expands media into tokens the router cannot know,
 			// but the messages before the first media part are rendered
@@ -415,10 +411,8 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 		if cap(ids) > cap(ex.idsBuf) && cap(ids) <= maxReusedIDs {
 			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
 		}
-		if n := len(prompt); n > cap(ex.promptBuf) && n <= maxReusedPrompt {
-			// Rendered into a grown copy the exchange cannot take back: the
-			// next request gets a buffer this size.
-			ex.promptBuf = make([]byte, 0, n+n/4)
+		if cap(ex.promptBuf) > maxReusedPrompt {
+			ex.promptBuf = nil
 		}
 	}
 	return ids, err

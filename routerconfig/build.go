@@ -7,6 +7,8 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/rs/zerolog"
+
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gateway"
 	"github.com/kvmesh/kvmesh/proxy"
@@ -25,6 +27,8 @@ type Builder struct {
 	// EngineAPIKey is the engines' API key given by flag (the file can only
 	// name an environment variable holding one: engine_api_key_env).
 	EngineAPIKey string
+	// Log gets a line per tokenizer loaded (the zero Logger: none).
+	Log zerolog.Logger
 
 	mu         sync.Mutex
 	tokenizers map[string]tokenize.Model
@@ -174,6 +178,9 @@ func (b *Builder) tokenizer(spec, model, engineKey string) (tokenize.Model, erro
 		if err != nil {
 			return nil, fmt.Errorf("config: tokenizer %q: %w", spec, err)
 		}
+		// Templates rendered in Go save ≈ 20 µs per 4 KB chat over jinja:
+		// say which this one is.
+		b.Log.Info().Str("tokenizer", spec).Str("chat_template", hf.ChatRenderer()).Msg("tokenizer loaded")
 		tk = hf
 	}
 	b.tokenizers[cacheKey] = tk

@@ -29,6 +29,7 @@ func MediaMessage(err error) (int, bool) {
 type chatRenderer interface {
 	Render(chattemplate.Input) (string, error)
 	AppendRender([]byte, chattemplate.Input) ([]byte, error)
+	Renderer() string
 }
 
 func compileChatTemplate(src string) (chatRenderer, error) {
@@ -49,10 +50,10 @@ func WithChatTemplate(src string) Option {
 // templates package chattemplate renders in Go, "jinja" for the rest, ""
 // without a chat template.
 func (t *HF) ChatRenderer() string {
-	if r, ok := t.chat.(interface{ Renderer() string }); ok {
-		return r.Renderer()
+	if t.chat == nil {
+		return ""
 	}
-	return ""
+	return t.chat.Renderer()
 }
 
 // RenderChat renders a chat with the model's template, as transformers'
@@ -66,14 +67,15 @@ func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
 		return "", t.chatErr
 	}
 	in := t.templateInput(chat)
-	if chat.Prompt == nil {
+	if chat.Prompt == nil || r.Renderer() == "jinja" { // jinja makes its own string
 		return r.Render(in)
 	}
-	buf, err := r.AppendRender(chat.Prompt[:0], in)
+	buf, err := r.AppendRender((*chat.Prompt)[:0], in)
+	*chat.Prompt = buf
 	if err != nil || len(buf) == 0 {
 		return "", err
 	}
-	// Shares chat.Prompt's memory (or its grown copy), as Chat documents.
+	// Shares *chat.Prompt's memory, as Chat documents.
 	return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
 }
 

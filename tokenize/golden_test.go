@@ -156,7 +156,7 @@ func TestGoldenChat(t *testing.T) {
 			cases := append(slices.Clone(g.Chat), g.ChatExtra...)
 			reused := make([]byte, 0, 1<<16)
 			var passes []goldenChatCase
-			for _, buf := range [][]byte{nil, reused, reused} {
+			for _, buf := range []*[]byte{nil, &reused, &reused} {
 				for _, c := range cases {
 					passes = append(passes, goldenChatCase{c, buf})
 				}
@@ -211,7 +211,7 @@ func TestGoldenChat(t *testing.T) {
 
 type goldenChatCase struct {
 	goldenChat
-	prompt []byte // Chat.Prompt
+	prompt *[]byte // Chat.Prompt
 }
 
 func TestNoChatTemplate(t *testing.T) {

@@ -60,9 +60,10 @@ type Chat struct {
 	// new slice: a server reusing one buffer per request then makes no
 	// garbage for them. Implementations may ignore it.
 	IDs []uint32
-	// Prompt, when it is not nil, is a buffer the prompt may be rendered
-	// into (from Prompt[:0]); the prompt returned then shares its
-	// memory, and is only good until the buffer is used again. For callers
-	// that want the ids alone. Implementations may ignore it.
-	Prompt []byte
+	// Prompt, when it is not nil, holds a buffer the prompt may be rendered
+	// into, for callers that want the ids alone: rendering starts at
+	// (*Prompt)[:0] and leaves *Prompt holding the buffer used (grown if it
+	// had to be); the prompt returned then shares its memory, good until the
+	// buffer is used again. Implementations may ignore it.
+	Prompt *[]byte
 }

@@ -33,7 +33,6 @@ import (
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/routerconfig"
 	"github.com/kvmesh/kvmesh/routing"
-	"github.com/kvmesh/kvmesh/tokenize"
 )
 
 type options struct {
@@ -118,7 +117,7 @@ func run(args []string) error {
 		return err
 	}
 	table := fleet.NewTable(fleet.TableConfig{})
-	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, EngineAPIKey: o.engineAPIKey}
+	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, EngineAPIKey: o.engineAPIKey, Log: log}
 	cfg := base
 	if o.configPath != "" {
 		file, err := routerconfig.Load(o.configPath)
@@ -132,15 +131,6 @@ func run(args []string) error {
 		return err
 	}
 	g := gateway.New(table, nil, settings, log)
-	logChatRenderer := func(model string, tk tokenize.Model) {
-		if r, ok := tk.(interface{ ChatRenderer() string }); ok && r.ChatRenderer() != "" {
-			log.Info().Str("model", model).Str("renderer", r.ChatRenderer()).Msg("chat template")
-		}
-	}
-	for name, m := range settings.Models {
-		logChatRenderer(name, m.Tokenizer)
-	}
-	logChatRenderer("*", settings.DefaultTokenizer)
 	reloader := &routerconfig.Reloader{Base: base, Path: o.configPath, Builder: builder, Gateway: g, Log: log}
 	if err := builder.Apply(g, cfg); err != nil {
 		return err
