@@ -44,6 +44,7 @@ type Filter struct {
 	words  []uint64
 	blocks uint64
 	k      uint
+	found  foundPrefixes
 }
 
 // NewFilter returns an empty filter sized for capacity keys at false-positive
@@ -290,6 +291,8 @@ func mix64(x uint64) uint64 {
 // miss at block j means nothing after j can be resident there. A nil filter
 // matches nothing. len(matched) must be at least len(filters). It does not
 // allocate and may run while other goroutines add keys to the filters.
+// Each filter remembers the last prefixes found in it (foundPrefixes), so
+// the walk of a prompt that shares one starts after it.
 func MatchPrefix(keys []uint64, filters []*Filter, matched []int) {
 	matched = matched[:len(filters)]
 	for lo := 0; lo < len(filters); lo += matchChunk {
@@ -303,27 +306,50 @@ func MatchPrefix(keys []uint64, filters []*Filter, matched []int) {
 const matchChunk = 128
 
 func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
-	var live [matchChunk]uint8 // indexes of filters that matched every key so far
-	n := 0
+	// Each filter's walk starts after the longest prefix it is known to
+	// hold (foundPrefixes); filters join the key-major walk in that order.
+	var start [matchChunk]int32
+	var from [matchChunk]int8   // the foundPrefixes slot start came from
+	var order [matchChunk]uint8 // filters to walk, by start
+	total := 0
 	var kpos, kmask uint
 	for i, f := range filters {
 		if f == nil {
 			matched[i] = 0
 			continue
 		}
-		live[n] = uint8(i)
-		n++
+		n, slot := f.found.longest(keys)
+		start[i], from[i] = int32(n), int8(slot)
+		matched[i] = len(keys) // unless the walk misses
+		x := total
+		for ; x > 0 && start[order[x-1]] > start[i]; x-- {
+			order[x] = order[x-1]
+		}
+		order[x] = uint8(i)
+		total++
 		if kmask == 0 {
 			kmask = f.k // replicas share a configuration: build masks for it
 		} else if f.k != kmask {
 			kpos = max(kpos, f.k) // and positions for any other
 		}
 	}
+	var live [matchChunk]uint8 // indexes of filters that matched every key so far
+	n, next := 0, 0
 	var p Probe
-	for j, key := range keys {
-		if n == 0 {
-			return
+	for j := 0; j < len(keys); j++ {
+		for next < total && int(start[order[next]]) <= j {
+			live[n] = order[next]
+			n++
+			next++
 		}
+		if n == 0 {
+			if next == total {
+				break
+			}
+			j = int(start[order[next]]) - 1 // no filter walks before then
+			continue
+		}
+		key := keys[j]
 		p.init(key, kpos, kmask)
 		for x := 0; x < n; {
 			i := live[x]
@@ -353,7 +379,9 @@ func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
 			live[x] = live[n]
 		}
 	}
-	for _, i := range live[:n] {
-		matched[i] = len(keys)
+	for _, i := range order[:total] {
+		if m := matched[i]; m > int(start[i]) {
+			filters[i].found.add(keys[m-1], m, int(from[i]))
+		}
 	}
 }
