@@ -134,3 +134,44 @@ func BenchmarkDecodeMessages_32k(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRenderQwenTools renders an agent's turn with Qwen2.5's template:
+// ten tool schemas, an assistant tool call and its result (about 4 KB), the
+// native renderer against jinja. Decoded tools and messages come from the
+// cache in both, so the difference is the rendering alone.
+func BenchmarkRenderQwenTools(b *testing.B) {
+	tmpl, err := Compile(qwen25Template)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var tools []string
+	for i := range 10 {
+		tools = append(tools, fmt.Sprintf(`{"type":"function","function":{"name":"tool_%d","description":"Look something up in the company's knowledge base and return the matching passages.","parameters":{"type":"object","properties":{"query":{"type":"string","description":"what to look for"},"limit":{"type":"integer"}},"required":["query"]}}}`, i))
+	}
+	in := Input{
+		Messages: json.RawMessage(`[{"role":"system","content":"You are a helpful agent."},{"role":"user","content":"Find the travel policy."},` +
+			`{"role":"assistant","content":"","tool_calls":[{"id":"c1","type":"function","function":{"name":"tool_1","arguments":"{\"query\":\"travel policy\",\"limit\":3}"}}]},` +
+			`{"role":"tool","tool_call_id":"c1","content":"Employees book economy class for flights under six hours."},{"role":"user","content":"And for longer flights?"}]`),
+		Tools:               json.RawMessage("[" + strings.Join(tools, ",") + "]"),
+		AddGenerationPrompt: true,
+	}
+	for _, path := range []string{"native", "jinja"} {
+		b.Run(path, func(b *testing.B) {
+			t := *tmpl
+			if path == "jinja" {
+				t.native = nil
+			}
+			out, err := t.Render(in)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(int64(len(out)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := t.Render(in); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

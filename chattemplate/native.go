@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"strings"
+	"sync"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -16,18 +17,20 @@ import (
 // Llama-3 chat: 18 µs of a 60 µs routing decision on a slow host). A
 // template whose preprocessed code is one listed in natives — compared up to
 // the amount of whitespace between the tokens of its tags — gets that
-// template's renderer written in Go. It renders the common request: no
-// tools, no chat_template_kwargs, and (for Qwen2.5) no tool calls or tool
-// turns; messages as vLLM prepared them (content parts joined, null content
-// empty). Any other request takes the jinja path, so a renderer only has to
-// be exact where it says yes. TestNativeMatchesJinja and
+// template's renderer written in Go. It renders requests without
+// chat_template_kwargs — tools, tool calls and tool results included —
+// from messages and tools as vLLM prepared them (content parts joined,
+// null content empty, tool-call arguments parsed, tools laid out), the
+// tools' JSON cached by their raw bytes (toolTexts). A request it does not
+// cover takes the jinja path, so a renderer only has to be exact where it
+// says yes. TestNativeMatchesJinja and
 // FuzzNativeMatchesJinja hold both paths to the same prompt; the golden
 // prompts from transformers run through the native path.
 
-// A nativeRender appends the prompt for msgs (as vLLM prepared them) to b,
-// or reports false, having written nothing, when the request is one it
-// does not cover.
-type nativeRender func(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool)
+// A nativeRender appends the prompt for msgs (as vLLM prepared them) and
+// tools (each tool's tojson text; nil when there are none) to b, or reports
+// false, having written nothing, when the request is one it does not cover.
+type nativeRender func(b []byte, msgs []jinja.Value, tools []string, bos string, addGenerationPrompt bool) ([]byte, bool)
 
 // A native is a known template's renderer.
 type native struct {
@@ -142,7 +145,7 @@ func roleAndContent(m jinja.Value) (role, content string, ok bool) {
 
 // renderLlama3 is Llama 3.0's template: each message as a header, its
 // content stripped, <|eot_id|>; bos_token before the first.
-func renderLlama3(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt bool) ([]byte, bool) {
+func renderLlama3(b []byte, msgs []jinja.Value, _ []string, bos string, addGenerationPrompt bool) ([]byte, bool) {
 	if bos == "" { // undefined in the template: let jinja decide what that means
 		return b, false
 	}
@@ -168,37 +171,87 @@ func renderLlama3(b []byte, msgs []jinja.Value, bos string, addGenerationPrompt 
 	return b, true
 }
 
-// renderQwen25 is Qwen2.5's template without tools: a system turn (the
-// client's or Qwen's default), then user, system and assistant turns in
-// ChatML. Assistant tool calls and tool results stay with jinja.
-func renderQwen25(b []byte, msgs []jinja.Value, _ string, addGenerationPrompt bool) ([]byte, bool) {
+// renderQwen25 is Qwen2.5's template: a system turn (the client's or
+// Qwen's default, with the tools' signatures when there are tools), then
+// user, system and assistant turns in ChatML, assistant tool calls as
+// <tool_call> JSON, and runs of tool results as one user turn.
+func renderQwen25(b []byte, msgs []jinja.Value, tools []string, _ string, addGenerationPrompt bool) ([]byte, bool) {
 	if len(msgs) == 0 {
 		return b, false
 	}
 	for _, m := range msgs {
 		role, _, ok := roleAndContent(m)
-		if !ok || role == "tool" {
+		if !ok {
 			return b, false
 		}
-		if _, has := m.AsDict().Get("tool_calls"); has && role == "assistant" {
+		if calls, has := m.AsDict().Get("tool_calls"); has && role == "assistant" && !validQwenToolCalls(calls) {
 			return b, false
 		}
 	}
-	if role0, content0, _ := roleAndContent(msgs[0]); role0 == "system" {
+	start := len(b)
+	role0, content0, _ := roleAndContent(msgs[0])
+	switch {
+	case len(tools) > 0:
+		b = append(b, "<|im_start|>system\n"...)
+		if role0 == "system" {
+			b = append(b, content0...)
+		} else {
+			b = append(b, qwenDefaultSystem...)
+		}
+		b = append(b, "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"...)
+		for _, js := range tools {
+			b = append(b, '\n')
+			b = append(b, js...)
+		}
+		b = append(b, "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"...)
+	case role0 == "system":
 		b = append(b, "<|im_start|>system\n"...)
 		b = append(b, content0...)
 		b = append(b, "<|im_end|>\n"...)
-	} else {
-		b = append(b, "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"...)
+	default:
+		b = append(b, "<|im_start|>system\n"+qwenDefaultSystem+"<|im_end|>\n"...)
 	}
 	for i, m := range msgs {
 		role, content, _ := roleAndContent(m)
-		if role == "user" || role == "assistant" || (role == "system" && i > 0) {
+		calls, hasCalls := m.AsDict().Get("tool_calls")
+		switch {
+		case role == "user" || (role == "system" && i > 0) || (role == "assistant" && !hasCalls):
 			b = append(b, "<|im_start|>"...)
 			b = append(b, role...)
 			b = append(b, '\n')
 			b = append(b, content...)
 			b = append(b, "<|im_end|>\n"...)
+		case role == "assistant":
+			b = append(b, "<|im_start|>assistant"...)
+			if content != "" {
+				b = append(b, '\n')
+				b = append(b, content...)
+			}
+			for _, call := range calls.AsList().Items {
+				fn, _ := call.AsDict().Get("function")
+				name, _ := fn.AsDict().Get("name")
+				args, _ := fn.AsDict().Get("arguments")
+				js, ok := tojson(args)
+				if !ok {
+					return b[:start], false
+				}
+				b = append(b, "\n<tool_call>\n{\"name\": \""...)
+				b = append(b, name.AsString()...)
+				b = append(b, "\", \"arguments\": "...)
+				b = append(b, js...)
+				b = append(b, "}\n</tool_call>"...)
+			}
+			b = append(b, "<|im_end|>\n"...)
+		case role == "tool":
+			if i == 0 || roleOf(msgs[i-1]) != "tool" {
+				b = append(b, "<|im_start|>user"...)
+			}
+			b = append(b, "\n<tool_response>\n"...)
+			b = append(b, content...)
+			b = append(b, "\n</tool_response>"...)
+			if i == len(msgs)-1 || roleOf(msgs[i+1]) != "tool" {
+				b = append(b, "<|im_end|>\n"...)
+			}
 		}
 	}
 	if addGenerationPrompt {
@@ -206,3 +259,96 @@ func renderQwen25(b []byte, msgs []jinja.Value, _ string, addGenerationPrompt bo
 	}
 	return b, true
 }
+
+const qwenDefaultSystem = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+// validQwenToolCalls reports whether an assistant's tool_calls are what the
+// native renderer covers: a non-empty list (vLLM drops empty ones) of calls
+// whose function has a string name. The template reads tool_call.function
+// when it is defined; vLLM admits only calls with a function object, whose
+// arguments it has made a mapping.
+func validQwenToolCalls(calls jinja.Value) bool {
+	if !calls.IsList() || calls.AsList().Len() == 0 {
+		return false
+	}
+	for _, c := range calls.AsList().Items {
+		if !c.IsDict() {
+			return false
+		}
+		fn, ok := c.AsDict().Get("function")
+		if !ok || !fn.IsDict() {
+			return false
+		}
+		name, ok := fn.AsDict().Get("name")
+		if !ok || !name.IsString() {
+			return false
+		}
+		if _, ok := fn.AsDict().Get("arguments"); !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// roleOf returns a message's role (a string, as roleAndContent checked).
+func roleOf(m jinja.Value) string {
+	r, _ := m.AsDict().Get("role")
+	return r.AsString()
+}
+
+// tojson is the template's tojson filter (Python's json.dumps as
+// transformers configures it) on v.
+func tojson(v jinja.Value) (string, bool) {
+	out, err := tojsonFilter([]jinja.Value{v}, nil)
+	if err != nil || !out.IsString() {
+		return "", false
+	}
+	return out.AsString(), true
+}
+
+// toolTexts returns each tool's tojson text (nil, true for no tools), by
+// the tools array's raw JSON: agents send the same tools with every
+// request, and dumping their schemas was most of such a prompt's render.
+// It reports false when a tool does not dump (the jinja path then fails
+// alike).
+func toolTexts(raw []byte, tools jinja.Value) ([]string, bool) {
+	if !tools.IsList() || tools.AsList().Len() == 0 {
+		return nil, true
+	}
+	toolJSON.mu.RLock()
+	texts, ok := toolJSON.m[string(raw)]
+	toolJSON.mu.RUnlock()
+	if ok {
+		return texts, true
+	}
+	texts = make([]string, 0, tools.AsList().Len())
+	size := len(raw)
+	for _, tool := range tools.AsList().Items {
+		js, ok := tojson(tool)
+		if !ok {
+			return nil, false
+		}
+		texts = append(texts, js)
+		size += len(js)
+	}
+	toolJSON.mu.Lock()
+	if toolJSON.bytes+size > maxToolJSONBytes {
+		clear(toolJSON.m)
+		toolJSON.bytes = 0
+	}
+	if size <= maxToolJSONBytes/4 {
+		toolJSON.m[string(raw)] = texts
+		toolJSON.bytes += size
+	}
+	toolJSON.mu.Unlock()
+	return texts, true
+}
+
+// maxToolJSONBytes bounds toolJSON (raw arrays and their texts together).
+const maxToolJSONBytes = 8 << 20
+
+var toolJSON = struct {
+	mu    sync.RWMutex
+	m     map[string][]string
+	bytes int
+}{m: map[string][]string{}}

@@ -97,12 +97,15 @@ func TestNativeMatchesJinja(t *testing.T) {
 			t.Fatal(err)
 		}
 		viaJinja := jinjaOnly(tmpl)
-		native := 0
+		native, nativeTools := 0, 0
 		const n = 3000
 		for i := range n {
 			in := randomChat(r)
 			if rendersNatively(tmpl, in) {
 				native++
+				if !isNull(in.Tools) || strings.Contains(string(in.Messages), `"tool"`) || strings.Contains(string(in.Messages), `"tool_calls"`) {
+					nativeTools++
+				}
 			}
 			got, gerr := tmpl.Render(in)
 			want, werr := viaJinja.Render(in)
@@ -122,7 +125,10 @@ func TestNativeMatchesJinja(t *testing.T) {
 		if native < n/5 {
 			t.Errorf("%s: only %d of %d conversations rendered natively", name, native, n)
 		}
-		t.Logf("%s: %d of %d rendered natively", name, native, n)
+		t.Logf("%s: %d of %d rendered natively, %d of them with tools, tool calls or tool turns", name, native, n, nativeTools)
+		if strings.HasPrefix(name, "qwen") && nativeTools < n/20 {
+			t.Errorf("%s: only %d natively rendered conversations had tools", name, nativeTools)
+		}
 	}
 }
 
@@ -201,7 +207,7 @@ func randomChat(r *rand.Rand) Input {
 		m := fmt.Sprintf(`{"role":%q,"content":%s`, role, content)
 		switch r.IntN(10) {
 		case 0:
-			m += `,"tool_calls":[{"type":"function","function":{"name":"f","arguments":"{\"a\":1}"}}]`
+			m += `,"tool_calls":` + randomToolCalls(r, text)
 		case 1:
 			m += `,"name":"n"`
 		case 2:
@@ -218,8 +224,8 @@ func randomChat(r *rand.Rand) Input {
 		in.ContinueFinalMessage = true
 	}
 	switch r.IntN(10) {
-	case 0:
-		in.Tools = json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
+	case 0, 3:
+		in.Tools = randomTools(r, text)
 	case 1:
 		in.Kwargs = json.RawMessage(`{"bos_token":"B"}`)
 	case 2:
@@ -228,8 +234,46 @@ func randomChat(r *rand.Rand) Input {
 	return in
 }
 
-// FuzzNativeMatchesJinja: for any messages JSON, both paths give the same
-// prompt or both fail.
+// randomTools is a tools array of the shapes clients send, valid or not.
+func randomTools(r *rand.Rand, text func() string) json.RawMessage {
+	var tools []string
+	for range r.IntN(4) {
+		name, _ := json.Marshal(text())
+		desc, _ := json.Marshal(text())
+		tool := []string{
+			fmt.Sprintf(`{"type":"function","function":{"name":%s}}`, name),
+			fmt.Sprintf(`{"type":"function","function":{"name":%s,"description":%s,"parameters":{"type":"object","properties":{"q":{"type":"string","description":%s},"n":{"type":"integer","minimum":1.0}},"required":["q"]}},"extra":[1,2.5,null,true]}`, name, desc, desc),
+			fmt.Sprintf(`{"function":{"parameters":null,"name":%s,"description":null,"strict":true}}`, name),
+			`{"type":"function","function":{"name":7}}`, // refused by vLLM
+			`{"type":"retrieval"}`, // refused too
+		}[r.IntN(5)]
+		tools = append(tools, tool)
+	}
+	return json.RawMessage("[" + strings.Join(tools, ",") + "]")
+}
+
+// randomToolCalls is an assistant's tool_calls, with arguments as OpenAI
+// SDKs send them (a JSON string), as a mapping, or broken.
+func randomToolCalls(r *rand.Rand, text func() string) string {
+	var calls []string
+	for range r.IntN(3) {
+		v, _ := json.Marshal(text())
+		argsJSON, _ := json.Marshal(fmt.Sprintf(`{"q": %s, "n": 2, "deep": {"x": [1.5, null]}}`, v))
+		args := []string{string(argsJSON), `{"q":` + string(v) + `,"n":1.0}`, `"not json"`, `""`, `null`, `[1]`, `{}`}[r.IntN(7)]
+		name, _ := json.Marshal(text())
+		call := []string{
+			fmt.Sprintf(`{"id":"c1","type":"function","function":{"name":%s,"arguments":%s}}`, name, args),
+			fmt.Sprintf(`{"function":{"arguments":%s,"name":"lookup"}}`, args),
+			`{"type":"function","function":{"name":3,"arguments":"{}"}}`,
+			`{"type":"function"}`,
+		}[r.IntN(4)]
+		calls = append(calls, call)
+	}
+	return "[" + strings.Join(calls, ",") + "]"
+}
+
+// FuzzNativeMatchesJinja: for any messages and tools JSON, both paths give
+// the same prompt or the same error.
 func FuzzNativeMatchesJinja(f *testing.F) {
 	var templates []*Template
 	for _, src := range []string{llama3Template, qwen25Template} {
@@ -240,12 +284,13 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 		templates = append(templates, tmpl)
 	}
 	r := rand.New(rand.NewPCG(3, 4))
-	for range 20 {
-		f.Add([]byte(randomChat(r).Messages), true, false, "<s>")
+	for range 30 {
+		in := randomChat(r)
+		f.Add([]byte(in.Messages), []byte(in.Tools), true, false, "<s>")
 	}
-	f.Add([]byte(`[]`), false, true, "")
-	f.Fuzz(func(t *testing.T, messages []byte, genPrompt, cont bool, bos string) {
-		in := Input{Messages: messages, AddGenerationPrompt: genPrompt, ContinueFinalMessage: cont, BOSToken: bos}
+	f.Add([]byte(`[]`), []byte(nil), false, true, "")
+	f.Fuzz(func(t *testing.T, messages, tools []byte, genPrompt, cont bool, bos string) {
+		in := Input{Messages: messages, Tools: tools, AddGenerationPrompt: genPrompt, ContinueFinalMessage: cont, BOSToken: bos}
 		for _, tmpl := range templates {
 			got, gerr := tmpl.Render(in)
 			want, werr := jinjaOnly(tmpl).Render(in)
@@ -258,4 +303,31 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestToolTextsAreReused: the second request with the same tools array
+// takes its tools' JSON from toolTexts' cache, and renders as jinja does;
+// other tools, or the same ones reordered, are other entries.
+func TestToolTextsAreReused(t *testing.T) {
+	tmpl, err := Compile(qwen25Template)
+	if err != nil {
+		t.Fatal(err)
+	}
+	viaJinja := jinjaOnly(tmpl)
+	a := `{"type":"function","function":{"name":"a","description":"é\u2028","parameters":{"type":"object","properties":{"x":{"type":"number","default":1.0}}}}}`
+	b := `{"type":"function","function":{"name":"b"}}`
+	for _, tools := range []string{"[" + a + "," + b + "]", "[" + a + "," + b + "]", "[" + b + "," + a + "]", "[" + b + "]"} {
+		in := Input{Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`), Tools: json.RawMessage(tools), AddGenerationPrompt: true}
+		got, err := tmpl.Render(in)
+		want, werr := viaJinja.Render(in)
+		if err != nil || werr != nil || got != want {
+			t.Fatalf("tools %s:\nnative %q, %v\njinja  %q, %v", tools, got, err, want, werr)
+		}
+		toolJSON.mu.RLock()
+		texts, cached := toolJSON.m[tools]
+		toolJSON.mu.RUnlock()
+		if !cached || len(texts) != strings.Count(tools, `"type":"function"`) {
+			t.Fatalf("tools %s: cached %v, %d texts", tools, cached, len(texts))
+		}
+	}
 }

@@ -46,9 +46,9 @@
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does;
 //   - the templates of some common models (Llama 3, Qwen2.5), recognised by
-//     their source, render the usual request (no tools, no
-//     chat_template_kwargs) in Go rather than jinja: the same prompt, in a
-//     fraction of the time and garbage (native.go).
+//     their source, render requests without chat_template_kwargs in Go
+//     rather than jinja: the same prompt, in a fraction of the time and
+//     garbage (native.go).
 //
 // Known differences left inside jinja v1.8.0's evaluator (see
 // knownExpressionGaps in the tests): the ~ operator prints None as "" and
@@ -292,14 +292,22 @@ func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
 // renderNative appends the prompt to dst if the template has a native
 // renderer that covers in; ok is false (dst unchanged) otherwise.
 func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []byte, ok bool, err error) {
-	if t.native == nil || !isNull(in.Tools) || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
+	if t.native == nil || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
+		return dst, false, nil
+	}
+	tools, err := t.decodeTools(in.Tools) // the errors jinja's path would give
+	if err != nil {
+		return dst, true, err
+	}
+	texts, ok := toolTexts(in.Tools, tools)
+	if !ok {
 		return dst, false, nil
 	}
 	if dst == nil {
-		dst = make([]byte, 0, len(in.Messages)+256)
+		dst = make([]byte, 0, len(in.Messages)+len(in.Tools)+256)
 	}
 	start := len(dst)
-	if out, ok = t.native.render(dst, msgs.AsList().Items, in.BOSToken, in.AddGenerationPrompt); !ok {
+	if out, ok = t.native.render(dst, msgs.AsList().Items, texts, in.BOSToken, in.AddGenerationPrompt); !ok {
 		return dst[:start], false, nil
 	}
 	if in.ContinueFinalMessage {
@@ -384,28 +392,8 @@ func (t *Template) buildVars(in Input, msgs jinja.Value) (vars map[string]jinja.
 
 	vars["messages"] = msgs
 
-	vars["tools"] = jinja.None()
-	if !isNull(in.Tools) {
-		prep := func(v jinja.Value, _ int) (jinja.Value, error) {
-			if !v.IsList() {
-				return jinja.Undefined(), &InputError{Field: "tools", Reason: "must be a JSON array"}
-			}
-			return normalizeTools(v.AsList())
-		}
-		var tools jinja.Value
-		if t.values != nil {
-			tools, err = t.values.decodePrep(in.Tools, 0, 't', prep, 0)
-		} else {
-			tools, err = decodeAndPrep(string(in.Tools), 0, prep, 0)
-		}
-		if err != nil {
-			var ie *InputError
-			if errors.As(err, &ie) {
-				return nil, nil, false, err
-			}
-			return nil, nil, false, &InputError{Field: "tools", Reason: err.Error()}
-		}
-		vars["tools"] = tools
+	if vars["tools"], err = t.decodeTools(in.Tools); err != nil {
+		return nil, nil, false, err
 	}
 	vars["documents"] = jinja.None()
 	vars["add_generation_prompt"] = jinja.NewBool(in.AddGenerationPrompt)
@@ -448,6 +436,36 @@ func (t *Template) buildVars(in Input, msgs jinja.Value) (vars map[string]jinja.
 		vars[h.name] = h.value
 	}
 	return vars, msgs.AsList(), cont, nil
+}
+
+// decodeTools decodes the tools array as vLLM lays it out for the template
+// (normalizeTools), through the decode cache when allowed; none when raw is
+// absent or null.
+func (t *Template) decodeTools(raw json.RawMessage) (jinja.Value, error) {
+	if isNull(raw) {
+		return jinja.None(), nil
+	}
+	prep := func(v jinja.Value, _ int) (jinja.Value, error) {
+		if !v.IsList() {
+			return jinja.Undefined(), &InputError{Field: "tools", Reason: "must be a JSON array"}
+		}
+		return normalizeTools(v.AsList())
+	}
+	var tools jinja.Value
+	var err error
+	if t.values != nil {
+		tools, err = t.values.decodePrep(raw, 0, 't', prep, 0)
+	} else {
+		tools, err = decodeAndPrep(string(raw), 0, prep, 0)
+	}
+	if err != nil {
+		var ie *InputError
+		if errors.As(err, &ie) {
+			return jinja.Undefined(), err
+		}
+		return jinja.Undefined(), &InputError{Field: "tools", Reason: err.Error()}
+	}
+	return tools, nil
 }
 
 func isListOfDicts(v jinja.Value) bool {
