@@ -87,12 +87,7 @@ func BenchmarkRenderLlama3_32k(b *testing.B) {
 			if strings.HasSuffix(mode, "jinja") {
 				t.native = nil
 			}
-			out, err := t.Render(in)
-			if err != nil {
-				b.Fatal(err)
-			}
-			b.SetBytes(int64(len(out)))
-			b.ReportAllocs()
+			startRender(b, &t, in)
 			cpu0 := processCPU()
 			n := 0
 			for b.Loop() {
@@ -161,12 +156,7 @@ func BenchmarkRenderQwenTools(b *testing.B) {
 			if path == "jinja" {
 				t.native = nil
 			}
-			out, err := t.Render(in)
-			if err != nil {
-				b.Fatal(err)
-			}
-			b.SetBytes(int64(len(out)))
-			b.ReportAllocs()
+			startRender(b, &t, in)
 			for b.Loop() {
 				if _, err := t.Render(in); err != nil {
 					b.Fatal(err)
@@ -174,4 +164,15 @@ func BenchmarkRenderQwenTools(b *testing.B) {
 			}
 		})
 	}
+}
+
+// startRender renders in once, to fail early and to count the prompt's
+// bytes in b's throughput, and reports allocations.
+func startRender(b *testing.B, t *Template, in Input) {
+	out, err := t.Render(in)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(int64(len(out)))
+	b.ReportAllocs()
 }
