@@ -40,10 +40,15 @@ const (
 
 // Filter is a blocked Bloom filter over block keys. Add may run concurrently
 // with Test, TestProbe and MatchPrefix; concurrent Adds are safe too.
+//
+// A filter only ever gains bits: MatchPrefix remembers prefixes found in it
+// on that ground. Code that would clear or reuse a filter's words must make
+// a new Filter instead.
 type Filter struct {
 	words  []uint64
 	blocks uint64
 	k      uint
+	_      [64]byte // keeps found's writes off the line every probe reads
 	found  foundPrefixes
 }
 
@@ -98,6 +103,7 @@ func blockedFPR(n, blocks float64, k uint) float64 {
 
 // FromWords returns a filter over words (not copied) with m bits and k probes,
 // as received in a snapshot. m must be a whole number of 512-bit blocks.
+// The caller must not change words afterwards, but through Add.
 func FromWords(words []uint64, m, k uint) (*Filter, error) {
 	if k == 0 || k > MaxK {
 		return nil, fmt.Errorf("bloom: k=%d out of range 1..%d", k, MaxK)
@@ -117,8 +123,9 @@ func (f *Filter) M() uint { return uint(f.blocks * blockBits) }
 // K is the number of probes per key.
 func (f *Filter) K() uint { return f.k }
 
-// Words exposes the bit words. Callers must not modify them, and may read
-// them plainly only while no Add runs; use AppendWords otherwise.
+// Words exposes the bit words. Callers must not modify them (a filter only
+// gains bits), and may read them plainly only while no Add runs; use
+// AppendWords otherwise.
 func (f *Filter) Words() []uint64 { return f.words }
 
 // AppendWords appends an atomic-read copy of the bit words to dst.
@@ -291,8 +298,11 @@ func mix64(x uint64) uint64 {
 // miss at block j means nothing after j can be resident there. A nil filter
 // matches nothing. len(matched) must be at least len(filters). It does not
 // allocate and may run while other goroutines add keys to the filters.
-// Each filter remembers the last prefixes found in it (foundPrefixes), so
-// the walk of a prompt that shares one starts after it.
+//
+// Each filter remembers the last prefixes found in it (foundPrefixes, the
+// one thing MatchPrefix writes, atomically), so the walk of a prompt that
+// shares one starts after it. That relies on the keys being chained
+// (package blockkey): a key must stand for its whole prefix.
 func MatchPrefix(keys []uint64, filters []*Filter, matched []int) {
 	matched = matched[:len(filters)]
 	for lo := 0; lo < len(filters); lo += matchChunk {
@@ -333,24 +343,39 @@ func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
 			kpos = max(kpos, f.k) // and positions for any other
 		}
 	}
+	// Walk the keys in segments: each starts where more filters join.
 	var live [matchChunk]uint8 // indexes of filters that matched every key so far
 	n, next := 0, 0
-	var p Probe
-	for j := 0; j < len(keys); j++ {
-		for next < total && int(start[order[next]]) <= j {
+	for pos := 0; ; {
+		for next < total && int(start[order[next]]) <= pos {
 			live[n] = order[next]
 			n++
 			next++
 		}
-		if n == 0 {
-			if next == total {
-				break
-			}
-			j = int(start[order[next]]) - 1 // no filter walks before then
-			continue
+		end := len(keys)
+		if next < total {
+			end = int(start[order[next]])
 		}
-		key := keys[j]
-		p.init(key, kpos, kmask)
+		n = walkKeys(keys, pos, end, filters, &live, n, matched, kpos, kmask)
+		if next == total {
+			break
+		}
+		pos = end
+	}
+	for _, i := range order[:total] {
+		if m := matched[i]; m > int(start[i]) {
+			filters[i].found.add(keys[m-1], m, int(from[i]))
+		}
+	}
+}
+
+// walkKeys tests keys[from:to] against the n live filters, key by key,
+// dropping each at its first miss (matched[i] = that key's index); it
+// returns how many are still live.
+func walkKeys(keys []uint64, from, to int, filters []*Filter, live *[matchChunk]uint8, n int, matched []int, kpos, kmask uint) int {
+	var p Probe
+	for j := from; j < to && n > 0; j++ {
+		p.init(keys[j], kpos, kmask)
 		for x := 0; x < n; {
 			i := live[x]
 			f := filters[i]
@@ -379,9 +404,5 @@ func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
 			live[x] = live[n]
 		}
 	}
-	for _, i := range order[:total] {
-		if m := matched[i]; m > int(start[i]) {
-			filters[i].found.add(keys[m-1], m, int(from[i]))
-		}
-	}
+	return n
 }

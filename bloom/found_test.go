@@ -123,3 +123,16 @@ func TestRememberedPrefixesUnderConcurrentWalks(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// TestFoundSlotAfterCounterWraps: the round-robin counter past 2³¹ (where a
+// 32-bit int goes negative) still picks a slot in range.
+func TestFoundSlotAfterCounterWraps(t *testing.T) {
+	var f foundPrefixes
+	f.next.Store(1<<31 - 2)
+	for i := range 2 * foundSlots {
+		f.add(uint64(100+i), i+1, -1)
+	}
+	if n, slot := f.longest([]uint64{0, 0, 0, 0, 0, 0, 0, 107}); n != 8 || slot < 0 {
+		t.Fatalf("longest = %d in slot %d, want the last prefix added", n, slot)
+	}
+}

@@ -217,7 +217,8 @@ func (t *Table) SetLoad(name string, load Load, engineHealthy bool, now time.Tim
 
 // SetFilter publishes a replica's filter (nil drops it) with its generation
 // and exact key count. f must be safe for concurrent reads from then on; the
-// table only hands it to readers.
+// table only hands it to readers (whose prefix walks note, atomically, the
+// prefixes they found in it).
 func (t *Table) SetFilter(name string, f *bloom.Filter, gen uint64, keys int, now time.Time) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
