@@ -304,7 +304,8 @@ func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []b
 		return dst, false, nil
 	}
 	if dst == nil {
-		dst = make([]byte, 0, len(in.Messages)+len(in.Tools)+256)
+		// Templates add a header per message where the JSON had its keys.
+		dst = make([]byte, 0, len(in.Messages)+len(in.Tools)+64*msgs.AsList().Len()+256)
 	}
 	start := len(dst)
 	if out, ok = t.native.render(dst, msgs.AsList().Items, texts, in.BOSToken, in.AddGenerationPrompt); !ok {
