@@ -139,3 +139,30 @@ func TestSharedCacheAdmitsOnSecondSighting(t *testing.T) {
 		t.Fatal("third sighting was not served from the cache")
 	}
 }
+
+// TestShortValuesHaveTheirOwnCache: values under the long cache's minimum
+// go to the short cache (down to its own minimum), so a conversation's many
+// short messages never evict its long ones.
+func TestShortValuesHaveTheirOwnCache(t *testing.T) {
+	short := newValueCache(1<<20, 32).withMaxEntries(2)
+	c := newValueCache(1<<20, 256).withMaxEntries(1).withShort(short)
+	long := fmt.Sprintf(`{"role":"system","content":%q}`, strings.Repeat("s", 300))
+	raw := []byte(`[` + long + `,{"role":"user","content":"hi"},{"role":"user","content":"thanks"},{"role":"user","content":"more"},{"x":1}]`)
+	first, err := c.decodeArray(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.decodeArray(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.byKey) != 1 || len(short.byKey) != 2 {
+		t.Fatalf("long cache %d entries, short cache %d; want 1 and 2 (its bound)", len(c.byKey), len(short.byKey))
+	}
+	if first.AsList().Get(0).AsDict() != again.AsList().Get(0).AsDict() {
+		t.Fatal("the long message was not kept beside the short ones")
+	}
+	if first.AsList().Get(3).AsDict() != again.AsList().Get(3).AsDict() {
+		t.Fatal("the last short message was not served from the short cache")
+	}
+}
