@@ -7,6 +7,9 @@ import (
 	"sync"
 
 	"github.com/ardanlabs/jinja"
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvmesh/kvmesh/admission"
 )
 
 // Known templates render without jinja.
@@ -34,16 +37,17 @@ type nativeRender func(b []byte, msgs []jinja.Value, tools []string, bos string,
 
 // A native is a known template's renderer.
 type native struct {
-	name   string // what Renderer reports
-	render nativeRender
+	name      string // what Renderer reports
+	render    nativeRender
+	usesTools bool // render needs the tools' texts (toolTexts)
 }
 
 // natives maps a template's fingerprint to its renderer.
 var natives = map[[sha256.Size]byte]*native{
 	// Meta-Llama-3-8B-Instruct / 70B-Instruct (Llama 3.0).
-	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"native llama3", renderLlama3},
+	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"native llama3", renderLlama3, false},
 	// Qwen2.5-*-Instruct (also Qwen2.5-Coder-*-Instruct).
-	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"native qwen2.5", renderQwen25},
+	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"native qwen2.5", renderQwen25, true},
 }
 
 // Renderer names how the template renders the common request: "native
@@ -309,8 +313,9 @@ func tojson(v jinja.Value) (string, bool) {
 // toolTexts returns each tool's tojson text (nil, true for no tools), by
 // the tools array's raw JSON: agents send the same tools with every
 // request, and dumping their schemas was most of such a prompt's render.
-// It reports false when a tool does not dump (the jinja path then fails
-// alike).
+// An array is kept from its second sighting, so per-request tools do not
+// wash out the others. It reports false when a tool does not dump (it
+// cannot, decoded tools being JSON values; the renderer would decline).
 func toolTexts(raw []byte, tools jinja.Value) ([]string, bool) {
 	if !tools.IsList() || tools.AsList().Len() == 0 {
 		return nil, true
@@ -331,12 +336,15 @@ func toolTexts(raw []byte, tools jinja.Value) ([]string, bool) {
 		texts = append(texts, js)
 		size += len(js)
 	}
-	toolJSON.mu.Lock()
-	if toolJSON.bytes+size > maxToolJSONBytes {
-		clear(toolJSON.m)
-		toolJSON.bytes = 0
+	if size > maxToolJSONBytes/4 || !toolJSON.door.Admit(xxhash.Sum64(raw)) {
+		return texts, true
 	}
-	if size <= maxToolJSONBytes/4 {
+	toolJSON.mu.Lock()
+	if _, dup := toolJSON.m[string(raw)]; !dup {
+		if toolJSON.bytes+size > maxToolJSONBytes {
+			toolJSON.m = map[string][]string{}
+			toolJSON.bytes = 0
+		}
 		toolJSON.m[string(raw)] = texts
 		toolJSON.bytes += size
 	}
@@ -351,4 +359,5 @@ var toolJSON = struct {
 	mu    sync.RWMutex
 	m     map[string][]string
 	bytes int
-}{m: map[string][]string{}}
+	door  *admission.Doorkeeper
+}{m: map[string][]string{}, door: admission.New(1 << 12)}

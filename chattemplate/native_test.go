@@ -134,17 +134,17 @@ func TestNativeMatchesJinja(t *testing.T) {
 
 // rendersNatively reports whether Render takes the native path for in.
 func rendersNatively(tmpl *Template, in Input) bool {
-	msgs, err := tmpl.decodeMessages(in.Messages)
+	msgs, tools, err := tmpl.decode(in)
 	if err != nil {
 		return false
 	}
-	_, ok, _ := tmpl.renderNative(nil, in, msgs)
+	_, ok, _ := tmpl.renderNative(nil, in, msgs, tools)
 	return ok
 }
 
 // TestGoldenPromptsRenderNatively: the prompts transformers rendered for
 // Llama 3 and Qwen2.5 come out of the native renderers too, for every
-// golden conversation they take (those without tools or tool turns).
+// golden conversation they take, tools and tool turns included.
 func TestGoldenPromptsRenderNatively(t *testing.T) {
 	root := sharedTokenizers(t)
 	for _, model := range []string{"llama3", "qwen2.5"} {
@@ -305,8 +305,8 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 	})
 }
 
-// TestToolTextsAreReused: the second request with the same tools array
-// takes its tools' JSON from toolTexts' cache, and renders as jinja does;
+// TestToolTextsAreReused: a tools array seen a second time is kept in
+// toolTexts' cache, whose texts later requests render with, as jinja does;
 // other tools, or the same ones reordered, are other entries.
 func TestToolTextsAreReused(t *testing.T) {
 	tmpl, err := Compile(qwen25Template)
@@ -316,7 +316,7 @@ func TestToolTextsAreReused(t *testing.T) {
 	viaJinja := jinjaOnly(tmpl)
 	a := `{"type":"function","function":{"name":"a","description":"é\u2028","parameters":{"type":"object","properties":{"x":{"type":"number","default":1.0}}}}}`
 	b := `{"type":"function","function":{"name":"b"}}`
-	for _, tools := range []string{"[" + a + "," + b + "]", "[" + a + "," + b + "]", "[" + b + "," + a + "]", "[" + b + "]"} {
+	for i, tools := range []string{"[" + a + "," + b + "]", "[" + a + "," + b + "]", "[" + a + "," + b + "]", "[" + b + "," + a + "]", "[" + b + "," + a + "]", "[" + b + "]", "[" + b + "]"} {
 		in := Input{Messages: json.RawMessage(`[{"role":"user","content":"hi"}]`), Tools: json.RawMessage(tools), AddGenerationPrompt: true}
 		got, err := tmpl.Render(in)
 		want, werr := viaJinja.Render(in)
@@ -326,8 +326,9 @@ func TestToolTextsAreReused(t *testing.T) {
 		toolJSON.mu.RLock()
 		texts, cached := toolJSON.m[tools]
 		toolJSON.mu.RUnlock()
-		if !cached || len(texts) != strings.Count(tools, `"type":"function"`) {
-			t.Fatalf("tools %s: cached %v, %d texts", tools, cached, len(texts))
+		firstSighting := i == 0 || i == 3 || i == 5
+		if cached == firstSighting || (cached && len(texts) != strings.Count(tools, `"type":"function"`)) {
+			t.Fatalf("request %d, tools %s: cached %v, %d texts", i, tools, cached, len(texts))
 		}
 	}
 }

@@ -252,11 +252,11 @@ func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, err
 
 // Render renders the template for one request.
 func (t *Template) Render(in Input) (string, error) {
-	msgs, err := t.decodeMessages(in.Messages)
+	msgs, tools, err := t.decode(in)
 	if err != nil {
 		return "", err
 	}
-	if buf, ok, err := t.renderNative(nil, in, msgs); ok || err != nil {
+	if buf, ok, err := t.renderNative(nil, in, msgs, tools); ok || err != nil {
 		if err != nil || len(buf) == 0 {
 			return "", err
 		}
@@ -264,7 +264,17 @@ func (t *Template) Render(in Input) (string, error) {
 		// String does the same).
 		return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
 	}
-	return t.renderJinja(in, msgs)
+	return t.renderJinja(in, msgs, tools)
+}
+
+// decode decodes a request's messages and tools, in the order vLLM checks
+// them (so a request with both wrong reports its messages).
+func (t *Template) decode(in Input) (msgs, tools jinja.Value, err error) {
+	if msgs, err = t.decodeMessages(in.Messages); err != nil {
+		return msgs, tools, err
+	}
+	tools, err = t.decodeTools(in.Tools)
+	return msgs, tools, err
 }
 
 // AppendRender appends the prompt for one request to dst: a caller that
@@ -272,17 +282,17 @@ func (t *Template) Render(in Input) (string, error) {
 // renderers produce (jinja's output is copied in: for templates Renderer
 // calls "jinja", Render saves that copy). On error it returns dst unchanged.
 func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
-	msgs, err := t.decodeMessages(in.Messages)
+	msgs, tools, err := t.decode(in)
 	if err != nil {
 		return dst, err
 	}
-	if buf, ok, err := t.renderNative(dst, in, msgs); ok || err != nil {
+	if buf, ok, err := t.renderNative(dst, in, msgs, tools); ok || err != nil {
 		if err != nil {
 			return dst, err
 		}
 		return buf, nil
 	}
-	out, err := t.renderJinja(in, msgs)
+	out, err := t.renderJinja(in, msgs, tools)
 	if err != nil {
 		return dst, err
 	}
@@ -291,21 +301,23 @@ func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
 
 // renderNative appends the prompt to dst if the template has a native
 // renderer that covers in; ok is false (dst unchanged) otherwise.
-func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []byte, ok bool, err error) {
+func (t *Template) renderNative(dst []byte, in Input, msgs, tools jinja.Value) (out []byte, ok bool, err error) {
 	if t.native == nil || !isNull(in.Kwargs) || (in.ContinueFinalMessage && in.AddGenerationPrompt) {
 		return dst, false, nil
 	}
-	tools, err := t.decodeTools(in.Tools) // the errors jinja's path would give
-	if err != nil {
-		return dst, true, err
-	}
-	texts, ok := toolTexts(in.Tools, tools)
-	if !ok {
-		return dst, false, nil
+	var texts []string
+	if t.native.usesTools {
+		if texts, ok = toolTexts(in.Tools, tools); !ok {
+			return dst, false, nil
+		}
 	}
 	if dst == nil {
 		// Templates add a header per message where the JSON had its keys.
-		dst = make([]byte, 0, len(in.Messages)+len(in.Tools)+64*msgs.AsList().Len()+256)
+		size := len(in.Messages) + 64*msgs.AsList().Len() + 256
+		for _, text := range texts {
+			size += len(text) + 1
+		}
+		dst = make([]byte, 0, size)
 	}
 	start := len(dst)
 	if out, ok = t.native.render(dst, msgs.AsList().Items, texts, in.BOSToken, in.AddGenerationPrompt); !ok {
@@ -322,8 +334,8 @@ func (t *Template) renderNative(dst []byte, in Input, msgs jinja.Value) (out []b
 }
 
 // renderJinja renders through jinja.
-func (t *Template) renderJinja(in Input, msgs jinja.Value) (out string, err error) {
-	vars, messages, cont, err := t.buildVars(in, msgs)
+func (t *Template) renderJinja(in Input, msgs, tools jinja.Value) (out string, err error) {
+	vars, messages, cont, err := t.buildVars(in, msgs, tools)
 	if err != nil {
 		return "", err
 	}
@@ -378,9 +390,9 @@ func (t *Template) execute(vars map[string]jinja.Value) (out string, err error) 
 // then chat_template_kwargs on top — vLLM merges them over its own
 // arguments, so they may replace add_generation_prompt, tools, documents,
 // continue_final_message and special tokens (chat_template and tokenize are
-// dropped; messages cannot be replaced). msgs are the decoded messages. It
-// reports the effective continue_final_message.
-func (t *Template) buildVars(in Input, msgs jinja.Value) (vars map[string]jinja.Value, msgList *jinja.List, cont bool, err error) {
+// dropped; messages cannot be replaced). msgs and tools are the decoded
+// messages and tools. It reports the effective continue_final_message.
+func (t *Template) buildVars(in Input, msgs, tools jinja.Value) (vars map[string]jinja.Value, msgList *jinja.List, cont bool, err error) {
 	vars = make(map[string]jinja.Value, 16)
 	// transformers passes only the special tokens a tokenizer has (Qwen has
 	// no BOS), so an empty one stays undefined ("is defined" is false).
@@ -393,9 +405,7 @@ func (t *Template) buildVars(in Input, msgs jinja.Value) (vars map[string]jinja.
 
 	vars["messages"] = msgs
 
-	if vars["tools"], err = t.decodeTools(in.Tools); err != nil {
-		return nil, nil, false, err
-	}
+	vars["tools"] = tools
 	vars["documents"] = jinja.None()
 	vars["add_generation_prompt"] = jinja.NewBool(in.AddGenerationPrompt)
 	cont = in.ContinueFinalMessage
