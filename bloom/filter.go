@@ -48,8 +48,9 @@ type Filter struct {
 	words  []uint64
 	blocks uint64
 	k      uint
-	_      [64]byte // keeps found's writes off the line every probe reads
+	_      [64]byte // keeps found's writes off the lines probes read,
 	found  foundPrefixes
+	_      [64]byte // this filter's and the next object's
 }
 
 // NewFilter returns an empty filter sized for capacity keys at false-positive
@@ -369,12 +370,12 @@ func matchPrefix(keys []uint64, filters []*Filter, matched []int) {
 	}
 }
 
-// walkKeys tests keys[from:to] against the n live filters, key by key,
+// walkKeys tests keys[first:end] against the n live filters, key by key,
 // dropping each at its first miss (matched[i] = that key's index); it
 // returns how many are still live.
-func walkKeys(keys []uint64, from, to int, filters []*Filter, live *[matchChunk]uint8, n int, matched []int, kpos, kmask uint) int {
+func walkKeys(keys []uint64, first, end int, filters []*Filter, live *[matchChunk]uint8, n int, matched []int, kpos, kmask uint) int {
 	var p Probe
-	for j := from; j < to && n > 0; j++ {
+	for j := first; j < end && n > 0; j++ {
 		p.init(keys[j], kpos, kmask)
 		for x := 0; x < n; {
 			i := live[x]
