@@ -267,10 +267,10 @@ func renderQwen25(b []byte, msgs []jinja.Value, tools []string, _ string, addGen
 const qwenDefaultSystem = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 // validQwenToolCalls reports whether an assistant's tool_calls are what the
-// native renderer covers: a non-empty list (vLLM drops empty ones) of calls
-// whose function has a string name. The template reads tool_call.function
-// when it is defined; vLLM admits only calls with a function object, whose
-// arguments it has made a mapping.
+// native renderer covers: a non-empty list of calls whose function has a
+// string name. The template reads tool_call.function when it is defined;
+// vLLM admits only calls with a function object, drops empty lists and
+// always sets arguments (a mapping), so those checks are defensive.
 func validQwenToolCalls(calls jinja.Value) bool {
 	if !calls.IsList() || calls.AsList().Len() == 0 {
 		return false
