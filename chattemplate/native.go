@@ -26,9 +26,9 @@ import (
 // null content empty, tool-call arguments parsed, tools laid out), the
 // tools' JSON cached by their raw bytes (toolTexts). A request it does not
 // cover takes the jinja path, so a renderer only has to be exact where it
-// says yes. TestNativeMatchesJinja and
-// FuzzNativeMatchesJinja hold both paths to the same prompt; the golden
-// prompts from transformers run through the native path.
+// says yes. TestNativeMatchesJinja and FuzzNativeMatchesJinja hold both
+// paths to the same prompt; the golden prompts from transformers run
+// through the native path.
 
 // A nativeRender appends the prompt for msgs (as vLLM prepared them) and
 // tools (each tool's tojson text; nil when there are none) to b, or reports
@@ -46,7 +46,7 @@ type native struct {
 var natives = map[[sha256.Size]byte]*native{
 	// Meta-Llama-3-8B-Instruct / 70B-Instruct (Llama 3.0).
 	mustHex("9202b2eb33071e78490236e3a9215cea920b2c22204d618cb08606c2a06d25f5"): {"native llama3", renderLlama3, false},
-	// Qwen2.5-*-Instruct (also Qwen2.5-Coder-*-Instruct).
+	// Qwen2.5-*-Instruct (the template of ../shared/tokenizers/qwen2.5).
 	mustHex("a9bd8000710e66e3d6a83738196cfeb324bae87210185534e8f327a8a7de4e1a"): {"native qwen2.5", renderQwen25, true},
 }
 
