@@ -153,13 +153,12 @@ func renderLlama3(b []byte, msgs []jinja.Value, _ []string, bos string, addGener
 	if bos == "" { // undefined in the template: let jinja decide what that means
 		return b, false
 	}
-	for _, m := range msgs {
-		if _, _, ok := roleAndContent(m); !ok {
-			return b, false
-		}
-	}
+	start := len(b)
 	for i, m := range msgs {
-		role, content, _ := roleAndContent(m)
+		role, content, ok := roleAndContent(m)
+		if !ok {
+			return b[:start], false
+		}
 		if i == 0 {
 			b = append(b, bos...)
 		}

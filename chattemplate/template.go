@@ -252,19 +252,42 @@ func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, err
 
 // Render renders the template for one request.
 func (t *Template) Render(in Input) (string, error) {
+	buf, out, native, err := t.render(nil, in)
+	if err != nil || !native || len(buf) == 0 {
+		return out, err
+	}
+	// buf is this call's own and never written again (strings.Builder's
+	// String does the same).
+	return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
+}
+
+// AppendRender appends the prompt for one request to dst: a caller that
+// reuses dst across requests makes no garbage for prompts the native
+// renderers produce (jinja's output is copied in: for templates Renderer
+// calls "jinja", Render saves that copy). On error it returns dst unchanged.
+func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
+	buf, out, native, err := t.render(dst, in)
+	switch {
+	case err != nil:
+		return dst, err
+	case native:
+		return buf, nil
+	}
+	return append(dst, out...), nil
+}
+
+// render renders in natively, appended to dst (native true), or else
+// through jinja, as out.
+func (t *Template) render(dst []byte, in Input) (buf []byte, out string, native bool, err error) {
 	msgs, tools, err := t.decode(in)
 	if err != nil {
-		return "", err
+		return dst, "", false, err
 	}
-	if buf, ok, err := t.renderNative(nil, in, msgs, tools); ok || err != nil {
-		if err != nil || len(buf) == 0 {
-			return "", err
-		}
-		// buf is this call's own and never written again (strings.Builder's
-		// String does the same).
-		return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
+	if buf, native, err = t.renderNative(dst, in, msgs, tools); native || err != nil {
+		return buf, "", native, err
 	}
-	return t.renderJinja(in, msgs, tools)
+	out, err = t.renderJinja(in, msgs, tools)
+	return dst, out, false, err
 }
 
 // decode decodes a request's messages and tools, in the order vLLM checks
@@ -275,28 +298,6 @@ func (t *Template) decode(in Input) (msgs, tools jinja.Value, err error) {
 	}
 	tools, err = t.decodeTools(in.Tools)
 	return msgs, tools, err
-}
-
-// AppendRender appends the prompt for one request to dst: a caller that
-// reuses dst across requests makes no garbage for prompts the native
-// renderers produce (jinja's output is copied in: for templates Renderer
-// calls "jinja", Render saves that copy). On error it returns dst unchanged.
-func (t *Template) AppendRender(dst []byte, in Input) ([]byte, error) {
-	msgs, tools, err := t.decode(in)
-	if err != nil {
-		return dst, err
-	}
-	if buf, ok, err := t.renderNative(dst, in, msgs, tools); ok || err != nil {
-		if err != nil {
-			return dst, err
-		}
-		return buf, nil
-	}
-	out, err := t.renderJinja(in, msgs, tools)
-	if err != nil {
-		return dst, err
-	}
-	return append(dst, out...), nil
 }
 
 // renderNative appends the prompt to dst if the template has a native
