@@ -49,10 +49,3 @@ func (f *foundPrefixes) add(key uint64, n, slot int) {
 	s.key.Store(key)
 	s.blocks.Store(uint64(n))
 }
-
-// reset forgets every prefix.
-func (f *foundPrefixes) reset() {
-	for i := range f.slots {
-		f.slots[i].blocks.Store(0)
-	}
-}

@@ -137,3 +137,10 @@ func TestFoundSlotAfterCounterWraps(t *testing.T) {
 		t.Fatalf("longest = %d in slot %d, want the last prefix added", n, slot)
 	}
 }
+
+// reset forgets every prefix (the benchmarks' walked mode).
+func (f *foundPrefixes) reset() {
+	for i := range f.slots {
+		f.slots[i].blocks.Store(0)
+	}
+}
