@@ -107,9 +107,13 @@ func TestMain(m *testing.M) {
 }
 
 // start runs a process until the test ends, killing its process group.
-func start(tb testing.TB, name string, args ...string) *exec.Cmd {
+// env is added to this process's environment.
+func start(tb testing.TB, env []string, name string, args ...string) *exec.Cmd {
 	cmd := exec.Command(name, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		tb.Fatal(err)
@@ -175,13 +179,14 @@ http {
 	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
 		tb.Fatal(err)
 	}
-	cmd := start(tb, bin, "-c", path, "-p", dir)
+	cmd := start(tb, nil, bin, "-c", path, "-p", dir)
 	waitListening(tb, addr)
 	return addr, cmd.Process.Pid, true
 }
 
 type loadResult struct {
 	cpu      time.Duration // CPU time the proxy's processes used
+	self     time.Duration // CPU time of this process (client and upstream)
 	requests int64
 	failed   int64
 	elapsed  time.Duration
@@ -237,6 +242,14 @@ func quantile(d []time.Duration, q float64) time.Duration {
 	return d[int(q*float64(len(d)-1))]
 }
 
+// selfCPU is the CPU time this process used: the load's client and the
+// upstream, whose cost per request differs with the proxy in between.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
 // groupCPU sums user+system CPU time of every process in process group pg
 // (nginx's master and workers; the router alone), from /proc.
 func groupCPU(pg int) time.Duration {
@@ -273,8 +286,10 @@ func groupCPU(pg int) time.Duration {
 // BenchmarkProxyVsNginx reports requests/s, CPU per request and latency of
 // the router, of a bare fasthttp relay (testdata/bareproxy: the floor a Go
 // fasthttp proxy starts from) and of nginx over the same upstream, and the
-// ratios router/nginx and bare/nginx. Each b.N iteration is one round of
-// all three; set KVMESH_BENCH_ROUND (default 2s) and KVMESH_BENCH_CONNS
+// ratios router/nginx and bare/nginx. The *-rest-µs/req figures are what
+// the load's client and the upstream (this process) spend per request
+// behind each proxy: on a machine the three share, requests/s follows the
+// sum of both CPU figures. Each b.N iteration is one round of all three; set KVMESH_BENCH_ROUND (default 2s) and KVMESH_BENCH_CONNS
 // (default 64).
 func BenchmarkProxyVsNginx(b *testing.B) {
 	up := upstream(b)
@@ -283,9 +298,12 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 		b.Skip("nginx not installed (apt-get install -y nginx-light)")
 	}
 	routerAddr, pprofAddr, bareAddr := freeAddr(b), freeAddr(b), freeAddr(b)
-	routerCmd := start(b, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
+	// KVMESH_BENCH_PROXY_ENV (e.g. "GOMAXPROCS=1 GODEBUG=...") is given to
+	// the router and the bare relay, for experiments.
+	env := strings.Fields(os.Getenv("KVMESH_BENCH_PROXY_ENV"))
+	routerCmd := start(b, env, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
-	bareCmd := start(b, bareBuild.binary(b), "--listen", bareAddr, "--upstream", up)
+	bareCmd := start(b, env, bareBuild.binary(b), "--listen", bareAddr, "--upstream", up)
 	waitListening(b, routerAddr)
 	waitListening(b, bareAddr)
 	round := 2 * time.Second
@@ -322,8 +340,10 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 			acc  *loadResult
 		}{{routerAddr, routerCmd.Process.Pid, &rt}, {bareAddr, bareCmd.Process.Pid, &bare}, {nginx, nginxPG, &ng}} {
 			cpu0 := groupCPU(target.pg)
+			self0 := selfCPU()
 			r := load(target.addr, conns, round)
 			target.acc.cpu += groupCPU(target.pg) - cpu0
+			target.acc.self += selfCPU() - self0
 			target.acc.requests += r.requests
 			target.acc.failed += r.failed
 			target.acc.elapsed += r.elapsed
@@ -343,6 +363,10 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	b.ReportMetric(cpuPer(rt), "router-cpu-µs/req")
 	b.ReportMetric(cpuPer(bare), "bare-cpu-µs/req")
 	b.ReportMetric(cpuPer(ng), "nginx-cpu-µs/req")
+	selfPer := func(r loadResult) float64 { return float64(r.self.Microseconds()) / float64(max(r.requests, 1)) }
+	b.ReportMetric(selfPer(rt), "router-rest-µs/req")
+	b.ReportMetric(selfPer(bare), "bare-rest-µs/req")
+	b.ReportMetric(selfPer(ng), "nginx-rest-µs/req")
 	b.ReportMetric(float64(quantile(rt.lat, 0.5).Microseconds()), "router-p50-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.5).Microseconds()), "nginx-p50-µs")
 	b.ReportMetric(float64(quantile(rt.lat, 0.99).Microseconds()), "router-p99-µs")

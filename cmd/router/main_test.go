@@ -58,7 +58,7 @@ func TestSIGTERMDrainsInflightStream(t *testing.T) {
 	defer engine.Shutdown()
 
 	addr := freeAddr(t)
-	cmd := start(t, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+ln.Addr().String()+",m",
+	cmd := start(t, nil, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+ln.Addr().String()+",m",
 		"--tokenizer", "*=builtin", "--drain-timeout", "5s", "--log-level", "warn")
 	waitListening(t, addr)
 
@@ -116,7 +116,7 @@ func TestSIGTERMDrainsInflightStream(t *testing.T) {
 func TestShutdownDelayStopsReadinessFirst(t *testing.T) {
 	engine := upstream(t)
 	addr := freeAddr(t)
-	cmd := start(t, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+engine+",bench",
+	cmd := start(t, nil, routerBinary(t), "--listen", addr, "--static-upstream", "e=http://"+engine+",bench",
 		"--tokenizer", "*=builtin", "--shutdown-delay", "1s", "--log-level", "warn")
 	waitListening(t, addr)
 	get := func(path string) int {
@@ -163,7 +163,7 @@ func TestShutdownDelayStopsReadinessFirst(t *testing.T) {
 // on SIGTERM.
 func TestGossipRouterStartsAndLeaves(t *testing.T) {
 	addr := freeAddr(t)
-	cmd := start(t, routerBinary(t), "--listen", addr, "--gossip-bind", "127.0.0.1:0", "--name", "r1",
+	cmd := start(t, nil, routerBinary(t), "--listen", addr, "--gossip-bind", "127.0.0.1:0", "--name", "r1",
 		"--gossip-key", "MDEyMzQ1Njc4OWFiY2RlZg==", "--log-level", "warn")
 	waitListening(t, addr)
 	status, body, err := fasthttp.Get(nil, "http://"+addr+"/ready")
@@ -216,7 +216,7 @@ func TestServesHTTPSWithRenewedCertificate(t *testing.T) {
 	}
 	first := writeCert()
 	addr := freeAddr(t)
-	start(t, routerBinary(t), "--listen", addr, "--tls-cert", certPath, "--tls-key", keyPath, "--log-level", "warn")
+	start(t, nil, routerBinary(t), "--listen", addr, "--tls-cert", certPath, "--tls-key", keyPath, "--log-level", "warn")
 	waitListening(t, addr)
 	get := func(roots *x509.CertPool) error {
 		c := &fasthttp.Client{TLSConfig: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}}
