@@ -20,7 +20,7 @@ type SidecarConfig struct {
 	Models    []string // served model names (may be learned later: SetModels)
 	EngineURL string
 	Protocol  string
-	BlockSize int // 0 until learned from events
+	BlockSize int // 0 until learned (engine metrics or KV events)
 	// Filter is the sidecar's filter generations; nil announces a load-only
 	// replica (no KV events).
 	Filter *bloom.Generations

@@ -13,9 +13,11 @@ import (
 // metricNames are the Prometheus series a protocol's engine exposes for
 // queued requests, running requests and KV-cache usage (0..1). Usage lists
 // fallbacks in order: vLLM before 0.10 only had gpu_cache_usage_perc.
+// config is an info series whose block_size label gives the KV block size.
 type metricNames struct {
 	waiting, running string
 	usage            []string
+	config           string
 }
 
 var protocolMetrics = map[string]metricNames{
@@ -23,6 +25,7 @@ var protocolMetrics = map[string]metricNames{
 		waiting: "vllm:num_requests_waiting",
 		running: "vllm:num_requests_running",
 		usage:   []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
+		config:  "vllm:cache_config_info",
 	},
 	"sglang": {
 		waiting: "sglang:num_queue_reqs",
@@ -35,6 +38,9 @@ var protocolMetrics = map[string]metricNames{
 type EngineMetrics struct {
 	Waiting, Running int
 	KVUsage          float64
+	// BlockSize is the KV block size in the engine's cache configuration
+	// (vLLM's cache_config_info), 0 where the engine does not say.
+	BlockSize int
 }
 
 // ParseMetrics reads the load figures out of Prometheus text exposition for
@@ -62,6 +68,10 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 			continue
 		}
 		switch name {
+		case names.config:
+			if v, err := strconv.Atoi(labelValue(line, "block_size")); err == nil && v > 0 && v <= 1<<20 {
+				m.BlockSize = v
+			}
 		case names.waiting:
 			m.Waiting += clampCount(value)
 			found = true
@@ -118,6 +128,39 @@ func sample(line string) (string, float64, bool) {
 		return "", 0, false
 	}
 	return strings.TrimSpace(name), v, true
+}
+
+// labelValue returns the value of label key in an exposition line's label
+// set, "" when absent. Escapes in values are kept as they are: the values
+// read here are numbers.
+func labelValue(line, key string) string {
+	i := strings.IndexByte(line, '{')
+	if i < 0 {
+		return ""
+	}
+	rest := line[i+1:]
+	for {
+		rest = strings.TrimLeft(rest, " ,")
+		eq := strings.IndexByte(rest, '=')
+		if eq < 0 || len(rest) < eq+2 || rest[eq+1] != '"' {
+			return ""
+		}
+		name, val := strings.TrimSpace(rest[:eq]), rest[eq+2:]
+		end := 0
+		for end < len(val) && val[end] != '"' {
+			if val[end] == '\\' {
+				end++
+			}
+			end++
+		}
+		if end >= len(val) {
+			return ""
+		}
+		if name == key {
+			return val[:end]
+		}
+		rest = val[end+1:]
+	}
 }
 
 func clampCount(v float64) int {

@@ -17,6 +17,8 @@ vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="llama"} 0.5
 vllm:gpu_cache_usage_perc{engine="0",model_name="llama"} 0.9
 vllm:prefix_cache_hits_total{engine="0",model_name="llama"} 1234
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{cache_dtype="auto",engine="0",hash_block_size="64",kv_offloading_backend="say \"x\", block_size=\"8\"",block_size="16",enable_prefix_caching="True",num_gpu_blocks="2048",prefix_caching_hash_algo="sha256_cbor"} 1.0
 `
 
 func TestParseMetrics(t *testing.T) {
@@ -25,7 +27,9 @@ func TestParseMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Counts sum over engines; usage is the busiest engine's, preferring the current name.
-	if want := (EngineMetrics{Waiting: 7, Running: 5, KVUsage: 0.5}); got != want {
+	// The block size is the block_size label's, not hash_block_size's nor
+	// text inside another label's value.
+	if want := (EngineMetrics{Waiting: 7, Running: 5, KVUsage: 0.5, BlockSize: 16}); got != want {
 		t.Fatalf("got %+v, want %+v", got, want)
 	}
 	old := "vllm:num_requests_waiting 1\nvllm:num_requests_running 0\nvllm:gpu_cache_usage_perc 0.75 1700000000000\n"
@@ -41,6 +45,21 @@ sglang:token_usage{model_name="q",tp_rank="0"} 0.125
 	}
 	if _, err := ParseMetrics([]byte("up 1\n"), "vllm"); err == nil {
 		t.Fatal("metrics without load series accepted")
+	}
+	for line, want := range map[string]int{
+		`vllm:cache_config_info{block_size="32"} 1`:                32,
+		`vllm:cache_config_info{engine="0", block_size="32"} 1`:    32,
+		`vllm:cache_config_info{x="a\\",block_size="64"} 1`:        64,
+		`vllm:cache_config_info{block_size="None",engine="0"} 1`:   0,
+		`vllm:cache_config_info{block_size="-16"} 1`:               0,
+		`vllm:cache_config_info{block_size="99999999999"} 1`:       0,
+		`vllm:cache_config_info{hash_block_size="16"} 1`:           0,
+		`vllm:cache_config_info{x="unterminated,block_size="8"} 1`: 0,
+	} {
+		got, err := ParseMetrics([]byte("vllm:num_requests_waiting 0\n"+line+"\n"), "vllm")
+		if err != nil || got.BlockSize != want {
+			t.Errorf("%s: block size %d (%v), want %d", line, got.BlockSize, err, want)
+		}
 	}
 	bad := "vllm:num_requests_waiting NaN\nvllm:num_requests_running -3\nvllm:kv_cache_usage_perc 7\n"
 	if got, err := ParseMetrics([]byte(bad), "vllm"); err != nil || got != (EngineMetrics{KVUsage: 1}) {
@@ -69,7 +88,7 @@ func FuzzParseMetrics(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if m.Waiting < 0 || m.Running < 0 || !(m.KVUsage >= 0 && m.KVUsage <= 1) {
+		if m.Waiting < 0 || m.Running < 0 || !(m.KVUsage >= 0 && m.KVUsage <= 1) || m.BlockSize < 0 || m.BlockSize > 1<<20 {
 			t.Fatalf("out of range: %+v", m)
 		}
 	})

@@ -198,10 +198,17 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	// for a slow engine: the scrape loop keeps trying.
 	s.checkHealth(ctx)
 	s.refreshModels(ctx)
+	if s.healthy.Load() {
+		// The block size, where the engine's metrics tell it, goes out
+		// with the first announcement: routers ignore a filter until they
+		// know the size of the blocks behind its keys.
+		s.readMetrics(ctx)
+	}
 
 	scfg := gossip.SidecarConfig{
 		Config:        s.cfg.Gossip,
 		Models:        *s.models.Load(),
+		BlockSize:     int(s.blockSize.Load()),
 		EngineURL:     s.cfg.EngineURL,
 		Protocol:      s.cfg.Protocol,
 		OnClearRoutes: s.requestClear,
@@ -474,6 +481,7 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 		if m, err = ParseMetrics(body, s.cfg.Protocol); err == nil {
 			s.load.Store(&m)
 			s.metricsOK.Store(true)
+			s.configuredBlockSize(m.BlockSize)
 			return
 		}
 	}
@@ -481,6 +489,24 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 		s.log.Warn().Err(err).Msg("engine metrics unreadable")
 	}
 	s.scrapeErrs.Add(1)
+}
+
+// configuredBlockSize takes the block size of the engine's configuration
+// until KV events tell it (they rule: a hybrid model's events may carry
+// another), so that routers can match prefixes from the first filter on.
+func (s *Sidecar) configuredBlockSize(bs int) {
+	if bs <= 0 {
+		return
+	}
+	s.mu.Lock()
+	learned := s.set.BlockSize() == 0 && s.blockSize.Load() != int64(bs)
+	if learned {
+		s.blockSize.Store(int64(bs))
+	}
+	s.mu.Unlock()
+	if learned {
+		go s.announce() // the scrape loop does not wait for a broadcast
+	}
 }
 
 // refreshModels reads /v1/models and reports whether the list changed.

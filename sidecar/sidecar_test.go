@@ -208,6 +208,12 @@ func TestEngineBlocksReachRouter(t *testing.T) {
 		i := s.Find("e1")
 		return i >= 0 && s.Replicas[i].Online && len(s.Replicas[i].Models) == 1 && s.Replicas[i].Models[0] == "sim"
 	})
+	// Before any KV event the router knows the block size from the
+	// engine's cache configuration (its /metrics): the first filter with
+	// keys is usable at once, not only after a later metadata broadcast.
+	if s := tb.Snapshot(); s.Replicas[s.Find("e1")].BlockSize != 16 {
+		t.Fatalf("block size %d at the router before any KV event, want the engine's 16", s.Replicas[s.Find("e1")].BlockSize)
+	}
 
 	// The engine's PUB dials the sidecar in the background; a batch
 	// published before it is connected is lost (as with vLLM), and the next

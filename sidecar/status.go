@@ -84,7 +84,7 @@ func (s *Sidecar) Status() Status {
 		st.Model = models[0]
 	}
 	s.mu.Lock()
-	st.BlockSize = s.set.BlockSize()
+	st.BlockSize = int(s.blockSize.Load()) // what routers key prompts with
 	st.ResidentBlocks = s.set.Len()
 	st.OrphanBlocks = s.set.Orphans()
 	st.EventsReceived = s.set.Stats().Events
