@@ -63,9 +63,10 @@ type Load struct {
 	Waiting int     // requests queued at the engine
 	Running int     // requests running at the engine
 	KVUsage float64 // fraction of KV cache in use, 0..1
-	// InflightRequests and InflightPrefillTokens are the requests (and their
-	// uncached prompt tokens) that all routers together have dispatched to
-	// this replica and not yet seen finish.
-	InflightRequests      int
-	InflightPrefillTokens int
+	// OthersInflightRequests and OthersInflightPrefillTokens are the
+	// requests (and their uncached prompt tokens) the other routers have
+	// dispatched to this replica and not yet seen finish, as of the
+	// sidecar's last load record; a router adds its own exact counts.
+	OthersInflightRequests      int
+	OthersInflightPrefillTokens int
 }

@@ -217,13 +217,14 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
 		l := g.inflight.get(r.Name)
+		clusterRequests, clusterPrefill := l.clusterView(r.Load)
 		v := replicaView{
 			Name: r.Name, Models: slices.Clone(r.Models), URL: r.URL, Protocol: r.Protocol,
 			Online: r.Online, Selected: r.Selected, KVEvents: r.KVEvents, Stale: r.Stale,
 			Waiting: r.Load.Waiting, Running: r.Load.Running, KVUsage: r.Load.KVUsage,
 			BlockSize: r.BlockSize, FilterGeneration: r.FilterGeneration, FilterKeys: r.FilterKeys,
-			ClusterInflightRequests:      r.Load.InflightRequests,
-			ClusterInflightPrefillTokens: r.Load.InflightPrefillTokens,
+			ClusterInflightRequests:      clusterRequests,
+			ClusterInflightPrefillTokens: clusterPrefill,
 			LocalInflightRequests:        int(l.requests.Load()),
 			LocalInflightPrefillTokens:   int(l.prefill.Load()),
 			RoutingDegraded:              degraded,

@@ -13,23 +13,17 @@ import (
 // dispatched and not finished, and their uncached prompt tokens until the
 // first byte comes back (the prefill the engine still has to do).
 type replicaLoad struct {
-	requests atomic.Int64
-	prefill  atomic.Int64
-	// reportedRequests/reportedPrefill are what the cluster was last told;
-	// the sidecar's sums include them, so they are subtracted before this
-	// router's exact current counts are added.
-	reportedRequests atomic.Int64
-	reportedPrefill  atomic.Int64
-	observers        [2]atomic.Value // prometheus.Observer: upstream latency, ttft (see metrics.latency)
-	eject            ejection        // out of routing after failing to answer
+	requests  atomic.Int64
+	prefill   atomic.Int64
+	told      atomic.Bool     // the cluster was last told of work here (not of none)
+	observers [2]atomic.Value // prometheus.Observer: upstream latency, ttft (see metrics.latency)
+	eject     ejection        // out of routing after failing to answer
 }
 
-// clusterView combines the cluster-wide counts a sidecar gossiped (which
-// include this router's last report) with this router's exact counts.
-func (l *replicaLoad) clusterView(clusterRequests, clusterPrefill int) (int, int) {
-	others := max(clusterRequests-int(l.reportedRequests.Load()), 0)
-	othersPrefill := max(clusterPrefill-int(l.reportedPrefill.Load()), 0)
-	return others + int(l.requests.Load()), othersPrefill + int(l.prefill.Load())
+// clusterView adds this router's exact counts to the other routers'
+// in-flight work the replica's sidecar last gossiped.
+func (l *replicaLoad) clusterView(gossiped fleet.Load) (requests, prefillTokens int) {
+	return gossiped.OthersInflightRequests + int(l.requests.Load()), gossiped.OthersInflightPrefillTokens + int(l.prefill.Load())
 }
 
 type inflightTable struct {
@@ -115,12 +109,12 @@ func (g *Gateway) ReportInflight(every time.Duration, stop <-chan struct{}) {
 		}
 		g.inflight.each(func(name string, l *replicaLoad) {
 			req, pre := l.requests.Load(), l.prefill.Load()
-			if req == l.reportedRequests.Load() && pre == l.reportedPrefill.Load() && req == 0 {
-				return
+			work := req != 0 || pre != 0
+			if !work && !l.told.Load() {
+				return // none, as last told
 			}
 			g.cluster.ReportInflight(name, int(req), int(pre))
-			l.reportedRequests.Store(req)
-			l.reportedPrefill.Store(pre)
+			l.told.Store(work)
 		})
 	}
 }

@@ -492,7 +492,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 		c := &ex.cands[i]
 		c.Waiting, c.Running = r.Load.Waiting, r.Load.Running
 		mine := ex.loads[ex.snapIdx[i]]
-		c.InflightRequests, c.PendingPrefillTokens = mine.clusterView(r.Load.InflightRequests, r.Load.InflightPrefillTokens)
+		c.InflightRequests, c.PendingPrefillTokens = mine.clusterView(r.Load)
 	}
 }
 

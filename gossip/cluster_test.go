@@ -127,22 +127,58 @@ func TestSidecarFeedsRouterTable(t *testing.T) {
 func TestInflightIsSummedOverRouters(t *testing.T) {
 	r1, tb1 := startTestRouter(t, "r1")
 	r2, tb2 := startTestRouter(t, "r2", r1.Addr())
+	r3, tb3 := startTestRouter(t, "r3", r1.Addr())
 	s, _ := startTestSidecar(t, "a", r1.Addr())
-	waitFor(t, 3*time.Second, "sidecar sees both routers", func() bool { return s.Routers() == 2 })
+	waitFor(t, 3*time.Second, "sidecar sees the routers", func() bool { return s.Routers() == 3 })
 	r1.ReportInflight("a", 2, 100)
 	r2.ReportInflight("a", 3, 50)
-	waitFor(t, 2*time.Second, "both routers see the cluster's in-flight", func() bool {
+	r3.ReportInflight("a", 4, 20)
+	// Each router learns the others' work; its own it counts itself.
+	waitFor(t, 2*time.Second, "every router sees the other routers' in-flight", func() bool {
 		a, _ := replica(tb1, "a")
 		b, _ := replica(tb2, "a")
-		return a.Load.InflightRequests == 5 && b.Load.InflightRequests == 5 &&
-			a.Load.InflightPrefillTokens == 150 && b.Load.InflightPrefillTokens == 150
+		c, _ := replica(tb3, "a")
+		others := func(l fleet.Load) [2]int { return [2]int{l.OthersInflightRequests, l.OthersInflightPrefillTokens} }
+		return others(a.Load) == [2]int{7, 70} && others(b.Load) == [2]int{6, 120} && others(c.Load) == [2]int{5, 150}
 	})
+	if req, pre := s.Inflight(); req != 9 || pre != 170 {
+		t.Errorf("sidecar's sum %d requests, %d tokens; want 9, 170", req, pre)
+	}
 	// A router that dies takes its share with it (expired at the sidecar).
 	r2.abort()
 	waitFor(t, 3*time.Second, "dead router's share expired", func() bool {
 		a, _ := replica(tb1, "a")
-		return a.Load.InflightRequests == 2
+		return a.Load.OthersInflightRequests == 4
 	})
+}
+
+// TestOwnFinishedWorkIsNeverCounted: a router's own share never comes back
+// to it in the load records, so a request it has seen finish is not counted
+// again while the sidecar's sum still holds its last report (it was, for up
+// to a load interval after each report, which could steer the next turn of
+// a conversation away from the replica that holds its prefix).
+func TestOwnFinishedWorkIsNeverCounted(t *testing.T) {
+	r1, tb1 := startTestRouter(t, "r1")
+	_, tb2 := startTestRouter(t, "r2", r1.Addr())
+	s, _ := startTestSidecar(t, "a", r1.Addr())
+	waitFor(t, 3*time.Second, "sidecar sees both routers", func() bool { return s.Routers() == 2 })
+	for round := range 5 {
+		r1.ReportInflight("a", 1, 800)
+		waitFor(t, 2*time.Second, "r2 sees r1's request", func() bool {
+			b, _ := replica(tb2, "a")
+			return b.Load.OthersInflightRequests == 1 && b.Load.OthersInflightPrefillTokens == 800
+		})
+		r1.ReportInflight("a", 0, 0)
+		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+			if a, _ := replica(tb1, "a"); a.Load.OthersInflightRequests != 0 || a.Load.OthersInflightPrefillTokens != 0 {
+				t.Fatalf("round %d: r1 counts its own work as another router's: %+v", round, a.Load)
+			}
+		}
+		waitFor(t, 2*time.Second, "r2 sees it finish", func() bool {
+			b, _ := replica(tb2, "a")
+			return b.Load.OthersInflightRequests == 0 && b.Load.OthersInflightPrefillTokens == 0
+		})
+	}
 }
 
 func TestRouteClearIsClusterWide(t *testing.T) {

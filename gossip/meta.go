@@ -26,12 +26,18 @@ func (r Role) String() string {
 	return "unknown"
 }
 
-// Capability bits a sidecar announces.
+// Capability bits a member announces.
 const (
 	// CapKVEvents: the sidecar feeds resident blocks (filters), not only load.
 	CapKVEvents uint32 = 1 << iota
 	// CapInflight: the sidecar sums routers' in-flight reports into its load.
 	CapInflight
+	// CapInflightOthers, announced by both sides: the sidecar's load records
+	// for such a router count only the other routers' in-flight work. The
+	// router adds its own exact counts, where it would otherwise take its
+	// last report out of a sum that may have been made before it arrived
+	// (and so count a request that had already finished).
+	CapInflightOthers
 )
 
 const metaVersion = 1

@@ -50,8 +50,10 @@ type Load struct {
 	Waiting int
 	Running int
 	KVUsage float32
-	// InflightRequests/InflightPrefillTokens are summed over every router's
-	// report for this replica (expired when a router falls silent).
+	// InflightRequests/InflightPrefillTokens are summed over the routers'
+	// reports for this replica (expired when a router falls silent): every
+	// router's, or, for a router announcing CapInflightOthers, every other
+	// router's.
 	InflightRequests      int
 	InflightPrefillTokens int
 	// FilterGen/FilterSeq name the last filter message sent, so a router

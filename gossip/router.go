@@ -109,7 +109,8 @@ func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
 	}
-	n, err := start(cfg.Config, Meta{Role: RoleRouter, Name: cfg.Name, SchemeVersion: blockkey.SchemeVersion, Epoch: rand.Uint64() | 1})
+	n, err := start(cfg.Config, Meta{Role: RoleRouter, Name: cfg.Name, SchemeVersion: blockkey.SchemeVersion,
+		Capabilities: CapInflightOthers, Epoch: rand.Uint64() | 1})
 	if err != nil {
 		return nil, err
 	}
@@ -323,15 +324,19 @@ func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 	}
 	p.loadSeq = m.Seq
 	l := &m.Load
-	mine := r.inflight[p.meta.Name]
-	// The sidecar's sum includes what this router last reported; replace
-	// that share with what this router has in flight now.
+	// The other routers' in-flight work there. A sidecar without
+	// CapInflightOthers sums every report: take out this router's last one
+	// (exact unless the sum predates it).
+	others := inflight{max(l.InflightRequests, 0), max(l.InflightPrefillTokens, 0)}
+	if p.meta.Capabilities&CapInflightOthers == 0 {
+		others = inflight{max(l.InflightRequests-p.reported.requests, 0), max(l.InflightPrefillTokens-p.reported.prefillTokens, 0)}
+	}
 	load := fleet.Load{
-		Waiting:               l.Waiting,
-		Running:               l.Running,
-		KVUsage:               float64(l.KVUsage),
-		InflightRequests:      max(l.InflightRequests-p.reported.requests, 0) + mine.requests,
-		InflightPrefillTokens: max(l.InflightPrefillTokens-p.reported.prefillTokens, 0) + mine.prefillTokens,
+		Waiting:                     l.Waiting,
+		Running:                     l.Running,
+		KVUsage:                     float64(l.KVUsage),
+		OthersInflightRequests:      others.requests,
+		OthersInflightPrefillTokens: others.prefillTokens,
 	}
 	r.table.SetLoad(p.meta.Name, load, l.Healthy, now)
 	if !l.Healthy {

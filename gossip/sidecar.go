@@ -91,7 +91,10 @@ type routerPeer struct {
 	wantSnap chan struct{}
 	quit     chan struct{}
 	// in-flight work the router reported here
-	inflight  inflight
+	inflight inflight
+	// others: the router wants load records without its own share
+	// (CapInflightOthers).
+	others    bool
 	inflSeq   uint64
 	inflAt    time.Time
 	inflEpoch uint64
@@ -129,7 +132,7 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 		Protocol:      cfg.Protocol,
 		BlockSize:     cfg.BlockSize,
 		SchemeVersion: blockkey.SchemeVersion,
-		Capabilities:  CapInflight,
+		Capabilities:  CapInflight | CapInflightOthers,
 		Epoch:         epoch,
 	}
 	if cfg.Filter != nil {
@@ -278,6 +281,7 @@ func (s *SidecarNode) membership(ev event) {
 		go s.snapshotSender(rp)
 	}
 	rp.node = ev.member.node
+	rp.others = ev.member.meta.Capabilities&CapInflightOthers != 0
 	if ev.kind == evJoin {
 		rp.want()
 	}
@@ -420,9 +424,17 @@ func (s *SidecarNode) sendLoad() {
 		InflightRequests:      f.requests,
 		InflightPrefillTokens: f.prefillTokens,
 	}}
-	routers := make([]*memberlist.Node, 0, len(s.routers))
+	type target struct {
+		node *memberlist.Node
+		own  inflight // left out of the sums sent to it
+	}
+	targets := make([]target, 0, len(s.routers))
 	for _, rp := range s.routers {
-		routers = append(routers, rp.node)
+		t := target{node: rp.node}
+		if rp.others {
+			t.own = rp.inflight // zeroed by inflightLocked once expired
+		}
+		targets = append(targets, t)
 	}
 	s.mu.Unlock()
 	if g := s.filter.Load(); g != nil {
@@ -432,8 +444,11 @@ func (s *SidecarNode) sendLoad() {
 	} else {
 		msg.Epoch = s.meta.Epoch
 	}
-	for _, to := range routers {
-		_ = s.send(to, &msg, false)
+	for _, t := range targets {
+		m := msg
+		m.Load.InflightRequests -= t.own.requests
+		m.Load.InflightPrefillTokens -= t.own.prefillTokens
+		_ = s.send(t.node, &m, false)
 	}
 }
 
