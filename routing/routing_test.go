@@ -72,6 +72,31 @@ func TestKVAwareLeavesWarmReplicaWhenItsQueueCostsMoreThanTheSaving(t *testing.T
 	}
 }
 
+// TestKVAwareCountsTheDecodeBatchOfAHotReplica: the state routers saw in a
+// bad run of the loadtest's hot scenario through four routers (one tenant
+// sending half the traffic stayed on one replica with a first-token wait
+// of 241 ms while a cold prefill elsewhere costs ≈ 100 ms): 40 running
+// sequences and 1,200 prefill tokens queued. Each running sequence costs a
+// new request ≈ 1.5 ms (a step and a half of decoding it), so the next
+// request goes to an idle replica cold; at the former 0.5 ms it stayed.
+func TestKVAwareCountsTheDecodeBatchOfAHotReplica(t *testing.T) {
+	cands := fleetOf(3)
+	cands[1].MatchedTokens = 3008
+	cands[1].Running = 40
+	cands[1].PendingPrefillTokens = 1200
+	d := route(t, mustPolicy(t, "kvaware"), &Request{PromptTokens: 3320, Now: t0}, cands)
+	if d.Pick == 1 {
+		t.Fatalf("stayed on the hot replica: %+v", d)
+	}
+	p, err := New("kvaware", Config{PerRunning: 500 * time.Microsecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := route(t, p, &Request{PromptTokens: 3320, Now: t0}, cands); d.Pick != 1 {
+		t.Fatalf("at 0.5 ms per running sequence the hot replica should still win: %+v", d)
+	}
+}
+
 func TestKVAwareIgnoresFiltersItCannotTrust(t *testing.T) {
 	cands := fleetOf(2)
 	cands[0].MatchedTokens = 5000
