@@ -129,9 +129,13 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 			Str("replica", t.name).Str("mode", string(t.mode)).
 			Int("prompt_tokens", ex.promptTokens).Int("predicted_cached", t.predicted).
 			Int("actual_cached", r.CachedTokens).Int("attempts", ex.attempts).Int("status", r.Status).
-			Dur("decide", ex.decideTime).Dur("predicted_ttft", ex.d.PredictedTTFT).Dur("predicted_queue", ex.d.Queue).
-			Dur("ttft", ex.ttft).Dur("elapsed", r.Elapsed).
+			Dur("decide", ex.decideTime).Dur("ttft", ex.ttft).Dur("elapsed", r.Elapsed).
 			Bool("degraded", ex.d.Degraded).Str("reason", ex.d.Reason)
+		if ex.d.Pick >= 0 && !t.fallback && t.name == ex.cands[ex.d.Pick].Name {
+			// kvaware's estimates are for its pick: beside the TTFT
+			// measured there, not at a replica a retry moved to.
+			ev = ev.Dur("predicted_ttft", ex.d.PredictedTTFT).Dur("predicted_queue", ex.d.Queue)
+		}
 		if ex.tokenizeErr != nil {
 			ev = ev.Str("tokenize_error", ex.tokenizeErr.Error())
 		}

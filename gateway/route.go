@@ -258,7 +258,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 			return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
 		}
 		ex.tokens(p, ms)
-		ex.d.Pick, ex.d.Order, ex.d.Mode, ex.d.Reason = -1, ex.d.Order[:0], routing.ModeFallback, "no replica online"
+		ex.d = routing.Decision{Pick: -1, Order: ex.d.Order[:0], Mode: routing.ModeFallback, Reason: "no replica online"}
 		ex.addFallback(ms)
 		if timed {
 			ex.decideTime = time.Since(t0)
