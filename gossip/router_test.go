@@ -272,3 +272,36 @@ func TestResyncMessageNamesWhatTheRouterHolds(t *testing.T) {
 		t.Fatalf("%+v %v", got, err)
 	}
 }
+
+// TestRouterReadsInflightByTheSidecarsCapability: an older sidecar sums
+// every router's report, so the router takes its own last report out; one
+// that announces CapInflightOthers (learned here from a metadata update)
+// already left it out.
+func TestRouterReadsInflightByTheSidecarsCapability(t *testing.T) {
+	f := newFeedRouter(t)
+	others := func() [2]int {
+		rep, _ := replica(f.tb, "a")
+		return [2]int{rep.Load.OthersInflightRequests, rep.Load.OthersInflightPrefillTokens}
+	}
+	// As after a tick reported 2 requests, 300 tokens (and a later tick
+	// reports the same).
+	f.r.ReportInflight("a", 2, 300)
+	f.r.mu.Lock()
+	f.r.sidecars["sidecar/a"].reported = inflight{2, 300}
+	f.r.mu.Unlock()
+	f.deliver(Message{Kind: KindLoad, Epoch: 7, Seq: 1, Load: Load{Healthy: true, InflightRequests: 5, InflightPrefillTokens: 500}})
+	if got := others(); got != [2]int{3, 200} {
+		t.Fatalf("older sidecar: others %v, want its sum less this router's report (3, 200)", got)
+	}
+	f.r.mu.Lock()
+	f.r.membership(event{kind: evUpdate, member: member{
+		node: &memberlist.Node{Name: "sidecar/a"},
+		meta: Meta{Role: RoleSidecar, Name: "a", Models: []string{"m"}, Protocol: "vllm", BlockSize: 16,
+			SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 7},
+	}})
+	f.r.mu.Unlock()
+	f.deliver(Message{Kind: KindLoad, Epoch: 7, Seq: 2, Load: Load{Healthy: true, InflightRequests: 5, InflightPrefillTokens: 500}})
+	if got := others(); got != [2]int{5, 500} {
+		t.Fatalf("sidecar leaving this router out: others %v, want (5, 500) as sent", got)
+	}
+}

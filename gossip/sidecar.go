@@ -436,13 +436,12 @@ func (s *SidecarNode) sendLoad() {
 		}
 		targets = append(targets, t)
 	}
+	msg.Epoch = s.meta.Epoch // SetModels replaces meta under s.mu
 	s.mu.Unlock()
 	if g := s.filter.Load(); g != nil {
 		st := g.Stats()
 		msg.Epoch = st.Epoch
 		msg.Load.FilterGen, msg.Load.FilterSeq, msg.Load.FilterKeys = st.Generation, st.Seq, st.Keys
-	} else {
-		msg.Epoch = s.meta.Epoch
 	}
 	for _, t := range targets {
 		m := msg

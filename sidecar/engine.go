@@ -64,7 +64,7 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 			continue
 		}
 		name, value, ok := sample(line)
-		if !ok {
+		if !ok || name == "" { // "" would match sglang's absent config series
 			continue
 		}
 		switch name {

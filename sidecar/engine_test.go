@@ -39,6 +39,7 @@ func TestParseMetrics(t *testing.T) {
 	sg := `sglang:num_queue_reqs{model_name="q",tp_rank="0"} 4
 sglang:num_running_reqs{model_name="q",tp_rank="0"} 9
 sglang:token_usage{model_name="q",tp_rank="0"} 0.125
+{block_size="16"} 1
 `
 	if got, err := ParseMetrics([]byte(sg), "sglang"); err != nil || got != (EngineMetrics{Waiting: 4, Running: 9, KVUsage: 0.125}) {
 		t.Fatalf("sglang: %+v %v", got, err)
@@ -55,6 +56,7 @@ sglang:token_usage{model_name="q",tp_rank="0"} 0.125
 		`vllm:cache_config_info{block_size="99999999999"} 1`:       0,
 		`vllm:cache_config_info{hash_block_size="16"} 1`:           0,
 		`vllm:cache_config_info{x="unterminated,block_size="8"} 1`: 0,
+		`{block_size="16"} 1`:                                      0,
 	} {
 		got, err := ParseMetrics([]byte("vllm:num_requests_waiting 0\n"+line+"\n"), "vllm")
 		if err != nil || got.BlockSize != want {
