@@ -105,12 +105,13 @@ type replicaView struct {
 	Waiting, Running int
 }
 
-// waitSettled waits until router lists at least keys blocks in replica's
-// filter (the sidecar has gossiped what the engine cached) and no request
+// waitSettled waits until router lists the full blocks of a prompt of
+// promptTokens in replica's filter (the sidecar has gossiped what the engine
+// cached) and no request
 // in flight there from any router (in-flight counts travel through the
 // sidecar's load records, a beat behind): what a router decides next is
 // then down to the cache, not to a request that has already finished.
-func waitSettled(t *testing.T, router, replica string, keys int) {
+func waitSettled(t *testing.T, router, replica string, promptTokens int) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	var last []replicaView
@@ -121,13 +122,13 @@ func waitSettled(t *testing.T, router, replica string, keys int) {
 			resp.Body.Close()
 		}
 		for _, r := range last {
-			if r.Name == replica && r.BlockSize > 0 && r.FilterKeys >= keys && r.ClusterInflight == 0 && r.Waiting+r.Running == 0 {
+			if r.Name == replica && r.BlockSize > 0 && r.FilterKeys >= promptTokens/r.BlockSize && r.ClusterInflight == 0 && r.Waiting+r.Running == 0 {
 				return
 			}
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatalf("%s never saw %s settled with %d keys: %+v", router, replica, keys, last)
+	t.Fatalf("%s never saw %s settled with the blocks of %d tokens: %+v", router, replica, promptTokens, last)
 }
 
 // metric sums the samples of a Prometheus counter whose line starts with
@@ -239,10 +240,9 @@ func TestOpenAIClients(t *testing.T) {
 	}
 	// Both routers must know what the engine cached before the next turns
 	// can be judged by their routing.
-	blocks := int(first.Usage.PromptTokens) / 16
 	settle := func() {
-		waitSettled(t, r0, served, blocks)
-		waitSettled(t, r1, served, blocks)
+		waitSettled(t, r0, served, int(first.Usage.PromptTokens))
+		waitSettled(t, r1, served, int(first.Usage.PromptTokens))
 	}
 	settle()
 
