@@ -152,6 +152,33 @@ func TestInflightIsSummedOverRouters(t *testing.T) {
 	})
 }
 
+// TestDoneIsReportedThrice: reports are datagrams, so the report that a
+// router's work at a replica is done goes three times (one lost would leave
+// the other routers counting that work until the sidecar expires it), then
+// the router falls quiet there.
+func TestDoneIsReportedThrice(t *testing.T) {
+	r1, _ := startTestRouter(t, "r1")
+	s, _ := startTestSidecar(t, "a", r1.Addr())
+	waitFor(t, 3*time.Second, "sidecar sees the router", func() bool { return s.Routers() == 1 })
+	r1.ReportInflight("a", 1, 10)
+	waitFor(t, 2*time.Second, "work reported", func() bool { req, pre := s.Inflight(); return req == 1 && pre == 10 })
+	sent := func() uint64 { return r1.d.stats.Sent[KindInflight].Load() }
+	before := sent()
+	r1.ReportInflight("a", 0, 0)
+	waitFor(t, 2*time.Second, "done reported", func() bool { req, pre := s.Inflight(); return req == 0 && pre == 0 })
+	time.Sleep(10 * 2 * 50 * time.Millisecond) // ten report intervals
+	after := sent()
+	// A report of the work may have left between reading before and the
+	// change: 3 or 4.
+	if n := after - before; n < 3 || n > 4 {
+		t.Fatalf("%d reports after the work ended, want 3 reports of none", n)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := sent() - after; n != 0 {
+		t.Fatalf("%d more reports while idle", n)
+	}
+}
+
 // TestOwnFinishedWorkIsNeverCounted: a router's own share never comes back
 // to it in the load records, so a request it has seen finish is not counted
 // again while the sidecar's sum still holds its last report (it was, for up

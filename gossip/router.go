@@ -81,6 +81,10 @@ type sidecarPeer struct {
 	// reported is the in-flight work this router last reported there.
 	reported inflight
 	inflSeq  uint64
+	// idleReports counts the reports of no work still to send: reports go
+	// as datagrams, and one lost "done" would leave the other routers
+	// counting this router's last work there until the sidecar expires it.
+	idleReports int
 }
 
 // maxPending bounds the deltas buffered ahead of a snapshot (≈ 6 s of
@@ -513,6 +517,10 @@ func (r *RouterNode) requestResync(p *sidecarPeer, now time.Time, why int) {
 	}()
 }
 
+// idleRepeats is how many reports of no work follow a router's last work at
+// a replica.
+const idleRepeats = 3
+
 func (r *RouterNode) tick() {
 	type report struct {
 		to  *memberlist.Node
@@ -540,8 +548,13 @@ func (r *RouterNode) tick() {
 			continue
 		}
 		cur := r.inflight[p.meta.Name]
-		if cur == (inflight{}) && p.reported == (inflight{}) {
+		switch {
+		case cur != (inflight{}):
+			p.idleReports = idleRepeats
+		case p.idleReports == 0:
 			continue
+		default:
+			p.idleReports--
 		}
 		p.inflSeq++
 		p.reported = cur
