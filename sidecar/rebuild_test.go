@@ -57,7 +57,10 @@ func TestRebuildDoesNotStallEventIntake(t *testing.T) {
 		}
 	}
 	t.Logf("rebuild took %v; %d batches applied meanwhile, slowest %v", took, n, worst)
-	if worst > took/2 {
+	// Holding the lock through the fill would make one batch wait nearly
+	// the whole rebuild; under -race with other packages' tests on two
+	// cores a batch was seen descheduled for 143 of 250 ms.
+	if worst > took*3/4 {
 		t.Errorf("a batch waited %v during a %v rebuild: intake stalls", worst, took)
 	}
 	// Batches applied after the install are pending in the new generation.
