@@ -289,6 +289,7 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 		f.Add([]byte(in.Messages), []byte(in.Tools), true, false, "<s>")
 	}
 	f.Add([]byte(`[]`), []byte(nil), false, true, "")
+	var reused []byte // one buffer across inputs, as the gateway keeps one
 	f.Fuzz(func(t *testing.T, messages, tools []byte, genPrompt, cont bool, bos string) {
 		in := Input{Messages: messages, Tools: tools, AddGenerationPrompt: genPrompt, ContinueFinalMessage: cont, BOSToken: bos}
 		for _, tmpl := range templates {
@@ -300,6 +301,10 @@ func FuzzNativeMatchesJinja(f *testing.F) {
 			appended, aerr := tmpl.AppendRender([]byte("x"), in)
 			if string(appended) != "x"+got || fmt.Sprint(aerr) != fmt.Sprint(gerr) {
 				t.Fatalf("AppendRender %q, %v; Render %q, %v", appended, aerr, got, gerr)
+			}
+			into, ierr := tmpl.RenderInto(&reused, in)
+			if into != got || fmt.Sprint(ierr) != fmt.Sprint(gerr) {
+				t.Fatalf("RenderInto %q, %v; Render %q, %v", into, ierr, got, gerr)
 			}
 		}
 	})

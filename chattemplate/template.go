@@ -252,13 +252,27 @@ func strftimeNow(args []jinja.Value, _ map[string]jinja.Value) (jinja.Value, err
 
 // Render renders the template for one request.
 func (t *Template) Render(in Input) (string, error) {
-	buf, out, native, err := t.render(nil, in)
-	if err != nil || !native || len(buf) == 0 {
-		return out, err
+	// The buffer is this call's own and never written again
+	// (strings.Builder's String does the same).
+	var buf []byte
+	return t.RenderInto(&buf, in)
+}
+
+// RenderInto renders the template for one request, for a caller that needs
+// the prompt only until its next render: native renderers write it into
+// (*buf)[:0], leave *buf holding the buffer used (grown if it had to be),
+// and the prompt returned shares that memory; jinja's output is returned
+// as it is, *buf untouched.
+func (t *Template) RenderInto(buf *[]byte, in Input) (string, error) {
+	out, jinjaOut, native, err := t.render((*buf)[:0], in)
+	if !native {
+		return jinjaOut, err
 	}
-	// buf is this call's own and never written again (strings.Builder's
-	// String does the same).
-	return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
+	*buf = out
+	if err != nil || len(out) == 0 {
+		return "", err
+	}
+	return unsafe.String(unsafe.SliceData(out), len(out)), nil
 }
 
 // AppendRender appends the prompt for one request to dst: a caller that

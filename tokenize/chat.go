@@ -2,7 +2,6 @@ package tokenize
 
 import (
 	"errors"
-	"unsafe"
 
 	"github.com/kvmesh/kvmesh/chattemplate"
 )
@@ -27,8 +26,7 @@ func MediaMessage(err error) (int, bool) {
 
 // chatRenderer is the seam to package chattemplate.
 type chatRenderer interface {
-	Render(chattemplate.Input) (string, error)
-	AppendRender([]byte, chattemplate.Input) ([]byte, error)
+	RenderInto(*[]byte, chattemplate.Input) (string, error)
 	Renderer() string
 }
 
@@ -66,21 +64,11 @@ func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
 	if r == nil {
 		return "", t.chatErr
 	}
-	in := t.templateInput(chat)
-	if chat.Prompt == nil || r.Renderer() == "jinja" { // jinja makes its own string
-		return r.Render(in)
+	buf := chat.Prompt // the prompt shares its memory, as Chat documents
+	if buf == nil {
+		buf = new([]byte)
 	}
-	buf, err := r.AppendRender((*chat.Prompt)[:0], in)
-	*chat.Prompt = buf
-	if err != nil || len(buf) == 0 {
-		return "", err
-	}
-	// Shares *chat.Prompt's memory, as Chat documents.
-	return unsafe.String(unsafe.SliceData(buf), len(buf)), nil
-}
-
-func (t *HF) templateInput(chat Chat) chattemplate.Input {
-	return chattemplate.Input{
+	return r.RenderInto(buf, chattemplate.Input{
 		Messages:             chat.Messages,
 		Tools:                chat.Tools,
 		Kwargs:               chat.TemplateKwargs,
@@ -88,7 +76,7 @@ func (t *HF) templateInput(chat Chat) chattemplate.Input {
 		ContinueFinalMessage: chat.ContinueFinalMessage,
 		BOSToken:             t.bosToken,
 		EOSToken:             t.eosToken,
-	}
+	})
 }
 
 // EncodeChat implements Model: render the template, then tokenize without
