@@ -15,7 +15,6 @@ import (
 type replicaLoad struct {
 	requests  atomic.Int64
 	prefill   atomic.Int64
-	told      atomic.Bool     // the cluster was last told of work here (not of none)
 	observers [2]atomic.Value // prometheus.Observer: upstream latency, ttft (see metrics.latency)
 	eject     ejection        // out of routing after failing to answer
 }
@@ -107,14 +106,10 @@ func (g *Gateway) ReportInflight(every time.Duration, stop <-chan struct{}) {
 			return
 		case <-t.C:
 		}
+		// The cluster node decides what goes on the wire (nothing for
+		// a replica where this router has had no work for a while).
 		g.inflight.each(func(name string, l *replicaLoad) {
-			req, pre := l.requests.Load(), l.prefill.Load()
-			work := req != 0 || pre != 0
-			if !work && !l.told.Load() {
-				return // none, as last told
-			}
-			g.cluster.ReportInflight(name, int(req), int(pre))
-			l.told.Store(work)
+			g.cluster.ReportInflight(name, int(l.requests.Load()), int(l.prefill.Load()))
 		})
 	}
 }
