@@ -288,10 +288,7 @@ func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 	for i := range b.Events {
 		s.set.Apply(&b.Events[i], s.obs)
 	}
-	if bs := s.set.BlockSize(); bs > 0 && int64(bs) != s.blockSize.Load() {
-		s.blockSize.Store(int64(bs))
-		go s.announce() // a metadata update waits for its broadcast: not on the event path
-	}
+	s.setBlockSizeLocked(s.set.BlockSize())
 	rebuild := s.gens.NeedsRebuild(time.Now())
 	s.mu.Unlock()
 	if rebuild {
@@ -495,17 +492,20 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 // until KV events tell it (they rule: a hybrid model's events may carry
 // another), so that routers can match prefixes from the first filter on.
 func (s *Sidecar) configuredBlockSize(bs int) {
-	if bs <= 0 {
-		return
-	}
 	s.mu.Lock()
-	learned := s.set.BlockSize() == 0 && s.blockSize.Load() != int64(bs)
-	if learned {
-		s.blockSize.Store(int64(bs))
+	if s.set.BlockSize() == 0 {
+		s.setBlockSizeLocked(bs)
 	}
 	s.mu.Unlock()
-	if learned {
-		go s.announce() // the scrape loop does not wait for a broadcast
+}
+
+// setBlockSizeLocked keeps the block size routers key prompts with and
+// announces a change (s.mu held). A metadata update waits for its
+// broadcast: neither event intake nor the scrape loop waits with it.
+func (s *Sidecar) setBlockSizeLocked(bs int) {
+	if bs > 0 && int64(bs) != s.blockSize.Load() {
+		s.blockSize.Store(int64(bs))
+		go s.announce()
 	}
 }
 
