@@ -812,3 +812,76 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamsTeachTheCostModel: a streamed request served by the replica
+// picked, on the first try, is one observation of the model's cost (fitted
+// and exported whether or not decisions use it); a non-streamed answer (its
+// first byte waits for the whole completion) and a stream that went to a
+// second replica are not.
+func TestStreamsTeachTheCostModel(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: refusedURL(t), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	r.table.Upsert(fleet.Info{Name: "b", Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	// a holds the preamble and runs three sequences, b is idle: a is
+	// picked for the preamble (the prefill it saves outweighs its batch),
+	// b for anything else (a's load keeps it from homing cold prompts).
+	preamble := strings.Repeat("A preamble that only replica a holds. ", 40)
+	ids, _ := tokenize.Builtin{}.Encode(preamble, true)
+	fa := bloom.NewFilter(1024, 0.001)
+	for _, k := range blockkey.Append(nil, blockkey.Seed("", ""), ids, 16) {
+		fa.Add(k)
+	}
+	r.table.SetFilter("a", fa, 1, len(ids)/16, now)
+	r.table.SetFilter("b", bloom.NewFilter(1024, 0.001), 1, 0, now)
+	r.table.SetLoad("a", fleet.Load{Running: 3}, true, now)
+	r.table.SetLoad("b", fleet.Load{}, true, now)
+
+	// A stream is finished (and learned from) just after its last event
+	// reached the client: wait a moment for the count to settle.
+	observations := func() string {
+		t.Helper()
+		n := "0"
+		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			for _, line := range strings.Split(r.get(t, "/metrics").body, "\n") {
+				if strings.HasPrefix(line, `kvmesh_router_cost_model_observations{model="sim"}`) {
+					n = strings.Fields(line)[1]
+				}
+			}
+		}
+		return n
+	}
+	send := func(prompt string, stream bool) reply {
+		t.Helper()
+		res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":2,"stream":%v}`, prompt, stream))
+		if res.status != 200 {
+			t.Fatalf("%d %s", res.status, res.body)
+		}
+		return res
+	}
+	if res := send("A question for whoever is free.", true); res.header["x-kvmesh-replica"] != "b" {
+		t.Fatalf("served by %v", res.header)
+	}
+	if n := observations(); n != "1" {
+		t.Fatalf("after one stream served by its pick: %s observations, want 1", n)
+	}
+	send("Another question for whoever is free.", false)
+	if n := observations(); n != "1" {
+		t.Fatalf("a non-streamed answer was learned from: %s observations", n)
+	}
+	if res := send(preamble+"And a question.", true); res.header["x-kvmesh-replica"] != "b" {
+		t.Fatalf("retried stream served by %v", res.header)
+	}
+	if n := observations(); n != "1" {
+		t.Fatalf("a stream retried at another replica was learned from: %s observations", n)
+	}
+	m := r.get(t, "/metrics").body
+	if !strings.Contains(m, "kvmesh_router_retries_total 1") {
+		t.Error("the preamble's stream should have been retried from a to b")
+	}
+	for _, term := range []string{"base", "prefill_per_token", "per_running"} {
+		if !strings.Contains(m, `kvmesh_router_cost_model_seconds{model="sim",term="`+term+`"}`) {
+			t.Errorf("metrics lack the %s term", term)
+		}
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"github.com/valyala/fasthttp/fasthttpadaptor"
 
 	"github.com/kvmesh/kvmesh/buildinfo"
+	"github.com/kvmesh/kvmesh/costfit"
 	"github.com/kvmesh/kvmesh/routing"
 )
 
@@ -82,6 +83,7 @@ func newMetrics(g *Gateway) *metrics {
 		}),
 		inflightCollector{g},
 		infoCollector{g},
+		costCollector{g},
 		collectors.NewGoCollector(),
 	)
 	m.routesByMode = map[routing.Mode]prometheus.Counter{}
@@ -187,5 +189,40 @@ func (c inflightCollector) Collect(ch chan<- prometheus.Metric) {
 	c.g.inflight.each(func(name string, l *replicaLoad) {
 		ch <- prometheus.MustNewConstMetric(inflightRequestsDesc, prometheus.GaugeValue, float64(l.requests.Load()), name)
 		ch <- prometheus.MustNewConstMetric(inflightPrefillDesc, prometheus.GaugeValue, float64(l.prefill.Load()), name)
+	})
+}
+
+var (
+	costDesc = prometheus.NewDesc("kvmesh_router_cost_model_seconds",
+		"kvaware's cost model as calibrated from measured times to first token, by model and term: base (every request), prefill_per_token, per_running (sequence).",
+		[]string{"model", "term"}, nil)
+	costObservationsDesc = prometheus.NewDesc("kvmesh_router_cost_model_observations",
+		"Weight of the measured times to first token behind a model's calibrated cost model (observations, older ones forgotten gradually).",
+		[]string{"model"}, nil)
+)
+
+// costModeler is a policy that calibrates its cost model (kvaware).
+type costModeler interface {
+	CostModels(yield func(model string, k costfit.Coefficients, observations float64))
+}
+
+// costCollector exports the calibrated cost models.
+type costCollector struct{ g *Gateway }
+
+func (c costCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- costDesc
+	ch <- costObservationsDesc
+}
+
+func (c costCollector) Collect(ch chan<- prometheus.Metric) {
+	p, ok := c.g.Settings().Policy.(costModeler)
+	if !ok {
+		return
+	}
+	p.CostModels(func(model string, k costfit.Coefficients, n float64) {
+		ch <- prometheus.MustNewConstMetric(costDesc, prometheus.GaugeValue, k.Base.Seconds(), model, "base")
+		ch <- prometheus.MustNewConstMetric(costDesc, prometheus.GaugeValue, k.PerToken.Seconds(), model, "prefill_per_token")
+		ch <- prometheus.MustNewConstMetric(costDesc, prometheus.GaugeValue, k.PerRunning.Seconds(), model, "per_running")
+		ch <- prometheus.MustNewConstMetric(costObservationsDesc, prometheus.GaugeValue, n, model)
 	})
 }

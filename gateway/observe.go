@@ -111,6 +111,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	if r.Retried || r.Resumed {
 		return
 	}
+	ex.learn(t, r)
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
 	if served {
 		m.routed(t.mode).Inc()
@@ -148,6 +149,26 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		ev.Msg("request")
 	}
 	g.putExchange(ex)
+}
+
+// learn tells a policy that calibrates its cost model (routing.Learner) the
+// time to first token measured at t, when that is what the decision
+// predicted: a stream's first event, at the replica picked, on the first
+// try. The cached tokens are the engine's count when it gave one.
+func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
+	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 ||
+		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix {
+		return
+	}
+	l, ok := ex.s.Policy.(routing.Learner)
+	if !ok {
+		return
+	}
+	cached := t.predicted
+	if r.CachedTokens >= 0 {
+		cached = r.CachedTokens
+	}
+	l.Learn(&ex.req, &ex.cands[ex.d.Pick], cached, ex.ttft)
 }
 
 // unreachable reports whether an attempt failed for want of a replica that

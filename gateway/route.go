@@ -62,11 +62,14 @@ type exchange struct {
 	targets []*proxy.Upstream
 	info    []targetInfo
 
-	attempts  int
-	firstByte bool
-	ttft      time.Duration
-	hdrBuf    [20]byte // formats header numbers
-	requestID []byte   // X-Request-Id, the client's or the router's
+	// measuresTTFT is set for a streamed chat or completion: its first
+	// byte is its first token, what the policy may learn from.
+	measuresTTFT bool
+	attempts     int
+	firstByte    bool
+	ttft         time.Duration
+	hdrBuf       [20]byte // formats header numbers
+	requestID    []byte   // X-Request-Id, the client's or the router's
 }
 
 // targetInfo is what the gateway knows about each target it handed the proxy.
@@ -87,7 +90,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
-	ex.mediaPrefix = false
+	ex.mediaPrefix, ex.measuresTTFT = false, false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
 }
@@ -136,6 +139,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		g.fail(ctx, err)
 		return
 	}
+	ex.measuresTTFT = p.stream && k != kindOther
 	body := ctx.PostBody()
 	strip := false
 	if p.stream && !p.wantsUsage && k != kindOther {
@@ -212,6 +216,10 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	ms := s.Models[ex.model]
 	ex.loads = g.loadsOf(snap)
 	ex.req.Now = g.now()
+	ex.req.Model = ex.model
+	if ms.Base != "" {
+		ex.req.Model = ms.Base // an adapter computes as its base model
+	}
 	known := len(ms.Fallback) > 0
 	ejected := 0
 	for i := range snap.Replicas {

@@ -75,7 +75,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if policy == "" {
 		policy = "kvaware"
 	}
-	key := fmt.Sprintf("%s %+v", policy, c.Routing)
+	key := fmt.Sprintf("%s %+v", policy, c.Routing.config()) // values, not the pointers in Routing
 	if b.policy == nil || key != b.policyKey {
 		p, err := routing.New(policy, c.Routing.config())
 		if err != nil {

@@ -65,6 +65,9 @@ type Routing struct {
 	ImbalanceExit     float64       `yaml:"imbalance_exit"`
 	ImbalanceMinQueue time.Duration `yaml:"imbalance_min_queue"`
 	SpeculativeTTL    time.Duration `yaml:"speculative_ttl"`
+	// Calibrate decides by the cost model fitted per model to measured
+	// times to first token (nil: the flag's setting).
+	Calibrate *bool `yaml:"calibrate"`
 }
 
 func (r Routing) config() routing.Config {
@@ -72,6 +75,7 @@ func (r Routing) config() routing.Config {
 		PrefillPerToken: r.PrefillPerToken, PerRunning: r.PerRunning, TokensPerWaiting: r.TokensPerWaiting,
 		LoadBound: r.LoadBound, ColdSlack: r.ColdSlack, ImbalanceEnter: r.ImbalanceEnter,
 		ImbalanceExit: r.ImbalanceExit, ImbalanceMinQueue: r.ImbalanceMinQueue, SpeculativeTTL: r.SpeculativeTTL,
+		Calibrate: r.Calibrate != nil && *r.Calibrate,
 	}
 }
 
@@ -206,6 +210,9 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.Routing != (Routing{}) {
 		out.Routing = file.Routing
+		if file.Routing.Calibrate == nil {
+			out.Routing.Calibrate = base.Routing.Calibrate
+		}
 	}
 	if file.MaxPrefixTokens > 0 {
 		out.MaxPrefixTokens = file.MaxPrefixTokens

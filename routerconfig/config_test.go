@@ -89,6 +89,45 @@ func TestParseBuildAndOverlay(t *testing.T) {
 	}
 }
 
+func TestCalibrationSettingFromFlagAndFile(t *testing.T) {
+	base, err := FromFlags(Flags{Policy: "kvaware", CalibrateCost: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	calibrates := func(file string) bool {
+		t.Helper()
+		f, err := Parse([]byte(file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return Overlay(base, f).Routing.config().Calibrate
+	}
+	if !calibrates("") || !calibrates("routing: {cold_slack: 20ms}\n") {
+		t.Error("a file without routing.calibrate should keep the flag's setting")
+	}
+	if calibrates("routing: {calibrate: false}\n") {
+		t.Error("the file's routing.calibrate should win over the flag")
+	}
+	// Each reload parses a new *bool: equal values must keep the policy
+	// (and the costs it learned).
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	var policies []any
+	for range 2 {
+		f, err := Parse([]byte("routing: {calibrate: true, per_running: 2ms}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := b.Build(Overlay(base, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		policies = append(policies, s.Policy)
+	}
+	if policies[0] != policies[1] {
+		t.Error("policy rebuilt on a reload that changed nothing")
+	}
+}
+
 func TestInvalidConfigsAreRejected(t *testing.T) {
 	cases := map[string]string{
 		"unknown key":    "polciy: kvaware\n",

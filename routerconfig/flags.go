@@ -37,11 +37,14 @@ type Flags struct {
 	MaxPrefixTokens int
 	MaxAttempts     int
 	ResumeStreams   bool
+	// CalibrateCost: kvaware decides by the cost model fitted to measured TTFTs.
+	CalibrateCost bool
 }
 
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
-	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams}
+	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
+		Routing: Routing{Calibrate: &f.CalibrateCost}}
 	model := func(name string) *Model {
 		for i := range c.Models {
 			if c.Models[i].Name == name {

@@ -80,7 +80,7 @@ func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
 		if c := cmp.Compare(outstanding(ca), outstanding(cb)); c != 0 {
 			return c
 		}
-		return cmp.Compare(cfg.queue(ca), cfg.queue(cb))
+		return cmp.Compare(cfg.queue(&cfg.cost, ca), cfg.queue(&cfg.cost, cb))
 	})
 }
 

@@ -1,6 +1,10 @@
 package routing
 
-import "time"
+import (
+	"time"
+
+	"github.com/kvmesh/kvmesh/costfit"
+)
 
 // Config holds the cost model and thresholds. Zero fields take defaults
 // calibrated on an 8B model on one H200 (see ../shared/calibration): prefill
@@ -37,6 +41,16 @@ type Config struct {
 	// of siblings co-locate; SpeculativeMaxKeys bounds the records.
 	SpeculativeTTL     time.Duration
 	SpeculativeMaxKeys int
+	// Calibrate makes kvaware decide by the cost model it fits, per model,
+	// to the times to first token the router measures (see Learner and
+	// package costfit) instead of by PrefillPerToken and PerRunning, which
+	// are then where each fit starts and what it is held near. kvaware fits
+	// either way (CostModels); off by default: in the load tests deciding
+	// by the fit gained nothing and under overload it can feed on itself
+	// (loadtest/README.md).
+	Calibrate bool
+
+	cost costfit.Coefficients // the configured cost model
 }
 
 func (c Config) withDefaults() Config {
@@ -65,18 +79,23 @@ func (c Config) withDefaults() Config {
 	if c.SpeculativeMaxKeys == 0 {
 		c.SpeculativeMaxKeys = 1 << 20
 	}
+	c.cost = costfit.Coefficients{PerToken: c.PrefillPerToken, PerRunning: c.PerRunning}
 	return c
 }
 
-// queue is the engine time already ahead of a new request at c.
-func (cfg *Config) queue(c *Candidate) time.Duration {
-	pending := max(c.PendingPrefillTokens, c.Waiting*cfg.TokensPerWaiting)
-	return time.Duration(pending)*cfg.PrefillPerToken + time.Duration(c.Running)*cfg.PerRunning
+// queuedTokens is the prefill waiting at c ahead of a new request.
+func (cfg *Config) queuedTokens(c *Candidate) int {
+	return max(c.PendingPrefillTokens, c.Waiting*cfg.TokensPerWaiting)
+}
+
+// queue is the engine time already ahead of a new request at c under cost k.
+func (cfg *Config) queue(k *costfit.Coefficients, c *Candidate) time.Duration {
+	return time.Duration(cfg.queuedTokens(c))*k.PerToken + time.Duration(c.Running)*k.PerRunning
 }
 
 // ttft predicts the time to first token of req at c given matched tokens.
-func (cfg *Config) ttft(c *Candidate, promptTokens, matched int) time.Duration {
-	return cfg.queue(c) + time.Duration(promptTokens-matched)*cfg.PrefillPerToken
+func (cfg *Config) ttft(k *costfit.Coefficients, c *Candidate, promptTokens, matched int) time.Duration {
+	return k.Base + cfg.queue(k, c) + time.Duration(promptTokens-matched)*k.PerToken
 }
 
 // outstanding is the request count least-load balancing compares.

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvmesh/kvmesh/costfit"
 )
 
 // kvaware picks the replica with the smallest predicted time to first token.
@@ -20,7 +22,24 @@ type kvaware struct {
 
 	degraded     atomic.Bool
 	degradations atomic.Uint64
+
+	// costs holds a *modelCost per model.
+	costs     sync.Map
+	costCount atomic.Int32
 }
+
+// modelCost is one model's learned cost: fit takes observations under mu;
+// cur is its latest answer, read by every decision without a lock.
+type modelCost struct {
+	mu  sync.Mutex
+	fit *costfit.Fit
+	cur atomic.Pointer[costfit.Coefficients]
+}
+
+// maxCostModels bounds the models costs are learned for. Model names come
+// from the fleet (requests for others never reach a decision), so the bound
+// only guards against a fleet that renames its models without end.
+const maxCostModels = 1024
 
 // specRecord names its replica by an index into specRecords.names, so the
 // record maps hold no pointers: at a million records, a map of strings
@@ -67,6 +86,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	ttft = ttft[:len(cands)]
 
 	p.speculativeMatches(req, cands, matched)
+	k := p.costOf(req.Model)
 	bestMatched := 0
 	for i := range cands {
 		c := &cands[i]
@@ -76,15 +96,15 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 			matched[i] = min(matched[i], req.PromptTokens)
 		}
 		bestMatched = max(bestMatched, matched[i])
-		ttft[i] = p.cfg.ttft(c, req.PromptTokens, matched[i])
+		ttft[i] = p.cfg.ttft(k, c, req.PromptTokens, matched[i])
 	}
 
-	if p.checkImbalance(cands) {
+	if p.checkImbalance(k, cands) {
 		sortByLoad(d.Order, cands, &p.cfg)
 		finish(d, cands, ModeBalance)
 		d.Degraded = true
 		d.PredictedCachedTokens = matched[d.Pick]
-		d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
+		d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(k, &cands[d.Pick])
 		d.Reason = "imbalanced fleet: least-load mode"
 		return
 	}
@@ -109,8 +129,57 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	}
 	finish(d, cands, mode)
 	d.PredictedCachedTokens = matched[d.Pick]
-	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(&cands[d.Pick])
+	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(k, &cands[d.Pick])
 	d.Reason = "smallest predicted ttft"
+}
+
+// costOf is the cost model for model's decisions: learned, or configured.
+func (p *kvaware) costOf(model string) *costfit.Coefficients {
+	if p.cfg.Calibrate {
+		if mc, ok := p.costs.Load(model); ok {
+			return mc.(*modelCost).cur.Load()
+		}
+	}
+	return &p.cfg.cost
+}
+
+// Learn implements Learner: the observation goes to req.Model's fit; with
+// Config.Calibrate the next decisions for that model use its answer.
+func (p *kvaware) Learn(req *Request, c *Candidate, cachedTokens int, ttft time.Duration) {
+	if c.Static {
+		return // a static upstream's load is unknown: nothing to fit
+	}
+	v, ok := p.costs.Load(req.Model)
+	if !ok {
+		if p.costCount.Load() >= maxCostModels {
+			return
+		}
+		mc := &modelCost{fit: costfit.New(p.cfg.cost)}
+		mc.cur.Store(&p.cfg.cost)
+		if v, ok = p.costs.LoadOrStore(req.Model, mc); !ok {
+			p.costCount.Add(1)
+		}
+	}
+	mc := v.(*modelCost)
+	tokens := p.cfg.queuedTokens(c) + max(req.PromptTokens-cachedTokens, 0)
+	mc.mu.Lock()
+	mc.fit.Add(tokens, c.Running, ttft)
+	k := mc.fit.Coefficients()
+	mc.cur.Store(&k)
+	mc.mu.Unlock()
+}
+
+// CostModels calls yield with each model's learned cost model and the
+// weight of the observations behind it.
+func (p *kvaware) CostModels(yield func(model string, k costfit.Coefficients, observations float64)) {
+	p.costs.Range(func(key, v any) bool {
+		mc := v.(*modelCost)
+		mc.mu.Lock()
+		k, n := mc.fit.Coefficients(), mc.fit.Observations()
+		mc.mu.Unlock()
+		yield(key.(string), k, n)
+		return true
+	})
 }
 
 // placeCold moves the consistent-hash home of a prefix nobody holds to the
@@ -144,13 +213,13 @@ func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duratio
 // over ImbalanceEnter × the mean of the others' (and at least
 // ImbalanceMinQueue), leave when it is back under ImbalanceExit × that mean
 // or under half the minimum.
-func (p *kvaware) checkImbalance(cands []Candidate) bool {
+func (p *kvaware) checkImbalance(k *costfit.Coefficients, cands []Candidate) bool {
 	if len(cands) < 2 {
 		return false
 	}
 	var total, longest time.Duration
 	for i := range cands {
-		q := p.cfg.queue(&cands[i])
+		q := p.cfg.queue(k, &cands[i])
 		total += q
 		longest = max(longest, q)
 	}

@@ -52,6 +52,9 @@ type Candidate struct {
 
 // Request is what routing needs to know about a request.
 type Request struct {
+	// Model names the engine model that serves it (a LoRA adapter's base):
+	// costs are learned per model.
+	Model        string
 	PromptTokens int
 	// Keys are the prompt's chained block keys (for speculative records).
 	Keys []uint64
@@ -103,6 +106,17 @@ type Recorder interface {
 	// after the decision), and the replica's filter already showed
 	// filterMatchedTokens of it.
 	Record(req *Request, replica string, filterMatchedTokens int, at time.Time)
+}
+
+// A Learner fits its cost model to what requests measured (kvaware, which
+// decides by the fit with Config.Calibrate). The caller reports only what measures an engine's
+// time to first token: a streamed answer from the replica the decision
+// picked, on the first try (a non-streamed answer's first byte waits for
+// the whole completion).
+type Learner interface {
+	// Learn: req, routed to candidate c (as it stood at the decision), had
+	// its first token after ttft, with cachedTokens of its prompt cached.
+	Learn(req *Request, c *Candidate, cachedTokens int, ttft time.Duration)
 }
 
 // Names lists the policies New accepts.

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/kvmesh/kvmesh/costfit"
 )
 
 var t0 = time.Unix(1_700_000_000, 0)
@@ -94,6 +96,78 @@ func TestKVAwareCountsTheDecodeBatchOfAHotReplica(t *testing.T) {
 	}
 	if d := route(t, p, &Request{PromptTokens: 3320, Now: t0}, cands); d.Pick != 1 {
 		t.Fatalf("at 0.5 ms per running sequence the hot replica should still win: %+v", d)
+	}
+}
+
+func TestCalibrationLearnsWhatARunningSequenceCosts(t *testing.T) {
+	// Configured with the old 0.5 ms per running sequence, as if for
+	// another GPU; the engines measure 1.5 ms.
+	p, err := New("kvaware", Config{PerRunning: 500 * time.Microsecond, Calibrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cands := fleetOf(3)
+	cands[1].MatchedTokens = 3008
+	cands[1].Running = 40
+	cands[1].PendingPrefillTokens = 1200
+	hot := func(model string) int {
+		return route(t, p, &Request{Model: model, PromptTokens: 3320, Now: t0}, cands).Pick
+	}
+	if hot("llama") != 1 {
+		t.Fatal("before learning, 0.5 ms per running sequence should keep the hot replica")
+	}
+	l := p.(Learner)
+	for i := range 2000 {
+		c := Candidate{Name: "r0", PrefixAware: true, Running: i % 50, PendingPrefillTokens: (i * 7919) % 6000}
+		prompt, cached := 500+(i*104729)%4000, (i%3)*256
+		work := c.PendingPrefillTokens + prompt - cached
+		ttft := 5*time.Millisecond + time.Duration(work)*30*time.Microsecond + time.Duration(c.Running)*1500*time.Microsecond
+		l.Learn(&Request{Model: "llama", PromptTokens: prompt}, &c, cached, ttft)
+	}
+	if d := route(t, p, &Request{Model: "llama", PromptTokens: 3320, Now: t0}, cands); d.Pick == 1 {
+		t.Fatalf("after learning, stayed on the hot replica: %+v", d)
+	}
+	if hot("qwen") != 1 {
+		t.Fatal("another model's decisions moved with llama's costs")
+	}
+	var got []string
+	p.(interface {
+		CostModels(func(string, costfit.Coefficients, float64))
+	}).CostModels(func(model string, k costfit.Coefficients, n float64) {
+		got = append(got, fmt.Sprintf("%s %v %v %.0f", model, k.PerToken.Round(time.Microsecond), k.PerRunning.Round(100*time.Microsecond), n))
+	})
+	// 2,000 observations weigh 1,264 after forgetting (1 − 1/2000 each).
+	if want := "llama 30µs 1.5ms 1264"; len(got) != 1 || got[0] != want {
+		t.Errorf("cost models %q, want [%s]", got, want)
+	}
+}
+
+func TestWithoutCalibrationDecisionsKeepTheConfiguredCosts(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	cands := fleetOf(3)
+	cands[1].MatchedTokens = 3008
+	cands[1].Running = 40
+	cands[1].PendingPrefillTokens = 1200
+	before := route(t, p, &Request{Model: "m", PromptTokens: 3320, Now: t0}, cands)
+	for i := range 500 {
+		c := Candidate{Name: "r0", Running: i % 50}
+		p.(Learner).Learn(&Request{Model: "m", PromptTokens: 1000}, &c, 0, time.Duration(c.Running)*10*time.Millisecond)
+	}
+	after := route(t, p, &Request{Model: "m", PromptTokens: 3320, Now: t0}, cands)
+	if after.Pick != before.Pick || after.PredictedTTFT != before.PredictedTTFT {
+		t.Fatalf("the fit steered a decision with calibration off: %+v, then %+v", before, after)
+	}
+	n := 0
+	p.(interface {
+		CostModels(func(string, costfit.Coefficients, float64))
+	}).CostModels(func(_ string, k costfit.Coefficients, _ float64) {
+		n++
+		if k.PerRunning <= 1500*time.Microsecond {
+			t.Errorf("the fit should still follow the observations: %+v", k)
+		}
+	})
+	if n != 1 {
+		t.Fatalf("%d cost models fitted, want 1 (fitted and exported with calibration off too)", n)
 	}
 }
 

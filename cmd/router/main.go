@@ -74,6 +74,7 @@ func parse(args []string) (*options, error) {
 	fs.Var(&o.flags.SpillAfter, "spill-after", "MODEL=DURATION, repeatable: MODEL's requests go to its --fallback first when the best replica's predicted time to first token is longer (kvaware)")
 	fs.IntVar(&o.flags.MaxPrefixTokens, "max-prefix-tokens", 16384, "prompt tokens used for prefix matching")
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
+	fs.BoolVar(&o.flags.CalibrateCost, "calibrate-cost", false, "kvaware decides by the cost model it fits per model to the times to first token of streamed requests (exported in /metrics either way) instead of by routing.prefill_per_token and per_running")
 	fs.BoolVar(&o.flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
 	fs.StringVar(&o.pprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
 	fs.StringVar(&o.tlsCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
