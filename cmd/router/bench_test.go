@@ -17,6 +17,10 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	// testdata/gnetproxy, built by BenchmarkProxyVsNginx, needs gnet in
+	// go.mod; go mod tidy does not look into testdata.
+	_ "github.com/panjf2000/gnet/v2"
 )
 
 // The proxy benchmark compares the router with nginx as a plain keep-alive
@@ -63,6 +67,7 @@ type built struct {
 var (
 	routerBuild = &built{pkg: ".", name: "router"}
 	bareBuild   = &built{pkg: "./testdata/bareproxy", name: "bareproxy"}
+	gnetBuild   = &built{pkg: "./testdata/gnetproxy", name: "gnetproxy"}
 )
 
 // binary builds b once for this test binary (static, as deployed).
@@ -98,7 +103,7 @@ func routerBinary(tb testing.TB) string {
 // TestMain removes the binaries built for the tests.
 func TestMain(m *testing.M) {
 	code := m.Run()
-	for _, b := range []*built{routerBuild, bareBuild} {
+	for _, b := range []*built{routerBuild, bareBuild, gnetBuild} {
 		if b.path != "" {
 			_ = os.RemoveAll(filepath.Dir(b.path))
 		}
@@ -285,11 +290,13 @@ func groupCPU(pg int) time.Duration {
 
 // BenchmarkProxyVsNginx reports requests/s, CPU per request and latency of
 // the router, of a bare fasthttp relay (testdata/bareproxy: the floor a Go
-// fasthttp proxy starts from) and of nginx over the same upstream, and the
-// ratios router/nginx and bare/nginx. The *-rest-µs/req figures are what
+// fasthttp proxy starts from), of a bare relay on gnet's event loops
+// (testdata/gnetproxy: what a Go relay gains without a goroutine park per
+// request) and of nginx over the same upstream, and each one's ratio to
+// nginx. The *-rest-µs/req figures are what
 // the load's client and the upstream (this process) spend per request
 // behind each proxy: on a machine the three share, requests/s follows the
-// sum of both CPU figures. Each b.N iteration is one round of all three; set KVMESH_BENCH_ROUND (default 2s) and KVMESH_BENCH_CONNS
+// sum of both CPU figures. Each b.N iteration is one round of all four; set KVMESH_BENCH_ROUND (default 2s) and KVMESH_BENCH_CONNS
 // (default 64).
 func BenchmarkProxyVsNginx(b *testing.B) {
 	up := upstream(b)
@@ -297,15 +304,20 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	if !ok {
 		b.Skip("nginx not installed (apt-get install -y nginx-light)")
 	}
-	routerAddr, pprofAddr, bareAddr := freeAddr(b), freeAddr(b), freeAddr(b)
+	routerAddr, pprofAddr, bareAddr, gnetAddr := freeAddr(b), freeAddr(b), freeAddr(b), freeAddr(b)
 	// KVMESH_BENCH_PROXY_ENV (e.g. "GOMAXPROCS=1 GODEBUG=...") is given to
 	// the router and the bare relay, for experiments.
 	env := strings.Fields(os.Getenv("KVMESH_BENCH_PROXY_ENV"))
 	routerCmd := start(b, env, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
 	bareCmd := start(b, env, bareBuild.binary(b), "--listen", bareAddr, "--upstream", up)
+	// KVMESH_BENCH_GNET_ARGS (e.g. "--loops 1 --lock-os-thread") is given
+	// to the gnet relay.
+	gnetCmd := start(b, env, gnetBuild.binary(b), append([]string{"--listen", gnetAddr, "--upstream", up},
+		strings.Fields(os.Getenv("KVMESH_BENCH_GNET_ARGS"))...)...)
 	waitListening(b, routerAddr)
 	waitListening(b, bareAddr)
+	waitListening(b, gnetAddr)
 	round := 2 * time.Second
 	if v, err := time.ParseDuration(os.Getenv("KVMESH_BENCH_ROUND")); err == nil {
 		round = v
@@ -314,8 +326,8 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	if v := os.Getenv("KVMESH_BENCH_CONNS"); v != "" {
 		_, _ = fmt.Sscan(v, &conns)
 	}
-	// Warm all three (connection pools, page cache).
-	for _, addr := range []string{routerAddr, bareAddr, nginx} {
+	// Warm all four (connection pools, page cache).
+	for _, addr := range []string{routerAddr, bareAddr, gnetAddr, nginx} {
 		load(addr, conns, 300*time.Millisecond)
 	}
 	if path := os.Getenv("KVMESH_BENCH_PPROF"); path != "" {
@@ -331,14 +343,14 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	var rt, bare, ng loadResult
+	var rt, bare, gn, ng loadResult
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		for _, target := range []struct {
 			addr string
 			pg   int
 			acc  *loadResult
-		}{{routerAddr, routerCmd.Process.Pid, &rt}, {bareAddr, bareCmd.Process.Pid, &bare}, {nginx, nginxPG, &ng}} {
+		}{{routerAddr, routerCmd.Process.Pid, &rt}, {bareAddr, bareCmd.Process.Pid, &bare}, {gnetAddr, gnetCmd.Process.Pid, &gn}, {nginx, nginxPG, &ng}} {
 			cpu0 := groupCPU(target.pg)
 			self0 := selfCPU()
 			r := load(target.addr, conns, round)
@@ -354,24 +366,28 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	rps := func(r loadResult) float64 { return float64(r.requests) / r.elapsed.Seconds() }
 	b.ReportMetric(rps(rt), "router-req/s")
 	b.ReportMetric(rps(bare), "bare-req/s")
+	b.ReportMetric(rps(gn), "gnet-req/s")
 	b.ReportMetric(rps(ng), "nginx-req/s")
 	b.ReportMetric(rps(rt)/rps(ng), "ratio")
 	b.ReportMetric(rps(bare)/rps(ng), "bare-ratio")
+	b.ReportMetric(rps(gn)/rps(ng), "gnet-ratio")
 	// CPU per request is what a proxy costs, whatever share of the
 	// machine other tenants leave it; req/s on a shared machine is not.
 	cpuPer := func(r loadResult) float64 { return float64(r.cpu.Microseconds()) / float64(max(r.requests, 1)) }
 	b.ReportMetric(cpuPer(rt), "router-cpu-µs/req")
 	b.ReportMetric(cpuPer(bare), "bare-cpu-µs/req")
+	b.ReportMetric(cpuPer(gn), "gnet-cpu-µs/req")
 	b.ReportMetric(cpuPer(ng), "nginx-cpu-µs/req")
 	selfPer := func(r loadResult) float64 { return float64(r.self.Microseconds()) / float64(max(r.requests, 1)) }
 	b.ReportMetric(selfPer(rt), "router-rest-µs/req")
 	b.ReportMetric(selfPer(bare), "bare-rest-µs/req")
+	b.ReportMetric(selfPer(gn), "gnet-rest-µs/req")
 	b.ReportMetric(selfPer(ng), "nginx-rest-µs/req")
 	b.ReportMetric(float64(quantile(rt.lat, 0.5).Microseconds()), "router-p50-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.5).Microseconds()), "nginx-p50-µs")
 	b.ReportMetric(float64(quantile(rt.lat, 0.99).Microseconds()), "router-p99-µs")
 	b.ReportMetric(float64(quantile(ng.lat, 0.99).Microseconds()), "nginx-p99-µs")
-	if rt.failed+bare.failed+ng.failed > 0 {
-		b.Errorf("failed requests: router %d, bare %d, nginx %d", rt.failed, bare.failed, ng.failed)
+	if rt.failed+bare.failed+gn.failed+ng.failed > 0 {
+		b.Errorf("failed requests: router %d, bare %d, gnet %d, nginx %d", rt.failed, bare.failed, gn.failed, ng.failed)
 	}
 }
