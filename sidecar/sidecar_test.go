@@ -119,6 +119,12 @@ func startSidecar(t *testing.T, cfg Config) *running {
 	return r
 }
 
+// settle bounds waits for sockets and gossip to converge. It is generous: a
+// healthy run converges in well under a second, but ZMQ's slow joiner and
+// memberlist under a -race build sharing two cores with other packages'
+// tests once took over 5 s (TestEngineRestartRebuildsSet in CI).
+const settle = 15 * time.Second
+
 func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
@@ -199,11 +205,11 @@ func TestEngineBlocksReachRouter(t *testing.T) {
 	listen := freeAddr(t)
 	sc := startSidecar(t, Config{Name: "e1", EngineURL: url, KVEventsBind: "tcp://" + zmqAddr, KVReplay: pub.ReplayEndpoint(),
 		Listen: listen, Gossip: gossip.Config{Join: []string{router.Addr()}}})
-	waitFor(t, 5*time.Second, "sidecar up", func() bool {
+	waitFor(t, settle, "sidecar up", func() bool {
 		_, err := http.Get("http://" + listen + "/health")
 		return err == nil
 	})
-	waitFor(t, 5*time.Second, "replica online at router", func() bool {
+	waitFor(t, settle, "replica online at router", func() bool {
 		s := tb.Snapshot()
 		i := s.Find("e1")
 		return i >= 0 && s.Replicas[i].Online && len(s.Replicas[i].Models) == 1 && s.Replicas[i].Models[0] == "sim"
@@ -235,7 +241,7 @@ func TestEngineBlocksReachRouter(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	waitFor(t, 5*time.Second, "router agrees with sidecar", func() bool {
+	waitFor(t, settle, "router agrees with sidecar", func() bool {
 		st := status(t, listen)
 		s := tb.Snapshot()
 		i := s.Find("e1")
@@ -299,7 +305,7 @@ func TestEngineRestartRebuildsSet(t *testing.T) {
 	}
 	p1 := connect()
 	evA, keysA := chain(100, nil, blockkey.Seed("", ""), tokens(0, 64), 16)
-	waitFor(t, 5*time.Second, "first batch", func() bool {
+	waitFor(t, settle, "first batch", func() bool {
 		publish(p1, evA) // repeated until the slow joiner sees one; stores are reference counted
 		time.Sleep(20 * time.Millisecond)
 		return len(residentKeys(sc.s)) == len(keysA)
@@ -310,7 +316,7 @@ func TestEngineRestartRebuildsSet(t *testing.T) {
 	p2 := connect()
 	defer p2.Close()
 	evB, keysB := chain(900, nil, blockkey.Seed("", ""), tokens(5000, 32), 16)
-	waitFor(t, 5*time.Second, "restart detected and set rebuilt", func() bool {
+	waitFor(t, settle, "restart detected and set rebuilt", func() bool {
 		publish(p2, evB)
 		time.Sleep(20 * time.Millisecond)
 		st := sc.s.Status()
@@ -378,7 +384,7 @@ func TestSequenceGapNeverGuesses(t *testing.T) {
 					truth[k] = true
 				}
 			}
-			waitFor(t, 5*time.Second, "tail delivered", func() bool {
+			waitFor(t, settle, "tail delivered", func() bool {
 				_ = p.Publish(&kvevents.Batch{Events: []kvevents.Event{tail}, DPRank: -1})
 				time.Sleep(30 * time.Millisecond)
 				st := sc.s.Status()
@@ -413,7 +419,7 @@ func TestGarbageOnEventSocketIsSkipped(t *testing.T) {
 	defer cancel()
 	pub := zmq4.NewPub(ctx)
 	defer pub.Close()
-	waitFor(t, 5*time.Second, "raw publisher connected", func() bool { return pub.Dial("tcp://"+zmqAddr) == nil })
+	waitFor(t, settle, "raw publisher connected", func() bool { return pub.Dial("tcp://"+zmqAddr) == nil })
 
 	seq := func(n uint64) []byte {
 		b := make([]byte, 8)
@@ -424,7 +430,7 @@ func TestGarbageOnEventSocketIsSkipped(t *testing.T) {
 	}
 	ev, keys := chain(1, nil, blockkey.Seed("", ""), tokens(0, 32), 16)
 	good := kvevents.AppendBatch(nil, &kvevents.Batch{Events: []kvevents.Event{ev}, DPRank: -1}, kvevents.FormatVLLMArray)
-	waitFor(t, 5*time.Second, "garbage counted, good batch applied", func() bool {
+	waitFor(t, settle, "garbage counted, good batch applied", func() bool {
 		_ = pub.Send(zmq4.NewMsgFrom([]byte("topic"), []byte{1, 2, 3}, []byte("x")))         // bad sequence frame
 		_ = pub.Send(zmq4.NewMsgFrom([]byte("only one frame")))                              // bad frame count
 		_ = pub.Send(zmq4.NewMsgFrom([]byte(""), seq(0), []byte("\xc1 not msgpack at all"))) // undecodable payload
@@ -454,7 +460,7 @@ func TestUnhealthyEngineIsAnnouncedOffline(t *testing.T) {
 		i := s.Find("e1")
 		return i >= 0 && s.Replicas[i].Online
 	}
-	waitFor(t, 5*time.Second, "online", online)
+	waitFor(t, settle, "online", online)
 	if s := tb.Snapshot(); s.Replicas[s.Find("e1")].KVEvents {
 		t.Fatal("a sidecar without KV events announced a filter")
 	}
@@ -497,8 +503,8 @@ func TestEngineAPIKey(t *testing.T) {
 		}
 		return nil
 	}
-	waitFor(t, 5*time.Second, "the keyed sidecar's models", func() bool { return slices.Equal(models("with-key"), []string{"sim"}) })
-	waitFor(t, 5*time.Second, "the other sidecar to join", func() bool { return tb.Snapshot().Find("without-key") >= 0 })
+	waitFor(t, settle, "the keyed sidecar's models", func() bool { return slices.Equal(models("with-key"), []string{"sim"}) })
+	waitFor(t, settle, "the other sidecar to join", func() bool { return tb.Snapshot().Find("without-key") >= 0 })
 	if m := models("without-key"); len(m) != 0 {
 		t.Errorf("a sidecar without the key announced models %v", m)
 	}
