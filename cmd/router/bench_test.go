@@ -306,7 +306,7 @@ func BenchmarkProxyVsNginx(b *testing.B) {
 	}
 	routerAddr, pprofAddr, bareAddr, gnetAddr := freeAddr(b), freeAddr(b), freeAddr(b), freeAddr(b)
 	// KVMESH_BENCH_PROXY_ENV (e.g. "GOMAXPROCS=1 GODEBUG=...") is given to
-	// the router and the bare relay, for experiments.
+	// the router and the bare relays, for experiments.
 	env := strings.Fields(os.Getenv("KVMESH_BENCH_PROXY_ENV"))
 	routerCmd := start(b, env, routerBinary(b), "--listen", routerAddr, "--static-upstream", "engine=http://"+up+",bench",
 		"--tokenizer", "*=builtin", "--log-level", "warn", "--pprof-listen", pprofAddr)
