@@ -75,9 +75,10 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if policy == "" {
 		policy = "kvaware"
 	}
-	key := fmt.Sprintf("%s %+v", policy, c.Routing.config()) // values, not the pointers in Routing
+	rc := c.Routing.config()
+	key := fmt.Sprintf("%s %+v", policy, rc) // values, not the pointers in Routing
 	if b.policy == nil || key != b.policyKey {
-		p, err := routing.New(policy, c.Routing.config())
+		p, err := routing.New(policy, rc)
 		if err != nil {
 			errs = append(errs, err)
 		} else {

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/kvmesh/kvmesh/costfit"
 )
 
 // fillOrder resets d and lists every candidate in d.Order.
@@ -68,19 +70,20 @@ func (leastLoaded) Name() string { return "least-loaded" }
 
 func (p leastLoaded) Route(req *Request, cands []Candidate, d *Decision) {
 	fillOrder(d, len(cands))
-	sortByLoad(d.Order, cands, &p.cfg)
+	sortByLoad(d.Order, cands, &p.cfg, &p.cfg.cost)
 	finish(d, cands, ModeBalance)
 	d.Reason = "fewest outstanding requests"
 }
 
-// sortByLoad orders idx by outstanding requests, then queued engine time.
-func sortByLoad(idx []int, cands []Candidate, cfg *Config) {
+// sortByLoad orders idx by outstanding requests, then queued engine time
+// under cost k.
+func sortByLoad(idx []int, cands []Candidate, cfg *Config, k *costfit.Coefficients) {
 	slices.SortStableFunc(idx, func(a, b int) int {
 		ca, cb := &cands[a], &cands[b]
 		if c := cmp.Compare(outstanding(ca), outstanding(cb)); c != 0 {
 			return c
 		}
-		return cmp.Compare(cfg.queue(&cfg.cost, ca), cfg.queue(&cfg.cost, cb))
+		return cmp.Compare(cfg.queue(k, ca), cfg.queue(k, cb))
 	})
 }
 

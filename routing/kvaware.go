@@ -100,7 +100,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	}
 
 	if p.checkImbalance(k, cands) {
-		sortByLoad(d.Order, cands, &p.cfg)
+		sortByLoad(d.Order, cands, &p.cfg, k)
 		finish(d, cands, ModeBalance)
 		d.Degraded = true
 		d.PredictedCachedTokens = matched[d.Pick]

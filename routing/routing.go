@@ -109,10 +109,10 @@ type Recorder interface {
 }
 
 // A Learner fits its cost model to what requests measured (kvaware, which
-// decides by the fit with Config.Calibrate). The caller reports only what measures an engine's
-// time to first token: a streamed answer from the replica the decision
-// picked, on the first try (a non-streamed answer's first byte waits for
-// the whole completion).
+// decides by the fit with Config.Calibrate). The caller reports only what
+// measures an engine's time to first token: a streamed answer from the
+// replica the decision picked, on the first try (a non-streamed answer's
+// first byte waits for the whole completion).
 type Learner interface {
 	// Learn: req, routed to candidate c (as it stood at the decision), had
 	// its first token after ttft, with cachedTokens of its prompt cached.
