@@ -153,10 +153,8 @@ func Load(path string) (*Config, error) {
 // Validate checks what can be checked without building anything.
 func (c *Config) Validate() error {
 	var errs []error
-	if c.Policy != "" {
-		if _, err := routing.New(c.Policy, c.Routing.config()); err != nil {
-			errs = append(errs, err)
-		}
+	if _, err := routing.New(c.Policy, c.Routing.config()); err != nil {
+		errs = append(errs, err)
 	}
 	if c.MaxPrefixTokens < 0 || c.MaxAttempts < 0 {
 		errs = append(errs, errors.New("config: max_prefix_tokens and max_attempts must not be negative"))

@@ -130,15 +130,19 @@ func TestCalibrationSettingFromFlagAndFile(t *testing.T) {
 
 func TestInvalidConfigsAreRejected(t *testing.T) {
 	cases := map[string]string{
-		"unknown key":    "polciy: kvaware\n",
-		"bad policy":     "policy: fastest\n",
-		"selection":      "selection: [only-one]\n",
-		"bad duration":   "routing: {cold_slack: soon}\n",
-		"fallback url":   "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
-		"static twice":   "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
-		"no model name":  "models: [{tokenizer: builtin}]\n",
-		"negative spill": "models: [{name: m, spill_after: -1s, fallback: [{url: 'http://x'}]}]\n",
-		"not yaml":       "{{{",
+		"unknown key":     "polciy: kvaware\n",
+		"bad policy":      "policy: fastest\n",
+		"selection":       "selection: [only-one]\n",
+		"bad duration":    "routing: {cold_slack: soon}\n",
+		"fallback url":    "models: [{name: m, fallback: [{url: ftp://x}]}]\n",
+		"static twice":    "static_upstreams: [{name: a, url: 'http://x'}, {name: a, url: 'http://y'}]\n",
+		"no model name":   "models: [{tokenizer: builtin}]\n",
+		"negative spill":  "models: [{name: m, spill_after: -1s, fallback: [{url: 'http://x'}]}]\n",
+		"not yaml":        "{{{",
+		"negative cost":   "routing: {per_running: -1ms}\n",
+		"negative rate":   "routing: {prefill_per_token: -30us}\n",
+		"bound below 1":   "routing: {load_bound: 0.5}\n",
+		"exit over enter": "routing: {imbalance_enter: 2, imbalance_exit: 3}\n",
 	}
 	for name, doc := range cases {
 		if _, err := Parse([]byte(doc)); err == nil {

@@ -1,6 +1,8 @@
 package routing
 
 import (
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/kvmesh/kvmesh/costfit"
@@ -81,6 +83,31 @@ func (c Config) withDefaults() Config {
 	}
 	c.cost = costfit.Coefficients{PerToken: c.PrefillPerToken, PerRunning: c.PerRunning}
 	return c
+}
+
+// check rejects settings no cost model or threshold can mean: a negative
+// cost would make a busy replica look cheaper than an idle one.
+func (c Config) check() error {
+	var errs []error
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"prefill_per_token", c.PrefillPerToken}, {"per_running", c.PerRunning}, {"cold_slack", c.ColdSlack},
+		{"imbalance_min_queue", c.ImbalanceMinQueue}, {"speculative_ttl", c.SpeculativeTTL}} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("routing: %s must not be negative (got %v)", d.name, d.v))
+		}
+	}
+	if c.TokensPerWaiting < 0 || c.SpeculativeMaxKeys < 0 {
+		errs = append(errs, errors.New("routing: tokens_per_waiting and speculative_max_keys must not be negative"))
+	}
+	if c.LoadBound < 1 {
+		errs = append(errs, fmt.Errorf("routing: load_bound %g is below 1: no replica could take a key while loads are even", c.LoadBound))
+	}
+	if c.ImbalanceExit < 1 || c.ImbalanceEnter < c.ImbalanceExit {
+		errs = append(errs, fmt.Errorf("routing: want 1 <= imbalance_exit <= imbalance_enter (got %g and %g)", c.ImbalanceExit, c.ImbalanceEnter))
+	}
+	return errors.Join(errs...)
 }
 
 // queuedTokens is the prefill waiting at c ahead of a new request.

@@ -125,6 +125,9 @@ var Names = []string{"kvaware", "random", "round-robin", "least-loaded", "chwbl"
 // New returns the named policy.
 func New(name string, cfg Config) (Policy, error) {
 	cfg = cfg.withDefaults()
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
 	switch name {
 	case "kvaware", "":
 		return newKVAware(cfg), nil
