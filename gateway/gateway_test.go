@@ -527,6 +527,15 @@ func TestSilentReplicasAreTriedBeforeGivingUp(t *testing.T) {
 	if res.status != 200 || res.header["x-kvmesh-replica"] != "quiet" {
 		t.Fatalf("got %d %v %s", res.status, res.header, res.body)
 	}
+	// Its load figures are not current: its first tokens teach the cost
+	// model nothing.
+	if res := r.post(t, "/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":2,"stream":true}`); res.status != 200 {
+		t.Fatalf("stream: %d %s", res.status, res.body)
+	}
+	time.Sleep(50 * time.Millisecond) // a stream is learned from just after its last event
+	if m := r.get(t, "/metrics").body; strings.Contains(m, "kvmesh_router_cost_model_observations{") {
+		t.Error("a stream served by a stale replica was learned from")
+	}
 	// A replica whose engine is reported down is not tried.
 	r.table.SetLoad("quiet", fleet.Load{}, false, time.Now())
 	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 503 {

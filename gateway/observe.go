@@ -157,7 +157,7 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 // try. The cached tokens are the engine's count when it gave one.
 func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
 	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 ||
-		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix {
+		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix || ex.staleOnly {
 		return
 	}
 	l, ok := ex.s.Policy.(routing.Learner)

@@ -43,7 +43,11 @@ type exchange struct {
 	// mediaPrefix is set when the chat holds media: ids are then the
 	// text before the first media part, and promptTokens counts only them.
 	mediaPrefix bool
-	decideTime  time.Duration
+	// staleOnly is set when the candidates are replicas whose sidecars fell
+	// silent: their load figures are not current, so their answers teach
+	// the cost model nothing true.
+	staleOnly  bool
+	decideTime time.Duration
 
 	req      routing.Request
 	d        routing.Decision
@@ -90,7 +94,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
-	ex.mediaPrefix, ex.measuresTTFT = false, false
+	ex.mediaPrefix, ex.measuresTTFT, ex.staleOnly = false, false, false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
 }
@@ -258,6 +262,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 			if r.Stale && r.URL != "" && serves(r, ex.model) {
 				ex.cands = append(ex.cands, routing.Candidate{Name: r.Name, Static: r.Protocol == fleet.ProtocolStatic})
 				ex.snapIdx = append(ex.snapIdx, i)
+				ex.staleOnly = true
 			}
 		}
 	}
