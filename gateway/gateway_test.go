@@ -884,6 +884,19 @@ func TestStreamsTeachTheCostModel(t *testing.T) {
 	if n := observations(); n != "1" {
 		t.Fatalf("a stream retried at another replica was learned from: %s observations", n)
 	}
+	// An engine that answers a stream with one JSON body: its first byte
+	// is its last, no time to first token.
+	whole := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"id":"c","object":"text_completion","model":"sim","choices":[{"index":0,"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`)
+	}})
+	r.table.Upsert(fleet.Info{Name: "b", Models: []string{testModel}, URL: whole, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, time.Now())
+	if res := send("One more question for whoever is free.", true); res.header["x-kvmesh-replica"] != "b" {
+		t.Fatalf("served by %v", res.header)
+	}
+	if n := observations(); n != "1" {
+		t.Fatalf("a stream answered without SSE was learned from: %s observations", n)
+	}
 	m := r.get(t, "/metrics").body
 	if !strings.Contains(m, "kvmesh_router_retries_total 1") {
 		t.Error("the preamble's stream should have been retried from a to b")

@@ -156,7 +156,9 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 // predicted: a stream's first event, at the replica picked, on the first
 // try. The cached tokens are the engine's count when it gave one.
 func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
-	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 ||
+	// r.Events: a 200 to a stream that is not SSE (an engine ignoring
+	// "stream") came whole, so its first byte is its last.
+	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 || r.Events == 0 ||
 		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix || ex.staleOnly {
 		return
 	}
