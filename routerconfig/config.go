@@ -153,7 +153,7 @@ func Load(path string) (*Config, error) {
 // Validate checks what can be checked without building anything.
 func (c *Config) Validate() error {
 	var errs []error
-	if _, err := routing.New(c.Policy, c.Routing.config()); err != nil {
+	if err := routing.Validate(c.Policy, c.Routing.config()); err != nil {
 		errs = append(errs, err)
 	}
 	if c.MaxPrefixTokens < 0 || c.MaxAttempts < 0 {

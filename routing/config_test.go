@@ -20,6 +20,9 @@ func TestSettingsNoCostModelCanMeanAreRejected(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), want) {
 				t.Errorf("%s with bad %s: err %v", name, want, err)
 			}
+			if err := Validate(name, cfg); err == nil {
+				t.Errorf("Validate passed %s with bad %s", name, want)
+			}
 		}
 	}
 	if _, err := New("kvaware", Config{ImbalanceEnter: 3, ImbalanceExit: 3, LoadBound: 1}); err != nil {

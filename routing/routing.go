@@ -12,6 +12,7 @@ package routing
 
 import (
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -122,6 +123,19 @@ type Learner interface {
 // Names lists the policies New accepts.
 var Names = []string{"kvaware", "random", "round-robin", "least-loaded", "chwbl", "prefix-pin"}
 
+// Validate reports the error New would give for name and cfg, without
+// building a policy.
+func Validate(name string, cfg Config) error {
+	if name != "" && !slices.Contains(Names, name) {
+		return unknownPolicy(name)
+	}
+	return cfg.withDefaults().check()
+}
+
+func unknownPolicy(name string) error {
+	return fmt.Errorf("routing: unknown policy %q (want one of %v)", name, Names)
+}
+
 // New returns the named policy.
 func New(name string, cfg Config) (Policy, error) {
 	cfg = cfg.withDefaults()
@@ -142,5 +156,5 @@ func New(name string, cfg Config) (Policy, error) {
 	case "prefix-pin":
 		return prefixPin{cfg: cfg}, nil
 	}
-	return nil, fmt.Errorf("routing: unknown policy %q (want one of %v)", name, Names)
+	return nil, unknownPolicy(name)
 }
