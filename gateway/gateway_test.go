@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -22,6 +23,7 @@ import (
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -827,8 +829,52 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 // and exported whether or not decisions use it); a non-streamed answer (its
 // first byte waits for the whole completion) and a stream that went to a
 // second replica are not.
+// learnRecorder is kvaware with every observation it is taught recorded,
+// so that tests can check what the gateway reports, not only how often.
+type learnRecorder struct {
+	kvawareLike
+	mu      sync.Mutex
+	learned []learned
+}
+
+type kvawareLike interface {
+	routing.Policy
+	routing.Recorder
+	routing.Learner
+	degrader
+	costModeler
+	ClearRecords([]string)
+}
+
+type learned struct {
+	model        string
+	promptTokens int
+	replica      string
+	running      int
+	cachedTokens int
+	ttft         time.Duration
+}
+
+func (l *learnRecorder) Learn(req *routing.Request, c *routing.Candidate, cachedTokens int, ttft time.Duration) {
+	l.mu.Lock()
+	l.learned = append(l.learned, learned{req.Model, req.PromptTokens, c.Name, c.Running, cachedTokens, ttft})
+	l.mu.Unlock()
+	l.kvawareLike.Learn(req, c, cachedTokens, ttft)
+}
+
+func (l *learnRecorder) observations() []learned {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.learned)
+}
+
 func TestStreamsTeachTheCostModel(t *testing.T) {
-	r := newRouter(t, Settings{}, 1<<20)
+	p, err := routing.New("kvaware", routing.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &learnRecorder{kvawareLike: p.(kvawareLike)}
+	r := newRouter(t, Settings{Policy: rec}, 1<<20)
 	now := time.Now()
 	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: refusedURL(t), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
 	r.table.Upsert(fleet.Info{Name: "b", Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
@@ -847,41 +893,74 @@ func TestStreamsTeachTheCostModel(t *testing.T) {
 	r.table.SetLoad("b", fleet.Load{}, true, now)
 
 	// A stream is finished (and learned from) just after its last event
-	// reached the client: wait a moment for the count to settle.
+	// reached the client: wait a moment for the count to settle. Older
+	// observations weigh a little less (1.9995 for two), hence the rounding.
 	observations := func() string {
 		t.Helper()
-		n := "0"
+		n := 0.0
 		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 			for _, line := range strings.Split(r.get(t, "/metrics").body, "\n") {
 				if strings.HasPrefix(line, `kvmesh_router_cost_model_observations{model="sim"}`) {
-					n = strings.Fields(line)[1]
+					n, _ = strconv.ParseFloat(strings.Fields(line)[1], 64)
 				}
 			}
 		}
-		return n
+		return strconv.Itoa(int(math.Round(n)))
 	}
-	send := func(prompt string, stream bool) reply {
+	send := func(prompt string, stream bool) (reply, time.Duration) {
 		t.Helper()
+		start := time.Now()
 		res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sim","prompt":%q,"max_tokens":2,"stream":%v}`, prompt, stream))
 		if res.status != 200 {
 			t.Fatalf("%d %s", res.status, res.body)
 		}
-		return res
+		return res, time.Since(start)
 	}
-	if res := send("A question for whoever is free.", true); res.header["x-kvmesh-replica"] != "b" {
+	// Three blocks' worth: the engine reports them cached the second time
+	// round, while the router predicts none (b's filter is empty and its
+	// route records are cleared in between), so the cached count taught
+	// must be the engine's, not the prediction.
+	question := "A question for whoever is free. " + strings.Repeat("It goes on for a while, so that the engine keeps whole blocks of it. ", 3)
+	qids, _ := tokenize.Builtin{}.Encode(question, true)
+	if len(qids) < 48 {
+		t.Fatalf("the question is %d tokens, want three blocks", len(qids))
+	}
+	checkLearned := func(i int, cached int, took time.Duration) {
+		t.Helper()
+		got := rec.observations()
+		if len(got) <= i {
+			t.Fatalf("observation %d not taught: %+v", i, got)
+		}
+		o := got[i]
+		if o.model != "sim" || o.replica != "b" || o.running != 0 || o.promptTokens != len(qids) || o.cachedTokens != cached {
+			t.Errorf("observation %d: %+v, want model sim, replica b, running 0, %d prompt tokens, %d cached", i, o, len(qids), cached)
+		}
+		if o.ttft <= 0 || o.ttft > took {
+			t.Errorf("observation %d: ttft %v, want within the request's %v", i, o.ttft, took)
+		}
+	}
+	res, took := send(question, true)
+	if res.header["x-kvmesh-replica"] != "b" {
 		t.Fatalf("served by %v", res.header)
 	}
 	if n := observations(); n != "1" {
 		t.Fatalf("after one stream served by its pick: %s observations, want 1", n)
 	}
+	checkLearned(0, 0, took)
 	send("Another question for whoever is free.", false)
 	if n := observations(); n != "1" {
 		t.Fatalf("a non-streamed answer was learned from: %s observations", n)
 	}
-	if res := send(preamble+"And a question.", true); res.header["x-kvmesh-replica"] != "b" {
+	r.g.ClearRecords(nil)
+	_, took = send(question, true)
+	if n := observations(); n != "2" {
+		t.Fatalf("after a second stream served by its pick: %s observations, want 2", n)
+	}
+	checkLearned(1, len(qids)/16*16, took)
+	if res, _ := send(preamble+"And a question.", true); res.header["x-kvmesh-replica"] != "b" {
 		t.Fatalf("retried stream served by %v", res.header)
 	}
-	if n := observations(); n != "1" {
+	if n := observations(); n != "2" {
 		t.Fatalf("a stream retried at another replica was learned from: %s observations", n)
 	}
 	// An engine that answers a stream with one JSON body: its first byte
@@ -891,11 +970,14 @@ func TestStreamsTeachTheCostModel(t *testing.T) {
 		ctx.SetBodyString(`{"id":"c","object":"text_completion","model":"sim","choices":[{"index":0,"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`)
 	}})
 	r.table.Upsert(fleet.Info{Name: "b", Models: []string{testModel}, URL: whole, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, time.Now())
-	if res := send("One more question for whoever is free.", true); res.header["x-kvmesh-replica"] != "b" {
+	if res, _ := send("One more question for whoever is free.", true); res.header["x-kvmesh-replica"] != "b" {
 		t.Fatalf("served by %v", res.header)
 	}
-	if n := observations(); n != "1" {
+	if n := observations(); n != "2" {
 		t.Fatalf("a stream answered without SSE was learned from: %s observations", n)
+	}
+	if got := rec.observations(); len(got) != 2 {
+		t.Errorf("taught %d observations, want 2: %+v", len(got), got)
 	}
 	m := r.get(t, "/metrics").body
 	if !strings.Contains(m, "kvmesh_router_retries_total 1") {
