@@ -113,14 +113,20 @@ func (f *Fit) Add(prefillTokens, running int, ttft time.Duration) {
 	f.solve()
 }
 
-// solve sets theta to the ridge solution (A + Λ)θ = b + Λ·prior, clamped.
-// Λ weighs each term's prior as priorWeight observations of its feature's
-// mean square (at least one unit: a feature never seen keeps its prior).
-// The mean square, not the variance: it is what the data's own weight on a
-// slope grows with, so a few observations that happen to share a value
-// cannot pull a slope far; at the window's full weight the prior biases a
-// slope by about priorWeight/window × mean square/variance (≈ 2 % for
-// running counts spread as widely as their mean).
+// solve sets theta to the ridge solution (A + Λ)θ = b + Λ·prior, within
+// bounds. Λ weighs each term's prior as priorWeight observations of its
+// feature's mean square (at least one unit: a feature never seen keeps its
+// prior). The mean square, not the variance: it is what the data's own
+// weight on a slope grows with, so a few observations that happen to share
+// a value cannot pull a slope far; at the window's full weight the prior
+// biases a slope by about priorWeight/window × mean square/variance (≈ 2 %
+// for running counts spread as widely as their mean).
+//
+// A term the solution puts out of bounds is held at the bound it crossed
+// and the others are solved again given it, rather than clamped after they
+// took its unbounded value into account: a prefill slope capped at 8× its
+// prior leaves the rest of the TTFT it explained to the base and the
+// running term, instead of to nothing.
 func (f *Fit) solve() {
 	var m [3][4]float64
 	for i := range 3 {
@@ -129,20 +135,29 @@ func (f *Fit) solve() {
 		m[i][i] += lambda
 		m[i][3] = f.b[i] + lambda*f.prior[i]
 	}
-	theta, ok := solve3(m)
-	if ok && theta[0] < 0 {
-		// No request is faster than free: fit the slopes with the base
-		// held at 0, rather than clamp it after the slopes took the
-		// negative base into account.
-		m[0] = [4]float64{1, 0, 0, 0}
-		theta, ok = solve3(m)
+	lo := [3]float64{0, f.prior[1] / bound, f.prior[2] / bound}
+	hi := [3]float64{maxBase.Seconds(), f.prior[1] * bound, f.prior[2] * bound}
+	var theta [3]float64
+	// Each pass holds at least one more term, so three passes settle.
+	for range 3 {
+		var ok bool
+		if theta, ok = solve3(m); !ok {
+			return
+		}
+		held := false
+		for i := range 3 {
+			if v := clamp(theta[i], lo[i], hi[i]); v != theta[i] {
+				m[i] = [4]float64{}
+				m[i][i], m[i][3] = 1, v
+				held = true
+			}
+		}
+		if !held {
+			break
+		}
 	}
-	if !ok {
-		return
-	}
-	theta[0] = clamp(theta[0], 0, maxBase.Seconds())
-	for i := 1; i < 3; i++ {
-		theta[i] = clamp(theta[i], f.prior[i]/bound, f.prior[i]*bound)
+	for i := range 3 {
+		theta[i] = clamp(theta[i], lo[i], hi[i])
 	}
 	f.theta = theta
 }

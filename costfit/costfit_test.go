@@ -139,3 +139,28 @@ func BenchmarkAdd(b *testing.B) {
 		f.Add(1000+i%4000, i%50, 40*time.Millisecond)
 	}
 }
+
+func TestTermsWithinBoundAreFittedGivenAHeldOne(t *testing.T) {
+	// Prefill 12× dearer than the prior: its slope is held at 8×, and the
+	// TTFT it leaves unexplained must go to the base (prompt sizes do not
+	// vary with running counts here), so that predictions stay unbiased.
+	truth := Coefficients{Base: 5 * time.Millisecond, PerToken: 12 * calibrated.PerToken, PerRunning: calibrated.PerRunning}
+	f := New(calibrated)
+	observe(f, truth, 3000, rand.New(rand.NewPCG(13, 14)))
+	got := f.Coefficients()
+	if got.PerToken != calibrated.PerToken*bound {
+		t.Fatalf("per_token %v, want the upper bound %v", got.PerToken, calibrated.PerToken*bound)
+	}
+	var sumTTFT, sumErr time.Duration
+	rng := rand.New(rand.NewPCG(15, 16))
+	for range 1000 {
+		tokens := 200 + rng.IntN(7800) + rng.IntN(3)*rng.IntN(20000)
+		running := rng.IntN(61)
+		ttft := truth.Base + time.Duration(tokens)*truth.PerToken + time.Duration(running)*truth.PerRunning
+		sumTTFT += ttft
+		sumErr += ttft - (got.Base + time.Duration(tokens)*got.PerToken + time.Duration(running)*got.PerRunning)
+	}
+	if bias := float64(sumErr) / float64(sumTTFT); math.Abs(bias) > 0.05 {
+		t.Fatalf("fit %+v predicts %.0f%% of the mean TTFT too little (truth %+v)", got, 100*bias, truth)
+	}
+}
