@@ -106,7 +106,8 @@ type Forwarder struct {
 // Forward sends req to targets in order until one answers with something
 // other than a connection error, 5xx or 429, writes that answer into ctx and
 // returns the index of the target that served (-1 when all failed and ctx
-// holds a 502 or the last failure). Streams are relayed after Forward
+// holds the last failure, or a 503 with Retry-After when none answered at
+// all: no replica could serve, as when the router knows of none). Streams are relayed after Forward
 // returns, from fasthttp's body-writer goroutine.
 func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, obs Observer) int {
 	var last *fasthttp.Response // last retryable failure, relayed if all fail
@@ -190,11 +191,12 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 		ctx.SetBody(last.Body())
 		return -1
 	}
-	msg := "no upstream answered"
+	msg := "no replica answered"
 	if lastErr != nil {
-		msg = "upstream unavailable: " + lastErr.Error()
+		msg += ": " + lastErr.Error()
 	}
-	WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", msg)
+	ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
+	WriteError(ctx, fasthttp.StatusServiceUnavailable, "service_unavailable", msg)
 	return -1
 }
 
