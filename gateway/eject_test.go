@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"net"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/engine"
 	"github.com/kvmesh/kvmesh/enginesim"
+	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -92,5 +94,26 @@ func TestEjectedReplicaComesBack(t *testing.T) {
 	}
 	if res := r.get(t, "/admin/replicas"); !strings.Contains(res.body, `"ejected_ms":0`) {
 		t.Fatalf("still shown ejected: %s", res.body)
+	}
+}
+
+func TestOnlyAnswerlessFailuresEject(t *testing.T) {
+	refused := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
+	for _, c := range []struct {
+		name string
+		r    proxy.Result
+		want bool
+	}{
+		{"refused", proxy.Result{Err: refused}, true},
+		{"timed out waiting for a stream's headers", proxy.Result{Err: fasthttp.ErrTimeout}, true},
+		{"non-streamed answer overran the timeout", proxy.Result{Err: fasthttp.ErrTimeout, Overran: true}, false},
+		{"answered 503", proxy.Result{Status: 503}, false},
+		{"client gone", proxy.Result{Err: refused, ClientGone: true}, false},
+		{"router's own panic", proxy.Result{Err: refused, Internal: true}, false},
+		{"router out of connections", proxy.Result{Err: fasthttp.ErrNoFreeConns}, false},
+	} {
+		if got := unreachable(c.r); got != c.want {
+			t.Errorf("%s: unreachable %v, want %v", c.name, got, c.want)
+		}
 	}
 }

@@ -91,6 +91,8 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		m.errors.WithLabelValues("client_gone").Inc()
 	case r.Resumed:
 		m.errors.WithLabelValues("stream_resumed").Inc()
+	case r.Overran:
+		m.errors.WithLabelValues("upstream_overran").Inc()
 	case r.Err != nil && r.Retried:
 		m.errors.WithLabelValues("upstream_retried").Inc()
 	case r.Err != nil && r.Status == 0:
@@ -177,7 +179,7 @@ func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
 // answers: no response at all, not because the client left or the router
 // had no free connection to it.
 func unreachable(r proxy.Result) bool {
-	return r.Err != nil && r.Status == 0 && !r.ClientGone && !r.Internal && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
+	return r.Err != nil && r.Status == 0 && !r.ClientGone && !r.Internal && !r.Overran && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
 }
 
 var _ proxy.Observer = (*exchange)(nil)

@@ -176,6 +176,11 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 			return continuation(orig, k, text, chunks)
 		}
 	}
+	if p.stream {
+		// Until its first event nothing is written that would fail.
+		conn := ctx.Conn()
+		req.ClientGone = func() bool { return clientGone(conn) }
+	}
 	if !p.stream && !p.shortAnswer() {
 		// A client that leaves while the engine works must stop the
 		// engine too; the proxy only hears of it through an Abort.

@@ -47,6 +47,11 @@ type Request struct {
 	// while an engine works on it (the client left): the upstream
 	// connection closes, so the engine stops, and no other target is tried.
 	Abort *Abort
+	// ClientGone, when set on a stream, reports whether the client hung up.
+	// The relay polls it while an attempt waits for its first event, when
+	// no write would tell (queueing and prefill can take minutes), and then
+	// closes the upstream connection so the engine stops.
+	ClientGone func() bool
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -81,6 +86,11 @@ type Result struct {
 	// Internal is true when the router itself failed the attempt (a panic
 	// while relaying it): not the replica's fault.
 	Internal bool
+	// Overran is true when a replica took a non-streamed request but its
+	// answer outlasted the first-byte timeout (which bounds the whole
+	// generation there) or the buffered size: it was working, not
+	// unreachable, and the attempt was not retried.
+	Overran bool
 	// PromptTokens and CachedTokens come from the engine's usage report;
 	// -1 when the response carried none.
 	PromptTokens int
@@ -152,6 +162,21 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "client gone")
 			return -1
 		}
+		if err != nil && !req.Stream && overran(err) {
+			// Another replica would start the generation over, doubling a
+			// wait the timeout meant to bound (or buffer the same
+			// oversized answer): end here.
+			open = -1
+			obs.Finish(i, Result{Err: err, Overran: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+			f.Log.Warn().Bytes("request_id", req.ID).Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets)).Err(err).
+				Msg("upstream answer overran its limit: not retried")
+			if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+				WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "the replica's answer is larger than the router buffers (64 MiB): ask for a stream")
+			} else {
+				WriteError(ctx, fasthttp.StatusGatewayTimeout, "upstream_timeout", fmt.Sprintf("no answer within the first-byte timeout (%v), which bounds a whole non-streamed generation: ask for a stream or raise upstream.first_byte_timeout", up.firstByte))
+			}
+			return -1
+		}
 		res := Result{Err: err, Retried: i < len(targets)-1, PromptTokens: -1, CachedTokens: -1}
 		ev := f.Log.Warn().Bytes("request_id", req.ID).Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets))
 		if err != nil {
@@ -201,6 +226,13 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 }
 
 func retryable(status int) bool { return status >= 500 || status == fasthttp.StatusTooManyRequests }
+
+// overran reports whether a non-streamed attempt's error means the answer
+// was too slow or too large rather than that the replica is unreachable:
+// its headers come only with the whole completion.
+func overran(err error) bool {
+	return errors.Is(err, fasthttp.ErrTimeout) || errors.Is(err, fasthttp.ErrBodyTooLarge)
+}
 
 // dispatch sends req to up and returns once the response headers arrived;
 // the body stays on the wire.
@@ -400,7 +432,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	}()
 	for {
 		up := targets[i]
-		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, tr)
+		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, req.ClientGone, tr)
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
@@ -547,7 +579,7 @@ func isEventStream(resp *fasthttp.Response) bool {
 // the text) on the way. first is called when the first body bytes arrive
 // (the first token); never if none came. done reports whether [DONE] was
 // relayed; a stream that broke before it is left for the caller to end.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), tr *transcript) (res Result, done bool) {
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), clientGone func() bool, tr *transcript) (res Result, done bool) {
 	res = Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
@@ -561,15 +593,22 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 		}
 	})
 	defer watchdog.Stop()
+	var firstSeen, left atomic.Bool
+	if clientGone != nil && closer != nil {
+		stop := watchClient(clientGone, &firstSeen, func() {
+			left.Store(true)
+			_ = closer.CloseWithError(errAborted)
+		})
+		defer stop()
+	}
 	buf := make([]byte, 32<<10)
 	var pending []byte
-	firstSeen := false
 	for {
 		n, rerr := body.Read(buf)
 		if n > 0 {
 			watchdog.Reset(idle)
-			if !firstSeen {
-				firstSeen = true
+			if !firstSeen.Load() {
+				firstSeen.Store(true)
 				first()
 			}
 			data := buf[:n]
@@ -607,7 +646,10 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 				_ = w.Flush()
 				return res, done
 			}
-			if stalled.Load() {
+			switch {
+			case left.Load():
+				res.ClientGone, rerr = true, errAborted
+			case stalled.Load():
 				rerr = errStalled
 			}
 			res.Err = rerr
@@ -617,6 +659,39 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 			return res, done
 		}
 	}
+}
+
+// clientPollEvery is how often a stream waiting for its first event asks
+// whether its client is still there. Most first events come sooner, so
+// most streams never ask.
+const clientPollEvery = 250 * time.Millisecond
+
+// watchClient calls gone every clientPollEvery until firstSeen is set and,
+// when the client has gone, calls end once. The returned stop waits for the
+// watcher to exit, so end never runs after it (the response it closes goes
+// back to a pool).
+func watchClient(gone func() bool, firstSeen *atomic.Bool, end func()) (stop func()) {
+	quit, exited := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(exited)
+		t := time.NewTicker(clientPollEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-t.C:
+				if firstSeen.Load() {
+					return
+				}
+				if gone() {
+					end()
+					return
+				}
+			}
+		}
+	}()
+	return func() { close(quit); <-exited }
 }
 
 // writeEvents writes the complete events in data to w and returns the

@@ -202,6 +202,52 @@ func TestForwardDoesNotRetryClientErrorsAndRelaysLastFailure(t *testing.T) {
 	}
 }
 
+func TestNonStreamedAnswerOverrunningItsLimitIsNotRetried(t *testing.T) {
+	// A non-streamed answer's headers come with its last token: a replica
+	// still generating at the first-byte timeout is slow, not dead, and
+	// another would start the generation over.
+	var calls atomic.Int32
+	slow := func(ctx *fasthttp.RequestCtx) {
+		calls.Add(1)
+		time.Sleep(time.Second)
+		ctx.SetBodyString(completionJSON)
+	}
+	var targets []*Upstream
+	for i := range 2 {
+		up, err := NewUpstream(fmt.Sprintf("r%d", i), serve(t, slow), "", Options{FirstByteTimeout: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(up.Close)
+		targets = append(targets, up)
+	}
+	rec := newRecorder()
+	status, body, err := fasthttp.Post(nil, router(t, targets, false, rec)+"/v1/completions", nil)
+	if err != nil || status != 504 || !bytes.Contains(body, []byte(`"type":"upstream_timeout","code":504}}`)) {
+		t.Fatalf("slow answer: %d %v %s", status, err, body)
+	}
+	<-rec.done
+	if n := calls.Load(); n != 1 || len(rec.attempts) != 1 || !rec.finish[0].Overran || rec.finish[0].Retried {
+		t.Fatalf("generations %d, attempts %v, finish %+v: want one, not retried, overran", n, rec.attempts, rec.finish[0])
+	}
+
+	// An answer larger than the router buffers would be as large elsewhere.
+	calls.Store(0)
+	huge := func(ctx *fasthttp.RequestCtx) {
+		calls.Add(1)
+		ctx.SetBody(make([]byte, 65<<20))
+	}
+	rec = newRecorder()
+	status, body, err = fasthttp.Post(nil, router(t, upstreams(t, serve(t, huge), serve(t, huge)), false, rec)+"/v1/completions", nil)
+	if err != nil || status != 502 || !bytes.Contains(body, []byte("larger than the router buffers")) {
+		t.Fatalf("huge answer: %d %v %.200s", status, err, body)
+	}
+	<-rec.done
+	if n := calls.Load(); n != 1 || len(rec.attempts) != 1 || !rec.finish[0].Overran {
+		t.Fatalf("generations %d, attempts %v, finish %+v: want one, not retried, overran", n, rec.attempts, rec.finish[0])
+	}
+}
+
 // sseEngine streams n content events interval apart, then, when usage is
 // set, a usage-only chunk, then [DONE]. It reports on gone when a write fails.
 func sseEngine(n int, interval time.Duration, usage bool, gone chan<- time.Time) fasthttp.RequestHandler {

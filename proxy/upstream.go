@@ -33,7 +33,9 @@ type Options struct {
 	// DialTimeout bounds establishing a TCP connection.
 	DialTimeout time.Duration
 	// FirstByteTimeout bounds the wait for the response to start once the
-	// request is written; it must cover queueing plus prefill.
+	// request is written; it must cover queueing plus prefill, and for a
+	// non-streamed request, whose headers come with its last token, the
+	// whole generation.
 	FirstByteTimeout time.Duration
 	// IdleTimeout bounds the silence between two reads once the response has
 	// started, so a wedged stream ends while a long healthy one never does.
