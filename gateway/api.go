@@ -199,7 +199,8 @@ type replicaView struct {
 	ClusterInflightPrefillTokens int `json:"cluster_inflight_prefill_tokens"`
 	LocalInflightRequests        int `json:"local_inflight_requests"`
 	LocalInflightPrefillTokens   int `json:"local_inflight_prefill_tokens"`
-	// RoutingDegraded is true while the policy runs in least-load mode.
+	// RoutingDegraded is true while the policy has any model in least-load
+	// mode (not necessarily one this replica serves).
 	RoutingDegraded bool `json:"routing_degraded"`
 	// EjectedMS is how long the replica stays out of this router's routing
 	// after failing to answer (0: in routing).

@@ -63,7 +63,7 @@ func newMetrics(g *Gateway) *metrics {
 	m.reg.MustRegister(m.ttft, m.upstreamLatency,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "kvmesh_router_degradations_total",
-			Help: "Switches of the kvaware policy into least-load mode for imbalance.",
+			Help: "Switches of the kvaware policy into least-load mode for imbalance among a model's replicas.",
 		}, func() float64 {
 			m.mu.Lock()
 			n := m.retiredDegradations
@@ -74,7 +74,7 @@ func newMetrics(g *Gateway) *metrics {
 			return float64(n)
 		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "kvmesh_router_degraded", Help: "1 while the kvaware policy is in least-load mode.",
+			Name: "kvmesh_router_degraded", Help: "1 while the kvaware policy has any model in least-load mode.",
 		}, func() float64 {
 			if d, ok := g.Settings().Policy.(degrader); ok && d.Degraded() {
 				return 1

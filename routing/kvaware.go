@@ -3,6 +3,7 @@ package routing
 import (
 	"cmp"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,14 +14,22 @@ import (
 // kvaware picks the replica with the smallest predicted time to first token.
 // It keeps two pieces of state, both bounded: speculative records (recently
 // routed blocks, trusted until the replica's own events confirm them) and
-// whether it is in least-load mode because the fleet is badly imbalanced.
+// which models are in least-load mode because their replicas are badly
+// imbalanced.
 type kvaware struct {
 	cfg Config
 
 	mu   sync.Mutex
 	spec specRecords
 
-	degraded     atomic.Bool
+	// degraded holds the models in least-load mode now, under degradedMu.
+	// It is kept per model because models may be served by different
+	// replicas: one flag would be set by one model's fleet and cleared by
+	// another's. nDegraded is its size, read without the lock so that the
+	// common decision (no model degraded, none entering) takes none.
+	degradedMu   sync.Mutex
+	degraded     map[string]struct{}
+	nDegraded    atomic.Int32
 	degradations atomic.Uint64
 
 	// costs holds a *modelCost per model.
@@ -41,6 +50,12 @@ type modelCost struct {
 // only guards against a fleet that renames its models without end.
 const maxCostModels = 1024
 
+// maxDegradedModels bounds the models in least-load mode at once. A model
+// only enters it for an imbalance among replicas that serve it, so the
+// names come from the fleet too; past the bound a model is routed by
+// predicted ttft instead.
+const maxDegradedModels = 1024
+
 // specRecord names its replica by an index into specRecords.names, so the
 // record maps hold no pointers: at a million records, a map of strings
 // would be scanned by every GC cycle.
@@ -50,16 +65,16 @@ type specRecord struct {
 }
 
 func newKVAware(cfg Config) *kvaware {
-	return &kvaware{cfg: cfg, spec: newSpecRecords(cfg.SpeculativeTTL, cfg.SpeculativeMaxKeys)}
+	return &kvaware{cfg: cfg, spec: newSpecRecords(cfg.SpeculativeTTL, cfg.SpeculativeMaxKeys), degraded: map[string]struct{}{}}
 }
 
 func (*kvaware) Name() string { return "kvaware" }
 
-// Degradations counts switches into least-load mode.
+// Degradations counts switches into least-load mode, of every model.
 func (p *kvaware) Degradations() uint64 { return p.degradations.Load() }
 
-// Degraded reports whether the policy is in least-load mode now.
-func (p *kvaware) Degraded() bool { return p.degraded.Load() }
+// Degraded reports whether any model is in least-load mode now.
+func (p *kvaware) Degraded() bool { return p.nDegraded.Load() > 0 }
 
 // ClearRecords forgets speculative records for the named replicas (all when
 // names is empty), as after a model update or a canary switch.
@@ -99,7 +114,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		ttft[i] = p.cfg.ttft(k, c, req.PromptTokens, matched[i])
 	}
 
-	if p.checkImbalance(k, cands) {
+	if p.checkImbalance(req.Model, k, cands) {
 		sortByLoad(d.Order, cands, &p.cfg, k)
 		finish(d, cands, ModeBalance)
 		d.Degraded = true
@@ -209,11 +224,11 @@ func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duratio
 	moveToFront(d.Order, slices.Index(d.Order, h))
 }
 
-// checkImbalance updates least-load mode: enter when the longest queue is
-// over ImbalanceEnter × the mean of the others' (and at least
-// ImbalanceMinQueue), leave when it is back under ImbalanceExit × that mean
-// or under half the minimum.
-func (p *kvaware) checkImbalance(k *costfit.Coefficients, cands []Candidate) bool {
+// checkImbalance updates model's least-load mode: enter when the longest
+// queue among its candidates is over ImbalanceEnter × the mean of the
+// others' (and at least ImbalanceMinQueue), leave when it is back under
+// ImbalanceExit × that mean or under half the minimum.
+func (p *kvaware) checkImbalance(model string, k *costfit.Coefficients, cands []Candidate) bool {
 	if len(cands) < 2 {
 		return false
 	}
@@ -224,16 +239,27 @@ func (p *kvaware) checkImbalance(k *costfit.Coefficients, cands []Candidate) boo
 		longest = max(longest, q)
 	}
 	others := float64(total-longest) / float64(len(cands)-1)
-	if p.degraded.Load() {
-		if float64(longest) <= p.cfg.ImbalanceExit*others || longest < p.cfg.ImbalanceMinQueue/2 {
-			p.degraded.Store(false)
-		}
-	} else if float64(longest) > p.cfg.ImbalanceEnter*others && longest >= p.cfg.ImbalanceMinQueue {
-		if p.degraded.CompareAndSwap(false, true) {
-			p.degradations.Add(1)
-		}
+	enter := float64(longest) > p.cfg.ImbalanceEnter*others && longest >= p.cfg.ImbalanceMinQueue
+	if !enter && p.nDegraded.Load() == 0 {
+		return false
 	}
-	return p.degraded.Load()
+	p.degradedMu.Lock()
+	defer p.degradedMu.Unlock()
+	if _, ok := p.degraded[model]; ok {
+		if float64(longest) <= p.cfg.ImbalanceExit*others || longest < p.cfg.ImbalanceMinQueue/2 {
+			delete(p.degraded, model)
+			p.nDegraded.Add(-1)
+			return false
+		}
+		return true
+	}
+	if !enter || len(p.degraded) >= maxDegradedModels {
+		return false
+	}
+	p.degraded[strings.Clone(model)] = struct{}{} // the key outlives the request
+	p.nDegraded.Add(1)
+	p.degradations.Add(1)
+	return true
 }
 
 // speculativeMatches sets matched[i] to the leading blocks candidate i's

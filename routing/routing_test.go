@@ -379,6 +379,59 @@ func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
 	}
 }
 
+// Models served by different replicas are imbalanced or not each on its
+// own: one model's least-load mode neither counts again each time another
+// model's balanced fleet would end it, nor routes that model by load.
+func TestImbalanceIsJudgedPerModel(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	deg := p.(interface {
+		Degradations() uint64
+		Degraded() bool
+	})
+	a := fleetOf(3)
+	a[0].PendingPrefillTokens = 400000 // 12 s of queue against none: past imbalance_enter
+	b := fleetOf(3)
+	b[0].MatchedTokens = 96000
+	b[0].PendingPrefillTokens = 100000 // 3 s against 1.2 s: between exit and enter
+	b[1].PendingPrefillTokens, b[2].PendingPrefillTokens = 40000, 40000
+	c := fleetOf(2) // idle: would end least-load mode at once
+	reqA := &Request{Model: "A", PromptTokens: 8100, Now: t0}
+	reqB := &Request{Model: "B", PromptTokens: 100000, Now: t0}
+	reqC := &Request{Model: "C", PromptTokens: 8100, Now: t0}
+
+	for i := range 10 {
+		if d := route(t, p, reqA, a); !d.Degraded || d.Pick == 0 {
+			t.Fatalf("round %d: imbalanced model A not in least-load mode: %+v", i, d)
+		}
+		if d := route(t, p, reqB, b); d.Degraded || d.Mode != ModePrefix || d.Pick != 0 {
+			t.Fatalf("round %d: model B routed %+v; want its warm r0 by prefix (3.1 s predicted against 4.2 s)", i, d)
+		}
+		if d := route(t, p, reqC, c); d.Degraded {
+			t.Fatalf("round %d: balanced model C in least-load mode: %+v", i, d)
+		}
+	}
+	if n := deg.Degradations(); n != 1 || !deg.Degraded() {
+		t.Fatalf("degradations %d, degraded %v after A stayed imbalanced; want 1, true", n, deg.Degraded())
+	}
+
+	// B enters too; each leaves when its own fleet recovers.
+	b[0].PendingPrefillTokens = 400000
+	if d := route(t, p, reqB, b); !d.Degraded || deg.Degradations() != 2 {
+		t.Fatalf("model B did not switch to least-load mode: %+v, degradations %d", d, deg.Degradations())
+	}
+	a[0].PendingPrefillTokens = 0
+	if d := route(t, p, reqA, a); d.Degraded {
+		t.Fatalf("model A still in least-load mode once balanced: %+v", d)
+	}
+	if d := route(t, p, reqB, b); !d.Degraded || !deg.Degraded() {
+		t.Fatalf("model B left least-load mode when A recovered: %+v, degraded %v", d, deg.Degraded())
+	}
+	b[0].PendingPrefillTokens = 0
+	if d := route(t, p, reqB, b); d.Degraded || deg.Degraded() || deg.Degradations() != 2 {
+		t.Fatalf("model B did not recover once balanced: %+v, degraded %v, degradations %d", d, deg.Degraded(), deg.Degradations())
+	}
+}
+
 func TestStaticUpstreamsAreLoadBalancedTargets(t *testing.T) {
 	cands := []Candidate{{Name: "s0", Static: true, Running: 3}, {Name: "s1", Static: true}}
 	for _, name := range Names {
