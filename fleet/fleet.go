@@ -23,6 +23,10 @@ type Replica struct {
 	Models   []string // served model names and LoRA adapters (from the engine's /v1/models)
 	URL      string   // engine base URL, e.g. http://127.0.0.1:8000
 	Protocol string
+	// ModelsLearned is true when a static upstream's Models came from its
+	// /v1/models (Table.LearnStatic) rather than its configuration, so they
+	// are to be kept up to date.
+	ModelsLearned bool
 	// KVEvents is true when a sidecar feeds this replica's resident blocks.
 	KVEvents bool
 	// Selected is true when the replica takes part in prefix matching; an

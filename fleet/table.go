@@ -136,6 +136,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 	}
 	e.static = false
 	e.r.Models = slices.Clone(info.Models)
+	e.r.ModelsLearned = false
 	e.r.URL = info.URL
 	e.r.Protocol = info.Protocol
 	e.r.KVEvents = info.KVEvents
@@ -153,10 +154,17 @@ func (t *Table) Upsert(info Info, now time.Time) {
 }
 
 // AddStatic adds (or replaces) an upstream without a sidecar: always online,
-// never stale, routed by load only.
+// never stale, routed by load only. Without models it takes any model until
+// LearnStatic says which it serves. Re-adding it at the same URL without
+// models (every config reload does) keeps what was learned: resetting it would
+// let it take, until rediscovery answers, models it does not serve. Configured
+// models or another URL replace what was learned.
 func (t *Table) AddStatic(name, url string, models []string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if e := t.entries[name]; e != nil && e.static && e.r.ModelsLearned && e.r.URL == url && len(models) == 0 {
+		return
+	}
 	t.entries[name] = &entry{
 		static:        true,
 		engineHealthy: true,
@@ -169,6 +177,24 @@ func (t *Table) AddStatic(name, url string, models []string) {
 		},
 	}
 	t.changedLocked()
+}
+
+// LearnStatic sets the models that static upstream name, added without
+// models, serves at url (as its /v1/models says). It changes nothing and
+// reports false when name is no longer a static at url or has been given
+// models since: the configuration, reloaded while the upstream was being
+// asked, wins.
+func (t *Table) LearnStatic(name, url string, models []string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[name]
+	if e == nil || !e.static || e.r.URL != url || (len(e.r.Models) > 0 && !e.r.ModelsLearned) {
+		return false
+	}
+	e.r.Models = slices.Clone(models)
+	e.r.ModelsLearned = true
+	t.changedLocked()
+	return true
 }
 
 // Remove forgets a replica (its sidecar left or was declared dead).

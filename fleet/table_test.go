@@ -231,3 +231,63 @@ func BenchmarkSnapshotMatchPrefix50x256(b *testing.B) {
 		tb.Snapshot().MatchPrefix(keys, matched)
 	}
 }
+
+// TestStaticReaddedAtSameURLKeepsLearnedModels: a config reload re-adds
+// every static; one whose models were learned keeps them (else it would take
+// any model until rediscovery answers), unless its URL changed.
+func TestStaticReaddedAtSameURLKeepsLearnedModels(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.AddStatic("s", "http://s", nil)
+	if !tb.LearnStatic("s", "http://s", []string{"a", "b"}) {
+		t.Fatal("models of a static added without models not learned")
+	}
+	tb.AddStatic("s", "http://s", nil)
+	if r := tb.Snapshot().Replicas[0]; fmt.Sprint(r.Models) != "[a b]" || !r.ModelsLearned {
+		t.Fatalf("re-added at the same URL: models %v, learned %v", r.Models, r.ModelsLearned)
+	}
+	tb.AddStatic("s", "http://elsewhere", nil)
+	if r := tb.Snapshot().Replicas[0]; len(r.Models) != 0 || r.ModelsLearned {
+		t.Fatalf("re-added at another URL: models %v, learned %v", r.Models, r.ModelsLearned)
+	}
+}
+
+// TestConfiguredStaticModelsAreNeverOverwrittenByLearning: once a static is
+// given models, what it was learned to serve is forgotten and learning (an
+// answer to a question asked before the reload included) changes nothing.
+func TestConfiguredStaticModelsAreNeverOverwrittenByLearning(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.AddStatic("s", "http://s", nil)
+	tb.LearnStatic("s", "http://s", []string{"a", "b"})
+	tb.AddStatic("s", "http://s", []string{"a"})
+	if tb.LearnStatic("s", "http://s", []string{"a", "b"}) {
+		t.Error("learning overrode configured models")
+	}
+	if r := tb.Snapshot().Replicas[0]; fmt.Sprint(r.Models) != "[a]" || r.ModelsLearned {
+		t.Fatalf("configured [a]: models %v, learned %v", r.Models, r.ModelsLearned)
+	}
+	// Configured without models again: it takes any model until relearned.
+	tb.AddStatic("s", "http://s", nil)
+	if r := tb.Snapshot().Replicas[0]; len(r.Models) != 0 || !tb.LearnStatic("s", "http://s", []string{"b"}) {
+		t.Fatalf("models configuration dropped: models %v, or not learnable", r.Models)
+	}
+}
+
+// TestLearnStaticIgnoresUpstreamsReloadedAway: an answer for a static that a
+// reload removed, moved to another URL or replaced by a sidecar's replica
+// changes nothing (and does not bring the static back).
+func TestLearnStaticIgnoresUpstreamsReloadedAway(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	tb.AddStatic("gone", "http://gone", nil)
+	tb.RemoveStatic(nil)
+	tb.AddStatic("moved", "http://new", nil)
+	tb.Upsert(sidecar("a"), t0)
+	for name, url := range map[string]string{"gone": "http://gone", "moved": "http://old", "a": "http://a"} {
+		if tb.LearnStatic(name, url, []string{"x"}) {
+			t.Errorf("learned models for %s at %s", name, url)
+		}
+	}
+	s := tb.Snapshot()
+	if len(s.Replicas) != 2 || s.Find("gone") >= 0 || len(s.Replicas[s.Find("moved")].Models) != 0 || fmt.Sprint(s.Replicas[s.Find("a")].Models) != "[m]" {
+		t.Fatalf("%+v", s.Replicas)
+	}
+}

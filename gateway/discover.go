@@ -3,18 +3,10 @@ package gateway
 import (
 	"encoding/json"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/kvmesh/kvmesh/fleet"
 )
-
-// staticModels remembers which static upstreams had their models learned
-// from /v1/models (rather than configured), so they are kept up to date.
-type staticModels struct {
-	mu      sync.Mutex
-	learned map[string]string // name → URL it was learned from
-}
 
 // DiscoverStatic asks every static upstream configured without models for
 // its /v1/models (served names and LoRA adapters), now and every interval
@@ -39,13 +31,7 @@ func (g *Gateway) RefreshStaticModels() {
 	snap := g.table.Snapshot()
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
-		if r.Protocol != fleet.ProtocolStatic {
-			continue
-		}
-		g.static.mu.Lock()
-		learnedFrom, learned := g.static.learned[r.Name]
-		g.static.mu.Unlock()
-		if len(r.Models) > 0 && (!learned || learnedFrom != r.URL) {
+		if r.Protocol != fleet.ProtocolStatic || (len(r.Models) > 0 && !r.ModelsLearned) {
 			continue // configured models win
 		}
 		up, err := g.upstream(r)
@@ -75,13 +61,9 @@ func (g *Gateway) RefreshStaticModels() {
 		if slices.Equal(models, r.Models) {
 			continue
 		}
-		g.static.mu.Lock()
-		if g.static.learned == nil {
-			g.static.learned = map[string]string{}
+		if !g.table.LearnStatic(r.Name, r.URL, models) {
+			continue // reloaded while it was asked: the new configuration wins
 		}
-		g.static.learned[r.Name] = r.URL
-		g.static.mu.Unlock()
-		g.table.AddStatic(r.Name, r.URL, models)
 		g.log.Info().Str("replica", r.Name).Strs("models", models).Msg("static upstream models learned")
 	}
 }

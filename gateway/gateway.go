@@ -137,7 +137,6 @@ type Gateway struct {
 	upMu      sync.Mutex
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
 
-	static    staticModels
 	watch     clientWatch // clients of long non-streamed requests
 	exchanges sync.Pool
 	now       func() time.Time

@@ -360,3 +360,53 @@ func TestSpillAfter(t *testing.T) {
 		}
 	}
 }
+
+// TestReloadKeepsLearnedStaticModelsUntilConfigured: a static upstream
+// configured without models keeps, across reloads that leave it alone, the
+// models learned from its /v1/models (no window in which it takes any
+// model); models configured for it later win over learning; another URL
+// forgets what was learned.
+func TestReloadKeepsLearnedStaticModelsUntilConfigured(t *testing.T) {
+	engine := startEngine(t)
+	path := filepath.Join(t.TempDir(), "router.yaml")
+	table := fleet.NewTable(fleet.TableConfig{})
+	r := &Reloader{Base: &Config{}, Path: path, Builder: &Builder{Table: table}, Log: zerolog.Nop()}
+	r.Gateway = gateway.New(table, nil, gateway.Settings{}, zerolog.Nop())
+	reload := func(static string) {
+		t.Helper()
+		doc := "default_tokenizer: builtin\nstatic_upstreams:\n  - " + static + "\n"
+		if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Reload(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	models := func() string {
+		s := table.Snapshot()
+		return fmt.Sprint(s.Replicas[s.Find("s")].Models)
+	}
+	reload(fmt.Sprintf("{name: s, url: %q}", engine))
+	r.Gateway.RefreshStaticModels()
+	if got := models(); got != "[sim]" {
+		t.Fatalf("learned %s", got)
+	}
+	reload(fmt.Sprintf("{name: s, url: %q}", engine))
+	if got := models(); got != "[sim]" {
+		t.Fatalf("a reload leaving the static alone reset its learned models to %s (takes any model)", got)
+	}
+	reload(fmt.Sprintf("{name: s, url: %q, models: [other]}", engine))
+	r.Gateway.RefreshStaticModels()
+	if got := models(); got != "[other]" {
+		t.Fatalf("configured models [other] became %s after discovery", got)
+	}
+	reload(fmt.Sprintf("{name: s, url: %q}", engine))
+	r.Gateway.RefreshStaticModels()
+	if got := models(); got != "[sim]" {
+		t.Fatalf("models no longer configured, discovery gave %s", got)
+	}
+	reload("{name: s, url: 'http://127.0.0.1:9'}")
+	if got := models(); got != "[]" {
+		t.Fatalf("another URL kept the old one's models %s", got)
+	}
+}
