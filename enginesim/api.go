@@ -103,21 +103,16 @@ func (s *Server) promptTokens(r *apiRequest, chat bool) ([]uint32, *requestError
 		if addGen && cont {
 			return nil, invalid("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 		}
-		c := tokenize.Chat{Messages: r.Messages, AddGenerationPrompt: addGen, ContinueFinalMessage: cont}
+		c := tokenize.Chat{Messages: r.Messages, AddGenerationPrompt: addGen, ContinueFinalMessage: cont, AddSpecialTokens: boolOr(r.AddSpecialTokens, false)}
 		if present(r.Tools) {
 			c.Tools = r.Tools
 		}
 		if present(r.ChatTemplateKwargs) {
 			c.TemplateKwargs = r.ChatTemplateKwargs
 		}
-		prompt, ids, err := s.cfg.Tokenizer.EncodeChat(c)
+		_, ids, err := s.cfg.Tokenizer.EncodeChat(c)
 		if err != nil {
 			return nil, invalid("%v", err)
-		}
-		if boolOr(r.AddSpecialTokens, false) {
-			if ids, err = s.cfg.Tokenizer.Encode(prompt, true); err != nil {
-				return nil, invalid("%v", err)
-			}
 		}
 		return ids, nil
 	}

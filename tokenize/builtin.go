@@ -63,7 +63,7 @@ func (b Builtin) EncodeChat(chat Chat) (string, []uint32, error) {
 		sb.WriteString("<|assistant|>\n")
 	}
 	prompt := sb.String()
-	ids, err := b.Encode(prompt, false)
+	ids, err := b.Encode(prompt, chat.AddSpecialTokens)
 	return prompt, ids, err
 }
 

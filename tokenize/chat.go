@@ -98,7 +98,7 @@ func (t *HF) encodeChat(r chatRenderer, chat Chat, maxTokens int) (string, []uin
 	if cap(buf) < size {
 		buf = make([]uint32, 0, size)
 	}
-	ids, err := t.appendEncode(buf, prompt, false, maxTokens)
+	ids, err := t.appendEncode(buf, prompt, chat.AddSpecialTokens, maxTokens)
 	if err != nil {
 		return prompt, nil, err
 	}

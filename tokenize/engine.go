@@ -131,7 +131,7 @@ func (e *Engine) EncodeChat(chat Chat) (string, []uint32, error) {
 		ContinueFinalMessage bool            `json:"continue_final_message"`
 		AddSpecialTokens     bool            `json:"add_special_tokens"`
 	}{e.model, chat.Messages, nullToNil(chat.Tools), nullToNil(chat.TemplateKwargs),
-		chat.AddGenerationPrompt, chat.ContinueFinalMessage, false})
+		chat.AddGenerationPrompt, chat.ContinueFinalMessage, chat.AddSpecialTokens})
 	if err != nil {
 		return "", nil, fmt.Errorf("tokenize: chat request: %w", err)
 	}

@@ -56,6 +56,11 @@ type Chat struct {
 	ContinueFinalMessage bool
 	// TemplateKwargs are extra template variables (chat_template_kwargs).
 	TemplateKwargs json.RawMessage // may be nil
+	// AddSpecialTokens adds the tokenizer's special tokens (a BOS) to the
+	// rendered prompt, as vLLM does for a chat request that sets
+	// add_special_tokens; it defaults to false there, since templates
+	// write their own.
+	AddSpecialTokens bool
 	// IDs, when it has room, receives the ids (from IDs[:0]) instead of a
 	// new slice: a server reusing one buffer per request then makes no
 	// garbage for them. Implementations may ignore it.
