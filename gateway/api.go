@@ -100,8 +100,14 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 		g.fail(ctx, err)
 		return
 	}
+	snap := g.table.Snapshot()
 	if p.Model == "" {
-		p.Model = soleModel(g.table.Snapshot())
+		p.Model = soleModel(snap)
+	} else if _, configured := s.Models[p.Model]; !configured && !servedBy(snap, p.Model) {
+		// As vLLM and the completions: a default tokenizer ("*") would
+		// answer for any name, a typo included.
+		g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", p.Model)})
+		return
 	}
 	tk := s.tokenizer(s.Models[p.Model])
 	if tk == nil {
@@ -119,6 +125,7 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
 			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
+			AddSpecialTokens:     p.AddSpecialTokens != nil && *p.AddSpecialTokens,
 		})
 	case p.promptIDs != nil:
 		ids = p.promptIDs

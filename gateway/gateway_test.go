@@ -344,7 +344,8 @@ func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
 	if res := r.get(t, "/ready"); res.status != 503 {
 		t.Fatalf("ready without replicas: %d", res.status)
 	}
-	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel, "sim-lora"})
+	engineURL := startEngine(t, testModel)
+	r.table.AddStatic("e1", engineURL, []string{testModel, "sim-lora"})
 	if res := r.get(t, "/ready"); res.status != 200 {
 		t.Fatalf("ready: %d", res.status)
 	}
@@ -362,6 +363,41 @@ func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
 	want, _ = json.Marshal(map[string]any{"count": len(ids), "tokens": ids})
 	if res.body != string(want) {
 		t.Fatalf("tokenize chat: %s, want %s", res.body, want)
+	}
+	// add_special_tokens on a chat adds the BOS the template may already
+	// have, as vLLM does: the router must count what the engine counts.
+	type counted struct {
+		Count  int      `json:"count"`
+		Tokens []uint32 `json:"tokens"`
+	}
+	var withBOS, without counted
+	for i, body := range []string{
+		`{"model":"sim","messages":[{"role":"user","content":"hi"}],"add_special_tokens":true}`,
+		`{"model":"sim","messages":[{"role":"user","content":"hi"}],"add_special_tokens":false}`,
+		`{"model":"sim","prompt":"hi","add_special_tokens":false}`,
+	} {
+		var engineSays, routerSays counted
+		if err := json.Unmarshal([]byte(postJSON(t, engineURL+"/tokenize", body)), &engineSays); err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal([]byte(r.post(t, "/tokenize", body).body), &routerSays); err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(routerSays) != fmt.Sprint(engineSays) {
+			t.Errorf("%s: router %v, engine %v", body, routerSays, engineSays)
+		}
+		switch i {
+		case 0:
+			withBOS = routerSays
+		case 1:
+			without = routerSays
+		}
+	}
+	if withBOS.Count != without.Count+1 {
+		t.Errorf("add_special_tokens on a chat: %d tokens, without %d: want one more (the BOS)", withBOS.Count, without.Count)
+	}
+	if res := r.post(t, "/tokenize", `{"model":"nope","prompt":"x"}`); res.status != 404 || !strings.Contains(res.body, `"code":404`) {
+		t.Errorf("tokenize for a model nobody serves: %d %s, want 404 (the default tokenizer answers any name)", res.status, res.body)
 	}
 	res = r.get(t, "/v1/models")
 	if !strings.Contains(res.body, `"id":"sim"`) || !strings.Contains(res.body, `"id":"sim-lora"`) {

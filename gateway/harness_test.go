@@ -143,3 +143,20 @@ func toReply(resp *fasthttp.Response) reply {
 	}
 	return out
 }
+
+// postJSON posts body to url (an engine's, say) and returns the answer's
+// body, failing the test on anything but a 200.
+func postJSON(t testing.TB, url, body string) string {
+	t.Helper()
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.SetRequestURI(url)
+	req.Header.SetMethod("POST")
+	req.Header.SetContentType("application/json")
+	req.SetBodyString(body)
+	if err := client.DoTimeout(req, resp, 10*time.Second); err != nil || resp.StatusCode() != 200 {
+		t.Fatalf("POST %s: %v %d %s", url, err, resp.StatusCode(), resp.Body())
+	}
+	return string(resp.Body())
+}

@@ -208,6 +208,16 @@ func soleModel(snap *fleet.Snapshot) string {
 	return model
 }
 
+// servedBy reports whether any replica in snap, live or not, serves model.
+func servedBy(snap *fleet.Snapshot, model string) bool {
+	for i := range snap.Replicas {
+		if serves(&snap.Replicas[i], model) {
+			return true
+		}
+	}
+	return false
+}
+
 func serves(r *fleet.Replica, model string) bool {
 	return r.Serves(model) || (r.Protocol == fleet.ProtocolStatic && len(r.Models) == 0)
 }
@@ -412,6 +422,7 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
 			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
 			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
+			AddSpecialTokens:     p.AddSpecialTokens != nil && *p.AddSpecialTokens,
 			IDs:                  ex.idsBuf,
 			Prompt:               &ex.promptBuf,
 		}
