@@ -404,11 +404,13 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 	}
 	ctx.Response.ImmediateHeaderFlush = true
 	stream := *req
-	if stream.Resume != nil && stream.Header != nil {
-		// A continuation is sent after the handler returned, when ctx's
-		// header may be gone (a client that left): keep a copy.
+	if i+1 < len(targets) && stream.Header != nil {
+		// A stream may be sent again (retried before its first event, or
+		// continued) after the handler returned, when ctx's buffers may be
+		// gone (a client that left): keep copies.
 		stream.Header = new(fasthttp.RequestHeader)
 		req.Header.CopyTo(stream.Header)
+		stream.Body = bytes.Clone(req.Body)
 	}
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
 		// The handler has returned: ctx must not be touched from here on.
@@ -430,18 +432,27 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			f.survive(w, v, obs, open, start)
 		}
 	}()
+	sent := 0 // events the client has had, over all attempts
 	for {
 		up := targets[i]
 		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, req.ClientGone, tr)
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
+		sent += res.Events
 		broken := res.Err != nil && !res.ClientGone && !done
 		var body []byte
-		if broken && tr.resumable() && i+1 < len(targets) {
+		switch {
+		case !broken || i+1 == len(targets):
+		case sent == 0:
+			// Only headers reached the client (engines send them before
+			// queueing and prefill): the next target gets the request
+			// itself, as for a failure before the first byte.
+			body, res.Retried = req.Body, true
+		case tr.resumable():
 			body, res.Resumed = req.Resume(tr.text, tr.chunks)
 		}
-		if !res.Resumed {
+		if !res.Resumed && !res.Retried {
 			if res.Err != nil {
 				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
 			}
@@ -452,8 +463,12 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			return
 		}
 		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
-		if res.Resumed {
-			f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+		if res.Resumed || res.Retried {
+			if res.Retried {
+				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Msg("stream broke before its first event: sending it to the next replica")
+			} else {
+				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
+			}
 			open = -1
 			obs.Finish(i, res)
 			cont := *req
@@ -470,7 +485,9 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			_ = w.Flush()
 			return
 		}
-		tr.continuing()
+		if res.Resumed {
+			tr.continuing()
+		}
 		i, resp, start = next, nextResp, nextStart
 	}
 }
@@ -633,6 +650,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 				if _, werr := w.Write(rest); werr == nil {
 					werr = w.Flush()
 				}
+				res.Events++
 				rest = nil
 			}
 			pending = append(pending[:0], rest...)

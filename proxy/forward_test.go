@@ -594,6 +594,52 @@ func brokenSSE(t *testing.T, events ...string) string {
 	return "http://" + ln.Addr().String()
 }
 
+// TestStreamBrokenBeforeItsFirstEventIsRetried: engines send a stream's
+// headers before queueing and prefill. One that dies or stalls then has
+// sent the client nothing of the answer, so the next target serves the
+// request itself, whether or not streams may be continued.
+func TestStreamBrokenBeforeItsFirstEventIsRetried(t *testing.T) {
+	stalled := func() string {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			_, _ = c.Read(make([]byte, 4096))
+			fmt.Fprint(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+			time.Sleep(3 * time.Second)
+		}()
+		return "http://" + ln.Addr().String()
+	}
+	for _, c := range []struct{ name, first string }{{"dies", brokenSSE(t)}, {"stalls", stalled()}} {
+		var targets []*Upstream
+		for i, u := range []string{c.first, serve(t, sseEngine(3, 0, false, nil))} {
+			up, err := NewUpstream(fmt.Sprintf("r%d", i), u, "", Options{FirstByteTimeout: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(up.Close)
+			targets = append(targets, up)
+		}
+		rec := newRecorder()
+		status, body, err := fasthttp.Post(nil, router(t, targets, false, rec)+"/v1/chat/completions", nil)
+		if err != nil || status != 200 || string(body) != wantEvents(3, false) {
+			t.Fatalf("%s: %d %v %q", c.name, status, err, body)
+		}
+		<-rec.done
+		<-rec.done
+		if fmt.Sprint(rec.attempts) != "[0 1]" || !rec.finish[0].Retried || rec.finish[0].Err == nil || rec.finish[1].Err != nil || rec.finish[1].Events != 4 {
+			t.Fatalf("%s: attempts %v, finishes %+v", c.name, rec.attempts, rec.finish)
+		}
+	}
+}
+
 // TestBrokenStreamContinuesAtNextTarget: a stream that breaks after two
 // tokens goes on at the next target, which is asked (through Resume) to
 // continue from the text the client has; the client sees one stream, the
