@@ -218,9 +218,22 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		console.Handler(ctx)
 	case post && passedThrough(path):
 		g.serveCompletion(ctx, kindOther)
+	case !post && postOnly(path):
+		ctx.Response.Header.Set(fasthttp.HeaderAllow, fasthttp.MethodPost)
+		proxy.WriteError(ctx, fasthttp.StatusMethodNotAllowed, "invalid_request_error", string(ctx.Method())+" "+string(path)+": only POST is served here")
 	default:
 		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
 	}
+}
+
+// postOnly reports whether path is served for POST alone, so that another
+// method gets a 405 rather than a 404 that reads as a wrong URL.
+func postOnly(path []byte) bool {
+	switch string(path) {
+	case "/v1/chat/completions", "/v1/completions", "/tokenize", "/admin/routes/clear":
+		return true
+	}
+	return passedThrough(path)
 }
 
 // survive turns a panic in a request's handling into a 500 for that request

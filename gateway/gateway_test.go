@@ -1025,3 +1025,15 @@ func TestStreamsTeachTheCostModel(t *testing.T) {
 		}
 	}
 }
+
+func TestWrongMethodIs405AndUnknownPath404(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions", "/tokenize", "/admin/routes/clear", "/v1/embeddings"} {
+		if res := r.get(t, path); res.status != 405 || res.header["allow"] != "POST" || !strings.Contains(res.body, `"code":405`) {
+			t.Errorf("GET %s: %d %v %s, want 405 with Allow: POST", path, res.status, res.header, res.body)
+		}
+	}
+	if res := r.get(t, "/no/such/route"); res.status != 404 || !strings.Contains(res.body, `"code":404`) {
+		t.Errorf("GET of an unknown path: %d %s", res.status, res.body)
+	}
+}
