@@ -2,9 +2,11 @@ package routing
 
 import (
 	"cmp"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
@@ -48,14 +50,39 @@ func (random) Route(req *Request, cands []Candidate, d *Decision) {
 	d.Reason = "random"
 }
 
-type roundRobin struct{ next atomic.Uint64 }
+// roundRobin keeps a counter per model: one policy serves every model, and
+// with a shared counter two models taking turns would each see only every
+// other value (all of a model's requests on half its replicas).
+type roundRobin struct {
+	next   sync.Map // model → *atomic.Uint64
+	models atomic.Int32
+	shared atomic.Uint64 // for models past maxCounters
+}
+
+// maxCounters bounds the models with their own counter; the names come
+// from the fleet, this only guards against one that renames without end.
+const maxCounters = 1024
 
 func (*roundRobin) Name() string { return "round-robin" }
+
+func (r *roundRobin) counter(model string) *atomic.Uint64 {
+	if c, ok := r.next.Load(model); ok {
+		return c.(*atomic.Uint64)
+	}
+	if r.models.Load() >= maxCounters {
+		return &r.shared
+	}
+	c, loaded := r.next.LoadOrStore(strings.Clone(model), new(atomic.Uint64))
+	if !loaded {
+		r.models.Add(1)
+	}
+	return c.(*atomic.Uint64)
+}
 
 func (r *roundRobin) Route(req *Request, cands []Candidate, d *Decision) {
 	fillOrder(d, len(cands))
 	if n := len(cands); n > 0 {
-		start := int(r.next.Add(1) % uint64(n))
+		start := int(r.counter(req.Model).Add(1) % uint64(n))
 		for i := range d.Order {
 			d.Order[i] = (start + i) % n
 		}
@@ -108,16 +135,19 @@ func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
 }
 
 // boundedHome returns the position in order (a rendezvous order) of the
-// first candidate whose load is within the bound; 0 when all exceed it.
+// first candidate whose load is within the bound. Rounding the capacity up
+// is what lets an idle replica take the request when the whole fleet holds
+// fewer requests than replicas (without it, no replica fits and the busy
+// home keeps everything); it also means the least-loaded one always fits.
 func boundedHome(order []int, cands []Candidate, bound float64) int {
 	total := 0
 	for _, i := range order {
 		total += outstanding(&cands[i])
 	}
 	// CHWBL: capacity = ceil(bound × (total+1) / n), counting this request.
-	limit := bound * float64(total+1) / float64(len(order))
+	capacity := math.Ceil(bound*float64(total+1)/float64(len(order)) - 1e-9)
 	for pos, i := range order {
-		if float64(outstanding(&cands[i])+1) <= limit+1e-9 {
+		if float64(outstanding(&cands[i])+1) <= capacity {
 			return pos
 		}
 	}

@@ -484,6 +484,47 @@ func TestBaselines(t *testing.T) {
 	}
 }
 
+// TestLoadBoundSpillsOffABusyHomeInAQuietFleet: CHWBL's capacity is
+// ceil(bound × (requests+1) / replicas). With fewer requests out than
+// replicas it is 1, so a home already serving 8 while 15 replicas idle must
+// yield; the unrounded bound fitted nobody and kept the busy home.
+func TestLoadBoundSpillsOffABusyHomeInAQuietFleet(t *testing.T) {
+	const key = 12345
+	for _, name := range []string{"chwbl", "kvaware"} {
+		cands := fleetOf(16)
+		home := route(t, mustPolicy(t, name), &Request{AffinityKey: key, PromptTokens: 100, Now: t0}, cands).Pick
+		cands[home].Running, cands[home].InflightRequests = 8, 8
+		if d := route(t, mustPolicy(t, name), &Request{AffinityKey: key, PromptTokens: 100, Now: t0}, cands); d.Pick == home {
+			t.Errorf("%s: the home with 8 outstanding kept the key while 15 replicas idle", name)
+		}
+	}
+	// Busy and balanced: the home is within the bound and keeps the key.
+	ch := mustPolicy(t, "chwbl")
+	cands := fleetOf(4)
+	for i := range cands {
+		cands[i].InflightRequests = 4
+	}
+	home := route(t, ch, &Request{AffinityKey: key, Now: t0}, fleetOf(4)).Pick
+	if d := route(t, ch, &Request{AffinityKey: key, Now: t0}, cands); d.Pick != home {
+		t.Errorf("chwbl moved a key off its home in a balanced fleet (home %d, picked %d)", home, d.Pick)
+	}
+}
+
+// TestRoundRobinTurnsPerModel: one policy serves every model; two models
+// taking turns must each still visit all their replicas.
+func TestRoundRobinTurnsPerModel(t *testing.T) {
+	rr := mustPolicy(t, "round-robin")
+	a, b := fleetOf(2), fleetOf(2)
+	seen := map[int]int{}
+	for range 100 {
+		seen[route(t, rr, &Request{Model: "A", Now: t0}, a).Pick]++
+		route(t, rr, &Request{Model: "B", Now: t0}, b)
+	}
+	if seen[0] != 50 || seen[1] != 50 {
+		t.Fatalf("model A's two replicas got %v of 100 requests, want 50 each", seen)
+	}
+}
+
 func BenchmarkKVAwareRoute50(b *testing.B) {
 	p, _ := New("kvaware", Config{})
 	cands := fleetOf(50)
