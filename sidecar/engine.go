@@ -73,10 +73,10 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 				m.BlockSize = v
 			}
 		case names.waiting:
-			m.Waiting += clampCount(value)
+			m.Waiting = addCount(m.Waiting, value)
 			found = true
 		case names.running:
-			m.Running += clampCount(value)
+			m.Running = addCount(m.Running, value)
 			found = true
 		default:
 			for i, u := range names.usage {
@@ -168,6 +168,14 @@ func clampCount(v float64) int {
 		return 0
 	}
 	return int(min(v, math.MaxInt32))
+}
+
+// addCount adds one series' count to a sum (engines with several
+// data-parallel ranks report one series each) and keeps the sum within what
+// a load record carries: routers reject a record over it, and the replica
+// would fall silent.
+func addCount(sum int, v float64) int {
+	return min(sum+clampCount(v), math.MaxInt32)
 }
 
 func clampUnit(v float64) float64 {

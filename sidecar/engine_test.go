@@ -1,8 +1,11 @@
 package sidecar
 
 import (
+	"math"
 	"reflect"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/gossip"
 )
 
 const vllmMetrics = `# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -66,6 +69,17 @@ sglang:token_usage{model_name="q",tp_rank="0"} 0.125
 	bad := "vllm:num_requests_waiting NaN\nvllm:num_requests_running -3\nvllm:kv_cache_usage_perc 7\n"
 	if got, err := ParseMetrics([]byte(bad), "vllm"); err != nil || got != (EngineMetrics{KVUsage: 1}) {
 		t.Fatalf("clamping: %+v %v", got, err)
+	}
+	// Each series within the bound, their sum not: the sum is clamped too,
+	// or every router would reject the load record that carries it.
+	huge := "vllm:num_requests_waiting{engine=\"0\"} 3e9\nvllm:num_requests_waiting{engine=\"1\"} 3e9\nvllm:num_requests_running 1\n"
+	got, err = ParseMetrics([]byte(huge), "vllm")
+	if err != nil || got.Waiting != math.MaxInt32 {
+		t.Fatalf("summed counts: %+v %v, want waiting clamped to %d", got, err, math.MaxInt32)
+	}
+	rec := gossip.Message{Kind: gossip.KindLoad, From: "sidecar/a", Seq: 1, Load: gossip.Load{Healthy: true, Waiting: got.Waiting, Running: got.Running}}
+	if _, err := gossip.Decode(rec.Append(nil)); err != nil {
+		t.Fatalf("the load record routers receive is rejected: %v", err)
 	}
 }
 
