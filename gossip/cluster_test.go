@@ -326,6 +326,39 @@ func (s *SidecarNode) crash() {
 	s.stopLoops()
 }
 
+// TestLoadOnlySidecarRestartedUnderItsNameIsHeard: a load-only sidecar (no
+// KV events) restarts under the same name and address before the router
+// declares it dead, as a restarted container does. Its load sequence starts
+// again at 1, far below the old process's; its records must still count.
+func TestLoadOnlySidecarRestartedUnderItsNameIsHeard(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	start := func(addr string, every time.Duration) *SidecarNode {
+		cfg := baseConfig("a", r.Addr())
+		if addr != "" {
+			cfg.BindAddr = addr
+		}
+		s, err := StartSidecar(SidecarConfig{Config: cfg, Models: []string{"m"}, EngineURL: "http://a",
+			Protocol: fleet.ProtocolVLLM, BlockSize: 16, LoadInterval: every})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	s1 := start("", 5*time.Millisecond) // runs its sequence up fast
+	s1.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 1})
+	waitFor(t, 3*time.Second, "waiting 1", func() bool { rep, ok := replica(tb, "a"); return ok && rep.Load.Waiting == 1 })
+	time.Sleep(500 * time.Millisecond) // ~100 load records
+	addr := s1.Addr()
+	s1.crash()
+	s2 := start(addr, 0)
+	t.Cleanup(func() { _ = s2.Leave(0) })
+	s2.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 7})
+	waitFor(t, 2*time.Second, "restarted sidecar's load", func() bool {
+		rep, ok := replica(tb, "a")
+		return ok && rep.Online && rep.Load.Waiting == 7
+	})
+}
+
 func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {
 	// Reserve the router's address, point the sidecar at it, then start the router there.
 	probe, err := StartRouter(RouterConfig{Config: baseConfig("probe")}, fleet.NewTable(fleet.TableConfig{}))

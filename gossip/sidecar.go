@@ -2,6 +2,7 @@ package gossip
 
 import (
 	"errors"
+	"math/rand/v2"
 	"slices"
 	"sort"
 	"sync"
@@ -119,7 +120,11 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 		done:    make(chan struct{}),
 	}
 	s.engine.Store(&EngineLoad{Healthy: true})
-	var epoch uint64
+	// Every process draws its own epoch, a load-only one too: its load
+	// sequence restarts at 1, and a router that has not yet seen the old
+	// process leave (a container restarted under the same name) would
+	// otherwise take every new record for a duplicate of the old process's.
+	epoch := rand.Uint64() | 1
 	if cfg.Filter != nil {
 		s.filter.Store(cfg.Filter)
 		epoch = cfg.Filter.Stats().Epoch
