@@ -62,6 +62,12 @@ type sidecarPeer struct {
 
 	epoch   uint64 // boot epoch of the state held (0: none yet)
 	loadSeq uint64
+	// left holds the last epochs this sidecar left (newest at leftNext-1).
+	// Epochs are random, so they cannot be ordered, and one process keeps
+	// its load sequence across an engine restart: only this memory tells a
+	// late record of an old epoch from a new one.
+	left     [4]uint64
+	leftNext int
 	// pending holds deltas of a generation whose snapshot has not arrived.
 	pending []bloom.Delta
 	// behind counts consecutive load records announcing filter state the
@@ -298,14 +304,16 @@ func (r *RouterNode) handle(m *Message) {
 	}
 	now := r.now()
 	if m.Epoch != p.epoch {
-		if p.epoch != 0 && m.Kind != KindLoad {
+		if p.epoch != 0 && m.Kind != KindLoad || p.hasLeft(m.Epoch) {
 			// Epochs are random, so they cannot be ordered: the load
 			// record (10 Hz) is the authority on the current one, and a
-			// late filter message of another epoch must not win.
+			// late filter message of another epoch must not win, nor a
+			// late load record of an epoch already left.
 			return
 		}
 		// A new boot or a new epoch after an engine restart: nothing held
 		// for the old one is true any more.
+		p.leave(p.epoch)
 		p.epoch, p.loadSeq, p.behind, p.awaitGen = m.Epoch, 0, 0, 0
 		p.mirror.Reset()
 		p.pending = nil
@@ -319,6 +327,19 @@ func (r *RouterNode) handle(m *Message) {
 	case KindDelta:
 		r.onDelta(p, m, now)
 	}
+}
+
+// leave remembers an epoch the sidecar left. 0 is not an epoch (nothing
+// held yet, or an older load-only sidecar, which always sends 0).
+func (p *sidecarPeer) leave(epoch uint64) {
+	if epoch != 0 {
+		p.left[p.leftNext] = epoch
+		p.leftNext = (p.leftNext + 1) % len(p.left)
+	}
+}
+
+func (p *sidecarPeer) hasLeft(epoch uint64) bool {
+	return epoch != 0 && slices.Contains(p.left[:], epoch)
 }
 
 func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {

@@ -224,6 +224,29 @@ func TestRouterIgnoresLateFilterOfAnOldEpoch(t *testing.T) {
 	}
 }
 
+// TestRouterIgnoresLateLoadOfAnEpochLeft: one sidecar process keeps its
+// load sequence across an engine restart (a new epoch); a reordered load
+// record of the old epoch must not switch back and wipe the new filter.
+func TestRouterIgnoresLateLoadOfAnEpochLeft(t *testing.T) {
+	f := newFeedRouter(t)
+	f.load(7, 1, 1, 0, true)
+	f.snapshot(7, 1, 0, 70)
+	f.load(8, 3, 1, 0, true) // engine restarted: epoch 8, load seq continues
+	f.snapshot(8, 1, 0, 80)
+	if !f.has(80) {
+		t.Fatal("new epoch's snapshot not applied")
+	}
+	f.load(7, 2, 1, 0, true) // older record of epoch 7, reordered
+	if !f.has(80) || f.has(70) {
+		t.Fatalf("late load record of the old epoch won: has70 %v has80 %v", f.has(70), f.has(80))
+	}
+	f.delta(8, 1, 1, 81)
+	f.load(8, 4, 1, 1, true)
+	if !f.has(81) || f.resyncs() != 0 {
+		t.Fatalf("new epoch's stream disturbed: has81 %v resyncs %d", f.has(81), f.resyncs())
+	}
+}
+
 func TestRouterKeepsDeltasThatOvertakeTheResyncSnapshot(t *testing.T) {
 	f := newFeedRouter(t)
 	f.snapshot(7, 1, 0, 1)
