@@ -359,6 +359,25 @@ func TestLoadOnlySidecarRestartedUnderItsNameIsHeard(t *testing.T) {
 	})
 }
 
+// TestSidecarHonoursClearFromARouterNotYetKnown: a route clear needs no
+// answer, so a sidecar acts on one even before the sender's membership
+// reaches it (the clearing router then waits for the rebuild, see clearWait).
+func TestSidecarHonoursClearFromARouterNotYetKnown(t *testing.T) {
+	var cleared atomic.Int32
+	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096}, 5, time.Now())
+	s, err := StartSidecar(SidecarConfig{Config: baseConfig("a"), Protocol: fleet.ProtocolVLLM, Filter: g,
+		OnClearRoutes: func() { cleared.Add(1) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Leave(0) })
+	s.handle(&Message{Kind: KindClearRoutes, From: "router/x", Names: []string{"b"}})
+	s.handle(&Message{Kind: KindClearRoutes, From: "router/x", Names: []string{"a"}})
+	if n := cleared.Load(); n != 1 {
+		t.Fatalf("clears acted on: %d, want 1 (the one naming this replica)", n)
+	}
+}
+
 func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {
 	// Reserve the router's address, point the sidecar at it, then start the router there.
 	probe, err := StartRouter(RouterConfig{Config: baseConfig("probe")}, fleet.NewTable(fleet.TableConfig{}))

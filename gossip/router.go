@@ -78,12 +78,15 @@ type sidecarPeer struct {
 	// resyncStreak counts resyncs without progress; from the second on the
 	// router asks for a snapshot instead of the missing deltas.
 	resyncStreak int
-	// hidden: the table dropped the filter for silence, the mirror kept it;
-	// it is shown again once a load record proves it current.
+	// hidden: the table dropped the filter for silence or a route clear,
+	// the mirror kept it; it is shown again once a load record proves it
+	// current (after a clear, once the wait for a fresh generation is over).
 	hidden bool
 	// awaitGen: after a route clear, filter state of generations below it
-	// is ignored until the sidecar publishes a fresh one.
-	awaitGen uint64
+	// is ignored until the sidecar publishes a fresh one, or until
+	// awaitUntil (see clearWait).
+	awaitGen   uint64
+	awaitUntil time.Time
 	// reported is the in-flight work this router last reported there.
 	reported inflight
 	inflSeq  uint64
@@ -96,6 +99,17 @@ type sidecarPeer struct {
 // maxPending bounds the deltas buffered ahead of a snapshot (≈ 6 s of
 // deltas at 40 a second).
 const maxPending = 256
+
+// clearWait bounds how long a router ignores a sidecar's filter state older
+// than the generation it awaits after a route clear. The wait cannot always
+// end on its own: the generation the sidecar rebuilt for the clear may have
+// reached this router before the clear did (the router then awaits one more,
+// which a sidecar without evictions never builds), or the clear never
+// reached the sidecar. A sidecar rebuilds at most once a second for clears,
+// so its fresh generation is normally here well within this; after it the
+// router shows the filter it holds if a load record proves it current, or
+// resyncs as for any filter it lacks.
+const clearWait = 3 * time.Second
 
 // StartRouter joins the cluster as a router and starts feeding table.
 func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
@@ -170,13 +184,16 @@ func (r *RouterNode) ClearRoutes(names []string) {
 
 func (r *RouterNode) clearLocked(names []string) {
 	cleared := r.table.ClearRoutes(names)
+	now := r.now()
 	for _, name := range cleared {
 		if p := r.replicas[name]; p != nil {
 			if st := p.mirror.State(); st != nil {
 				p.awaitGen = st.Generation + 1
+				p.awaitUntil = now.Add(clearWait)
+				// Kept: once the wait is over, it is shown again if a
+				// load record proves it current (no snapshot needed).
+				p.hidden = true
 			}
-			p.mirror.Reset()
-			p.pending = nil
 		}
 	}
 }
@@ -342,6 +359,15 @@ func (p *sidecarPeer) hasLeft(epoch uint64) bool {
 	return epoch != 0 && slices.Contains(p.left[:], epoch)
 }
 
+// awaiting reports whether filter state of generation gen is still ignored
+// after a route clear; once clearWait has passed, nothing is.
+func (p *sidecarPeer) awaiting(gen uint64, now time.Time) bool {
+	if p.awaitGen != 0 && !now.Before(p.awaitUntil) {
+		p.awaitGen = 0
+	}
+	return gen < p.awaitGen
+}
+
 func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 	if m.Seq <= p.loadSeq {
 		r.table.Heard(p.meta.Name, now)
@@ -370,7 +396,7 @@ func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 		p.behind = 0
 		return
 	}
-	if !r.usesFilter(p) || l.FilterGen < p.awaitGen {
+	if !r.usesFilter(p) || p.awaiting(l.FilterGen, now) {
 		return
 	}
 	st := p.mirror.State()
@@ -396,7 +422,7 @@ func (r *RouterNode) onSnapshot(p *sidecarPeer, m *Message, now time.Time) {
 		return
 	}
 	r.table.Heard(p.meta.Name, now)
-	if s.Generation < p.awaitGen || !r.usesFilter(p) {
+	if p.awaiting(s.Generation, now) || !r.usesFilter(p) {
 		return
 	}
 	if err := p.mirror.ApplySnapshot(s); err != nil {
@@ -441,7 +467,7 @@ func (r *RouterNode) onDelta(p *sidecarPeer, m *Message, now time.Time) {
 		return
 	}
 	r.table.Heard(p.meta.Name, now)
-	if d.Generation < p.awaitGen || !r.usesFilter(p) {
+	if p.awaiting(d.Generation, now) || !r.usesFilter(p) {
 		return
 	}
 	if p.mirror.ApplyDelta(d) {

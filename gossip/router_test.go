@@ -247,6 +247,64 @@ func TestRouterIgnoresLateLoadOfAnEpochLeft(t *testing.T) {
 	}
 }
 
+// TestRouterStopsAwaitingAClearedGenerationThatNeverComes: the generation a
+// sidecar rebuilt for another router's route clear (2) reached this router
+// before that clear did, so the clear makes it await generation 3, which a
+// sidecar without evictions never builds. The wait ends after clearWait:
+// the filter held, proven current by the load records, is shown again.
+func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
+	f := newFeedRouter(t)
+	f.load(7, 1, 1, 0, true)
+	f.snapshot(7, 1, 0, 1)
+	f.snapshot(7, 2, 0, 1, 2) // rebuilt because router A cleared
+	f.r.mu.Lock()
+	f.r.handle(&Message{Kind: KindClearRoutes, From: "router/A", Names: []string{"a"}})
+	f.r.mu.Unlock()
+	if f.has(1) {
+		t.Fatal("clear did not drop the filter")
+	}
+	seq := uint64(2)
+	loads := func(d time.Duration, gen, fseq uint64) {
+		for end := f.now.Add(d); f.now.Before(end); seq++ {
+			f.advance(100 * time.Millisecond)
+			f.load(7, seq, gen, fseq, true)
+		}
+	}
+	loads(clearWait-200*time.Millisecond, 2, 0)
+	if f.has(2) {
+		t.Fatal("stopped awaiting a fresh generation early")
+	}
+	loads(time.Second, 2, 0)
+	if !f.has(2) || f.resyncs() != 0 {
+		t.Fatalf("current filter not shown again after the wait: has %v resyncs %d", f.has(2), f.resyncs())
+	}
+}
+
+// TestRouterResyncsAfterAClearWhoseRebuildNeverComes: the clear did not
+// reach the sidecar (or it could not rebuild), which went on adding to the
+// generation held. After the wait the router fetches what it missed.
+func TestRouterResyncsAfterAClearWhoseRebuildNeverComes(t *testing.T) {
+	f := newFeedRouter(t)
+	f.load(7, 1, 1, 0, true)
+	f.snapshot(7, 1, 0, 1)
+	f.r.mu.Lock()
+	f.r.handle(&Message{Kind: KindClearRoutes, From: "router/A", Names: []string{"a"}})
+	f.r.mu.Unlock()
+	f.delta(7, 1, 1, 2) // ignored while awaiting generation 2
+	seq := uint64(2)
+	for end := f.now.Add(clearWait + time.Second); f.now.Before(end); seq++ {
+		f.advance(100 * time.Millisecond)
+		f.load(7, seq, 1, 1, true)
+	}
+	if f.has(1) || f.resyncs() == 0 {
+		t.Fatalf("after the wait: has %v resyncs %d (want hidden, resynced)", f.has(1), f.resyncs())
+	}
+	f.delta(7, 1, 1, 2) // the resent delta
+	if !f.has(1) || !f.has(2) {
+		t.Fatal("filter not shown again once the missing delta came")
+	}
+}
+
 func TestRouterKeepsDeltasThatOvertakeTheResyncSnapshot(t *testing.T) {
 	f := newFeedRouter(t)
 	f.snapshot(7, 1, 0, 1)

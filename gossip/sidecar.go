@@ -302,6 +302,15 @@ func (rp *routerPeer) want() {
 func (s *SidecarNode) handle(m *Message) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if m.Kind == KindClearRoutes {
+		// Needs no answer, so also from a router whose membership has not
+		// reached this sidecar yet: it is sent once, and the routers wait
+		// for the generation it makes the sidecar rebuild.
+		if (len(m.Names) == 0 || slices.Contains(m.Names, s.cfg.Name)) && s.cfg.OnClearRoutes != nil {
+			s.cfg.OnClearRoutes()
+		}
+		return
+	}
 	rp := s.routers[m.From]
 	if rp == nil {
 		return
@@ -311,10 +320,6 @@ func (s *SidecarNode) handle(m *Message) {
 		s.d.stats.Resyncs.Add(1)
 		if !s.resendLocked(rp, m) {
 			rp.want()
-		}
-	case KindClearRoutes:
-		if (len(m.Names) == 0 || slices.Contains(m.Names, s.cfg.Name)) && s.cfg.OnClearRoutes != nil {
-			s.cfg.OnClearRoutes()
 		}
 	case KindInflight:
 		if m.Epoch != rp.inflEpoch || m.Seq > rp.inflSeq {
