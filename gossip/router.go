@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -45,8 +46,9 @@ type RouterNode struct {
 	inflight map[string]inflight // this router's in-flight work, by replica
 	ticks    uint64
 
-	stop chan struct{}
-	done chan struct{}
+	stop    chan struct{}
+	leaving atomic.Bool // set by the first Leave: stop is closed once
+	done    chan struct{}
 
 	// lose, set by tests under mu, drops chosen messages as a lossy network would.
 	lose func(*Message) bool
@@ -200,10 +202,8 @@ func (r *RouterNode) clearLocked(names []string) {
 
 // Leave announces departure, waits up to timeout for it to spread, and stops.
 func (r *RouterNode) Leave(timeout time.Duration) error {
-	select {
-	case <-r.stop:
-		return nil
-	default:
+	if !r.leaving.CompareAndSwap(false, true) {
+		return nil // another call leaves (shutdown and a signal may race)
 	}
 	close(r.stop)
 	<-r.done

@@ -67,9 +67,10 @@ type SidecarNode struct {
 	snapSeq  uint64
 	snapWire []byte
 
-	stop chan struct{}
-	done chan struct{}
-	wg   sync.WaitGroup
+	stop    chan struct{}
+	leaving atomic.Bool // set by the first stopLoops: stop is closed once
+	done    chan struct{}
+	wg      sync.WaitGroup
 }
 
 type genID struct{ epoch, gen uint64 }
@@ -218,18 +219,20 @@ func (s *SidecarNode) Stats() StatsSnapshot { return s.node.stats() }
 // Leave tells the routers this replica is going (an unhealthy load record),
 // announces departure to the cluster, waits up to timeout, and stops.
 func (s *SidecarNode) Leave(timeout time.Duration) error {
-	select {
-	case <-s.stop:
-		return nil
-	default:
+	if !s.stopLoops() {
+		return nil // another call leaves (shutdown and a signal may race)
 	}
-	s.stopLoops()
 	s.wg.Wait()
 	return s.leave(timeout)
 }
 
 // stopLoops ends the main loop and every per-router sender.
-func (s *SidecarNode) stopLoops() {
+// stopLoops stops the node's loops, once: it reports false when they were
+// stopped already.
+func (s *SidecarNode) stopLoops() bool {
+	if !s.leaving.CompareAndSwap(false, true) {
+		return false
+	}
 	close(s.stop)
 	<-s.done
 	s.mu.Lock()
@@ -238,6 +241,7 @@ func (s *SidecarNode) stopLoops() {
 	}
 	s.routers = map[string]*routerPeer{}
 	s.mu.Unlock()
+	return true
 }
 
 func (s *SidecarNode) loop() {
