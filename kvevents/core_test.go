@@ -138,3 +138,45 @@ func TestRingKeepsTheLastEntries(t *testing.T) {
 		t.Fatalf("from(10) = %v", e)
 	}
 }
+
+func TestSequencerResumes(t *testing.T) {
+	var q sequencer
+	q.delivered(9, 0xabc)
+	for _, tc := range []struct {
+		seq, hash uint64
+		want      resumption
+	}{
+		{9, 0xabc, rContinues}, // our last batch: proof
+		{9, 0xdef, rRestarted}, // same number, other bytes
+		{10, 0x1, rShort},      // proves nothing
+		{8, 0x1, rShort},       // not what was asked for
+	} {
+		if got := q.resumes(tc.seq, tc.hash); got != tc.want {
+			t.Errorf("resumes(%d, %#x) = %d, want %d", tc.seq, tc.hash, got, tc.want)
+		}
+	}
+}
+
+// A catch-up replay right after a reconnect delivers past the last batch
+// from before it; live batches up to the replay's last one then arrive too,
+// and must read as duplicates, while numbers at or below the old last one
+// still mean a restart.
+func TestSequencerAfterCatchUpOnReconnect(t *testing.T) {
+	var q sequencer
+	q.delivered(4, 0)
+	q.reconnected()
+	for seq := uint64(5); seq <= 7; seq++ { // replayed
+		q.delivered(seq, 0)
+	}
+	for seq, want := range map[uint64]verdict{4: vRestart, 5: vDuplicate, 7: vDuplicate, 8: vNext, 9: vCatchUp} {
+		if got := q.live(seq); got != want {
+			t.Errorf("live(%d) = %d, want %d", seq, got, want)
+		}
+	}
+	q.forget() // the check reset, then replayed on
+	q.delivered(12, 0)
+	q.liveAfresh()
+	if got := q.live(3); got != vDuplicate {
+		t.Errorf("after liveAfresh, live(3) = %d, want duplicate", got)
+	}
+}

@@ -45,6 +45,10 @@ func (q *sequencer) sawLive(seq uint64) { q.liveValid, q.lastLive = true, seq }
 // would show.
 func (q *sequencer) reconnected() { q.liveValid, q.lastLive = q.have, q.last }
 
+// liveAfresh drops the threshold reconnected set, after a reset: the
+// publisher's numbers say nothing of a restart until it has sent one.
+func (q *sequencer) liveAfresh() { q.liveValid = false }
+
 func (q *sequencer) delivered(seq, payloadHash uint64) {
 	q.have, q.last, q.lastHash = true, seq, payloadHash
 }
@@ -59,4 +63,28 @@ func (q *sequencer) replayStart() (from uint64, verify bool) {
 		return q.last, true
 	}
 	return 0, false
+}
+
+// resumption is what the first reply of a replay from the last delivered
+// batch says about the ring that sent it.
+type resumption uint8
+
+const (
+	rUnknown   resumption = iota // no reply judged: none came, or nothing to continue
+	rContinues                   // the ring continues our history
+	rRestarted                   // other bytes under our last number: another publisher
+	rShort                       // the ring does not reach back to what is needed
+)
+
+// resumes judges that first reply (its number and payload hash): our last
+// batch itself, same bytes, proves the ring belongs to the publisher we
+// followed.
+func (q *sequencer) resumes(seq, payloadHash uint64) resumption {
+	switch {
+	case seq == q.last && payloadHash == q.lastHash:
+		return rContinues
+	case seq == q.last:
+		return rRestarted
+	}
+	return rShort
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -223,29 +224,39 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 // checkContinuity runs after reconnecting to a publisher that went away:
 // an engine that restarted and has not stored anything yet sends nothing, so
 // its sequence numbers cannot reveal the restart. Its replay ring can: it
-// still holds our last batch only if it is the same publisher. Without a ring
-// to ask, continuity cannot be proved, and a set that may list blocks the
-// engine no longer has is worse than an empty one.
+// still holds our last batch only if it is the same publisher. What the ring
+// holds after that batch was published while we were away, and is applied
+// at once (on an idle engine no live batch would reveal the gap). Without a
+// ring to ask, continuity cannot be proved, and a set that may list blocks
+// the engine no longer has is worse than an empty one.
 func (s *Subscriber) checkContinuity(ctx context.Context) {
-	last, lastHash := s.seq.last, s.seq.lastHash
+	last := s.seq.last
 	if s.cfg.ReplayEndpoint == "" {
 		s.reset("publisher connection lost and no replay endpoint to prove it did not restart")
 		s.seq.reconnected()
 		return
 	}
-	same := false
-	err := fetchReplay(ctx, s.cfg.ReplayEndpoint, last, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
-		same = seq == last && xxhash.Sum64(payload) == lastHash
-		return false // the first reply decides
-	})
+	// No live number is in hand, so nothing bounds the replay.
+	first, err := s.replay(ctx, math.MaxUint64)
 	switch {
-	case err != nil && ctx.Err() == nil:
+	case err != nil && ctx.Err() != nil: // stopping
+	case err != nil && first == rUnknown:
 		s.stats.replayErrors.Add(1)
-		s.reset(fmt.Sprintf("publisher connection lost and its replay failed (%v): it may have restarted", err))
-	case err == nil && !same:
+		s.reset(fmt.Sprintf("publisher reconnected and its replay failed (%v): it may have restarted", err))
+	case err != nil:
+		// The first reply decided (and reset if it had to); a gap left
+		// is found by the next live batch.
+		s.stats.replayErrors.Add(1)
+		s.log.Warn().Err(err).Msg("kv events catch-up after reconnecting failed")
+	case first == rUnknown:
 		s.reset(fmt.Sprintf("publisher restarted while disconnected: its replay ring no longer holds batch %d", last))
 	}
-	s.seq.reconnected() // after a reset, the next number starts afresh
+	if first != rContinues {
+		s.seq.liveAfresh()
+	}
+	// Otherwise the live threshold stays at our last batch from before the
+	// replay: live batches up to the last one it delivered are duplicates
+	// (they were published while it ran), not a restart.
 }
 
 // receive only moves messages from the socket to in, so the socket stays
@@ -314,13 +325,13 @@ func (s *Subscriber) onMessage(ctx context.Context, frames [][]byte) {
 		// A second pass only after the first found a restarted publisher:
 		// then its history is fetched from 0.
 		for pass := 0; pass < 2; pass++ {
-			restarted, err := s.replay(ctx, seq)
+			first, err := s.replay(ctx, seq)
 			if err != nil {
 				s.stats.replayErrors.Add(1)
 				s.noReplayUntil = time.Now().Add(s.replayCooldown)
 				s.log.Warn().Err(err).Msg("kv events replay failed")
 			}
-			if !restarted || err != nil {
+			if first != rRestarted || err != nil {
 				break
 			}
 		}
@@ -367,21 +378,21 @@ func (s *Subscriber) reset(reason string) {
 // was delivered before. upto is the live sequence number that triggered it:
 // when the ring has nothing from at or before it, the replay is abandoned
 // after the reset and delivery goes on from the live stream, which loses less.
-// restarted reports a ring that holds a different batch under the last
-// delivered number: a new publisher, whose history starts at 0.
-func (s *Subscriber) replay(ctx context.Context, upto uint64) (restarted bool, err error) {
+// first is the judgement of the first reply (rUnknown if none came or
+// nothing was delivered before); rRestarted means the ring holds a different
+// batch under the last delivered number: a new publisher, whose history
+// starts at 0.
+func (s *Subscriber) replay(ctx context.Context, upto uint64) (first resumption, err error) {
 	from, verify := s.seq.replayStart()
 	err = fetchReplay(ctx, s.cfg.ReplayEndpoint, from, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
 		if verify {
 			verify = false
-			switch {
-			case seq == s.seq.last && xxhash.Sum64(payload) == s.seq.lastHash:
-				return true // our last batch: the ring continues our history
-			case seq == s.seq.last:
+			first = s.seq.resumes(seq, xxhash.Sum64(payload))
+			switch first {
+			case rRestarted:
 				s.reset(fmt.Sprintf("replayed batch %d differs from the one delivered: publisher restarted", seq))
-				restarted = true
 				return false
-			default:
+			case rShort:
 				s.reset(fmt.Sprintf("replay starts at %d, not %d: the ring no longer covers the gap", seq, from))
 				if seq > upto {
 					return false
@@ -404,7 +415,7 @@ func (s *Subscriber) replay(ctx context.Context, upto uint64) (restarted bool, e
 		}
 		return true
 	})
-	return restarted, err
+	return first, err
 }
 
 // fetchReplay runs one replay over a fresh DEALER: it sends ["", from8] and

@@ -630,3 +630,88 @@ func TestReconnectWithoutReplayResets(t *testing.T) {
 	waitSubscribed(t, p2)
 	waitFor(t, "reset on reconnect", func() bool { return s.Stats().Resets == 1 })
 }
+
+// tcpProxy forwards a listen address to a target, to cut a connection
+// without closing either end: kill drops every connection and stops
+// listening, start listens again on the same address.
+type tcpProxy struct {
+	addr, target string
+	mu           sync.Mutex
+	l            net.Listener
+	conns        []net.Conn
+}
+
+func (p *tcpProxy) start(t *testing.T) {
+	t.Helper()
+	l, err := net.Listen("tcp", p.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.mu.Lock()
+	p.l = l
+	p.mu.Unlock()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", p.target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, u)
+			p.mu.Unlock()
+			go func() { io.Copy(u, c); u.Close(); c.Close() }()
+			go func() { io.Copy(c, u); u.Close(); c.Close() }()
+		}
+	}()
+}
+
+func (p *tcpProxy) kill() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.l.Close()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.conns = nil
+}
+
+// A connection to the same publisher that drops and comes back (a network
+// blip) loses what was published meanwhile; the ring that proves the
+// publisher did not restart also holds those batches, and they are applied
+// at once, not when a later live batch reveals the gap (never, on an idle
+// engine).
+func TestReconnectCatchesUpFromTheRing(t *testing.T) {
+	ep, replay := freeEndpoint(t), freeEndpoint(t)
+	p := startPublisher(t, PublisherConfig{Endpoint: ep, ReplayEndpoint: replay})
+	proxyEP := freeEndpoint(t)
+	px := &tcpProxy{addr: strings.TrimPrefix(proxyEP, "tcp://"), target: strings.TrimPrefix(ep, "tcp://")}
+	px.start(t)
+	t.Cleanup(px.kill)
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: proxyEP, ReplayEndpoint: replay}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 4)
+	waitFor(t, "5 batches", func() bool { return rec.count() == 5 })
+
+	px.kill()
+	waitFor(t, "disconnect", func() bool { return !s.Stats().Connected })
+	waitFor(t, "publisher without subscriber", func() bool {
+		pub := p.currentPub()
+		return pub != nil && len(pub.(zmq4.Topics).Topics()) == 0
+	})
+	publishRange(t, p, 5, 7) // lost on the PUB: nobody subscribed
+	waitFor(t, "sent", func() bool { return p.Stats().Sent == 8 })
+	px.start(t)
+	waitSubscribed(t, p)
+	assertDelivered(t, rec, seqRange(0, 7), 0)
+	if st := s.Stats(); st.Reconnects == 0 || st.Replayed != 3 || st.Duplicates != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	publishRange(t, p, 8, 9) // live again, after the replayed ones
+	assertDelivered(t, rec, seqRange(0, 9), 0)
+}
