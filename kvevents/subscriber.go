@@ -13,6 +13,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/security/null"
 	"github.com/rs/zerolog"
 )
 
@@ -169,7 +170,13 @@ type received struct {
 // only after its receive goroutine is told to stop.
 func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool, err error) {
 	sctx, cancel := context.WithCancel(ctx)
-	sock := zmq4.NewSub(sctx, zmq4.WithDialerRetry(250*time.Millisecond), zmq4.WithDialerMaxRetries(-1), zmq4.WithLogger(zmqLog))
+	opts := []zmq4.Option{zmq4.WithDialerRetry(250 * time.Millisecond), zmq4.WithDialerMaxRetries(-1), zmq4.WithLogger(zmqLog)}
+	var joined chan struct{} // Bind: a publisher connected
+	if s.cfg.Bind {
+		joined = make(chan struct{}, 1)
+		opts = append(opts, zmq4.WithSecurity(joinSignal{null.Security(), joined}))
+	}
+	sock := zmq4.NewSub(sctx, opts...)
 	var wg sync.WaitGroup
 	defer func() {
 		cancel()
@@ -204,12 +211,20 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 		select {
 		case <-ctx.Done():
 			return gotMessages, nil
+		case <-joined:
+			s.publisherJoined(sctx)
 		case m := <-in:
+			select {
+			case <-joined:
+				// A join is signalled before the publisher's first message
+				// can be received, so this one may be it: the join first.
+				s.publisherJoined(sctx)
+			default:
+			}
 			if m.err != nil && s.cfg.Bind {
 				// A connecting publisher went away; the listener goes on. The
-				// next one may be the same publisher restarted.
+				// next one to connect may be the same publisher restarted.
 				s.log.Debug().Err(m.err).Msg("kv events publisher disconnected")
-				s.seq.reconnected()
 				continue
 			}
 			if m.err != nil {
@@ -221,14 +236,53 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 	}
 }
 
-// checkContinuity runs after reconnecting to a publisher that went away:
-// an engine that restarted and has not stored anything yet sends nothing, so
-// its sequence numbers cannot reveal the restart. Its replay ring can: it
-// still holds our last batch only if it is the same publisher. What the ring
-// holds after that batch was published while we were away, and is applied
-// at once (on an idle engine no live batch would reveal the gap). Without a
-// ring to ask, continuity cannot be proved, and a set that may list blocks
-// the engine no longer has is worse than an empty one.
+// joinSignal is the NULL security mechanism (what vLLM's publisher speaks)
+// that also reports each peer completing its handshake: go-zeromq tells a
+// listening socket's owner of no connection otherwise. Signals coalesce: one
+// pending covers every peer that joined before it is taken.
+type joinSignal struct {
+	zmq4.Security
+	joined chan<- struct{}
+}
+
+func (j joinSignal) Handshake(conn *zmq4.Conn, server bool) error {
+	if err := j.Security.Handshake(conn, server); err != nil {
+		return err
+	}
+	select {
+	case j.joined <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// publisherJoined runs in Bind mode when a publisher has connected, before
+// anything it sent is handled. It may be the engine restarted: its numbers
+// start over, and if it restarted idle it sends nothing that shows it, so
+// with a ring to ask continuity is checked as after a redial. Every join is
+// checked, not only one after a publisher was seen to leave: a replacement
+// can connect before the old connection is found dead (a peer that vanished
+// without closing it holds it open until TCP keepalive gives up); for the
+// same reason the threshold for numbers going back is set here, not when a
+// publisher leaves. Several publishers at once are not one stream of
+// numbers and were never followed as such; a join while one stays
+// connected only costs a passing check.
+func (s *Subscriber) publisherJoined(ctx context.Context) {
+	s.seq.reconnected()
+	if s.cfg.ReplayEndpoint != "" && s.seq.have {
+		s.checkContinuity(ctx)
+	}
+}
+
+// checkContinuity runs after reconnecting to a publisher that went away
+// (Bind: when one connects): an engine that restarted and has not stored
+// anything yet sends nothing, so its sequence numbers cannot reveal the
+// restart. Its replay ring can: it still holds our last batch only if it is
+// the same publisher. What the ring holds after that batch was published
+// while we were away, and is applied at once (on an idle engine no live
+// batch would reveal the gap). Without a ring to ask, continuity cannot be
+// proved, and a set that may list blocks the engine no longer has is worse
+// than an empty one.
 func (s *Subscriber) checkContinuity(ctx context.Context) {
 	last := s.seq.last
 	if s.cfg.ReplayEndpoint == "" {
