@@ -144,15 +144,19 @@ func TestSequencerResumes(t *testing.T) {
 	q.delivered(9, 0xabc)
 	for _, tc := range []struct {
 		seq, hash uint64
+		trustNext bool
 		want      resumption
 	}{
-		{9, 0xabc, rContinues}, // our last batch: proof
-		{9, 0xdef, rRestarted}, // same number, other bytes
-		{10, 0x1, rShort},      // proves nothing
-		{8, 0x1, rShort},       // not what was asked for
+		{9, 0xabc, false, rContinues}, // our last batch: proof
+		{9, 0xabc, true, rContinues},  //
+		{9, 0xdef, true, rRestarted},  // same number, other bytes
+		{10, 0x1, true, rContinues},   // the next one fills the gap, on a known publisher
+		{10, 0x1, false, rShort},      // but proves nothing on its own
+		{11, 0x1, true, rShort},       // batch 10 is gone
+		{8, 0x1, true, rShort},        // not what was asked for
 	} {
-		if got := q.resumes(tc.seq, tc.hash); got != tc.want {
-			t.Errorf("resumes(%d, %#x) = %d, want %d", tc.seq, tc.hash, got, tc.want)
+		if got := q.resumes(tc.seq, tc.hash, tc.trustNext); got != tc.want {
+			t.Errorf("resumes(%d, %#x, %v) = %d, want %d", tc.seq, tc.hash, tc.trustNext, got, tc.want)
 		}
 	}
 }

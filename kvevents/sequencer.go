@@ -76,15 +76,20 @@ const (
 	rShort                       // the ring does not reach back to what is needed
 )
 
-// resumes judges that first reply (its number and payload hash): our last
+// resumes judges that first reply (its number and payload hash). Our last
 // batch itself, same bytes, proves the ring belongs to the publisher we
-// followed.
-func (q *sequencer) resumes(seq, payloadHash uint64) resumption {
+// followed. The batch after it fills a gap just as well but proves nothing:
+// a restarted publisher whose ring moved past our last number holds one
+// under that number too. So it counts only with trustNext, when the caller
+// already knows the publisher is the one that sent our last batch.
+func (q *sequencer) resumes(seq, payloadHash uint64, trustNext bool) resumption {
 	switch {
 	case seq == q.last && payloadHash == q.lastHash:
 		return rContinues
 	case seq == q.last:
 		return rRestarted
+	case seq == q.last+1 && trustNext:
+		return rContinues
 	}
 	return rShort
 }

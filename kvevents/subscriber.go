@@ -290,8 +290,9 @@ func (s *Subscriber) checkContinuity(ctx context.Context) {
 		s.seq.reconnected()
 		return
 	}
-	// No live number is in hand, so nothing bounds the replay.
-	first, err := s.replay(ctx, math.MaxUint64)
+	// No live number is in hand, so nothing bounds the replay; the ring's
+	// first reply must be our last batch itself.
+	first, err := s.replay(ctx, math.MaxUint64, false)
 	switch {
 	case err != nil && ctx.Err() != nil: // stopping
 	case err != nil && first == rUnknown:
@@ -379,7 +380,7 @@ func (s *Subscriber) onMessage(ctx context.Context, frames [][]byte) {
 		// A second pass only after the first found a restarted publisher:
 		// then its history is fetched from 0.
 		for pass := 0; pass < 2; pass++ {
-			first, err := s.replay(ctx, seq)
+			first, err := s.replay(ctx, seq, true)
 			if err != nil {
 				s.stats.replayErrors.Add(1)
 				s.noReplayUntil = time.Now().Add(s.replayCooldown)
@@ -436,18 +437,30 @@ func (s *Subscriber) reset(reason string) {
 // nothing was delivered before); rRestarted means the ring holds a different
 // batch under the last delivered number: a new publisher, whose history
 // starts at 0.
-func (s *Subscriber) replay(ctx context.Context, upto uint64) (first resumption, err error) {
+//
+// trustNext accepts a ring whose oldest batch is the one after our last,
+// which fills the gap but proves nothing by itself. A gap seen on the live
+// stream allows it: the publisher there is known to be the one that sent
+// our last batch. A restarted engine comes as a new connection (in Bind
+// mode, a publisher joining), and each is checked by checkContinuity,
+// which wants our last batch itself, before anything it sends is handled:
+// it passes, or the state is reset. checkContinuity itself must not trust.
+func (s *Subscriber) replay(ctx context.Context, upto uint64, trustNext bool) (first resumption, err error) {
 	from, verify := s.seq.replayStart()
 	err = fetchReplay(ctx, s.cfg.ReplayEndpoint, from, s.replayIdle, s.replayTotal, func(seq uint64, payload []byte) bool {
 		if verify {
 			verify = false
-			first = s.seq.resumes(seq, xxhash.Sum64(payload))
+			first = s.seq.resumes(seq, xxhash.Sum64(payload), trustNext)
 			switch first {
 			case rRestarted:
 				s.reset(fmt.Sprintf("replayed batch %d differs from the one delivered: publisher restarted", seq))
 				return false
 			case rShort:
-				s.reset(fmt.Sprintf("replay starts at %d, not %d: the ring no longer covers the gap", seq, from))
+				why := "the ring no longer covers the gap"
+				if !trustNext {
+					why = "the ring no longer holds our last batch to prove the publisher did not restart"
+				}
+				s.reset(fmt.Sprintf("replay from %d starts at %d: %s", from, seq, why))
 				if seq > upto {
 					return false
 				}

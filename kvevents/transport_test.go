@@ -778,3 +778,21 @@ func TestBindModeJoinOfTheSameEngineCatchesUp(t *testing.T) {
 		t.Fatalf("stats %+v", st)
 	}
 }
+
+// The ring no longer holds our last batch but still every missing one (its
+// oldest is the one right after ours): on a live connection the publisher is
+// known to be the same, so the gap is filled without a reset.
+func TestGapFilledByARingStartingRightAfterTheLastBatch(t *testing.T) {
+	p := startPublisher(t, PublisherConfig{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 6})
+	p.skipSend = func(seq uint64) bool { return seq >= 5 && seq <= 9 }
+	rec := &recorder{}
+	s := startSubscriber(t, SubscriberConfig{Endpoint: p.Endpoint(), ReplayEndpoint: p.ReplayEndpoint()}, rec)
+	waitSubscribed(t, p)
+	publishRange(t, p, 0, 4)
+	waitFor(t, "5 batches", func() bool { return rec.count() == 5 })
+	publishRange(t, p, 5, 10) // the ring holds 5..10, the live stream only 10
+	assertDelivered(t, rec, seqRange(0, 10), 0)
+	if st := s.Stats(); st.Gaps != 1 || st.Replayed < 5 {
+		t.Fatalf("stats %+v", st)
+	}
+}
