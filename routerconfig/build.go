@@ -56,7 +56,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	engineKey := b.EngineAPIKey
 	if c.EngineAPIKeyEnv != "" {
 		if engineKey = os.Getenv(c.EngineAPIKeyEnv); engineKey == "" {
-			errs = append(errs, fmt.Errorf("config: engine_api_key_env %s is empty", c.EngineAPIKeyEnv))
+			errs = append(errs, fmt.Errorf("config: engine_api_key_env %s is empty", envName(c.EngineAPIKeyEnv)))
 		}
 	}
 	s := gateway.Settings{
@@ -76,16 +76,19 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		policy = "kvaware"
 	}
 	rc := c.Routing.config()
+	// The policy in force is kept across reloads that leave its settings
+	// alone (its speculative records and learned costs with it). A new one
+	// replaces it only once the whole configuration built: a rejected
+	// reload must not leave a policy nobody used as the one to compare with.
 	key := fmt.Sprintf("%s %+v", policy, rc) // values, not the pointers in Routing
+	s.Policy = b.policy
 	if b.policy == nil || key != b.policyKey {
 		p, err := routing.New(policy, rc)
 		if err != nil {
 			errs = append(errs, err)
-		} else {
-			b.policy, b.policyKey = p, key
 		}
+		s.Policy = p
 	}
-	s.Policy = b.policy
 
 	if c.DefaultTokenizer != "" {
 		tk, err := b.tokenizer(c.DefaultTokenizer, "", engineKey)
@@ -119,7 +122,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 			if f.APIKeyEnv != "" {
 				key = os.Getenv(f.APIKeyEnv)
 				if key == "" {
-					errs = append(errs, fmt.Errorf("config: model %q fallback %q: environment variable %s is empty", m.Name, name, f.APIKeyEnv))
+					errs = append(errs, fmt.Errorf("config: model %q fallback %q: environment variable %s is empty", m.Name, name, envName(f.APIKeyEnv)))
 				}
 			}
 			up, err := proxy.NewUpstream(name, f.URL, key, s.Upstream)
@@ -135,7 +138,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if c.APIKeysEnv != "" {
 		env := os.Getenv(c.APIKeysEnv)
 		if env == "" {
-			errs = append(errs, fmt.Errorf("config: api_keys_env %s is empty", c.APIKeysEnv))
+			errs = append(errs, fmt.Errorf("config: api_keys_env %s is empty", envName(c.APIKeysEnv)))
 		}
 		for _, k := range strings.Split(env, ",") {
 			if k = strings.TrimSpace(k); k != "" {
@@ -152,7 +155,19 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if err := errors.Join(errs...); err != nil {
 		return gateway.Settings{}, err
 	}
+	b.policy, b.policyKey = s.Policy, key
 	return s, nil
+}
+
+// envName returns name for an error message when it looks like a variable's
+// name; a key pasted where its variable's name belongs is not logged.
+func envName(name string) string {
+	for i, r := range name {
+		if !(r == '_' || 'A' <= r && r <= 'Z' || 'a' <= r && r <= 'z' || i > 0 && '0' <= r && r <= '9') {
+			return "(not a variable name: the key itself? not shown)"
+		}
+	}
+	return name
 }
 
 // tokenizer returns the model for spec, loading it once (an engine

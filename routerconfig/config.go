@@ -10,8 +10,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
-	"strings"
 	"time"
 
 	"gopkg.in/yaml.v3"
@@ -52,6 +52,10 @@ type Config struct {
 	// ResumeStreams continues a stream that breaks mid-answer at the next
 	// replica, from the text already sent (nil: the flag's setting).
 	ResumeStreams *bool `yaml:"resume_streams"`
+
+	// empty is set by Parse for a document with nothing in it (whitespace
+	// and comments): the reloader refuses it.
+	empty bool
 }
 
 // Routing mirrors routing.Config.
@@ -128,7 +132,9 @@ func Parse(data []byte) (*Config, error) {
 	var c Config
 	dec := yaml.NewDecoder(bytes.NewReader(data))
 	dec.KnownFields(true)
-	if err := dec.Decode(&c); err != nil && !errors.Is(err, io.EOF) {
+	if err := dec.Decode(&c); errors.Is(err, io.EOF) {
+		c.empty = true
+	} else if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := c.Validate(); err != nil {
@@ -159,7 +165,14 @@ func (c *Config) Validate() error {
 	if c.MaxPrefixTokens < 0 || c.MaxAttempts < 0 {
 		errs = append(errs, errors.New("config: max_prefix_tokens and max_attempts must not be negative"))
 	}
-	if n := len(c.Selection); n > 0 && (n < fleet.MinSelected || n > fleet.MaxSelected) {
+	selected := map[string]bool{}
+	for _, n := range c.Selection {
+		if selected[n] {
+			errs = append(errs, fmt.Errorf("config: selection names %q twice", n))
+		}
+		selected[n] = true
+	}
+	if n := len(selected); n > 0 && (n < fleet.MinSelected || n > fleet.MaxSelected) {
 		errs = append(errs, fmt.Errorf("config: selection names %d replicas, want %d..%d", n, fleet.MinSelected, fleet.MaxSelected))
 	}
 	names := map[string]bool{}
@@ -177,8 +190,8 @@ func (c *Config) Validate() error {
 			errs = append(errs, fmt.Errorf("config: model %q: spill_after must not be negative", m.Name))
 		}
 		for j, f := range m.Fallback {
-			if !strings.HasPrefix(f.URL, "http://") && !strings.HasPrefix(f.URL, "https://") {
-				errs = append(errs, fmt.Errorf("config: model %q fallback[%d]: url %q must be http(s)", m.Name, j, f.URL))
+			if !httpURL(f.URL) {
+				errs = append(errs, fmt.Errorf("config: model %q fallback[%d]: url %q must be http(s)://host[:port][/prefix]", m.Name, j, f.URL))
 			}
 		}
 	}
@@ -188,11 +201,19 @@ func (c *Config) Validate() error {
 			errs = append(errs, fmt.Errorf("config: static_upstreams[%d]: name missing or repeated", i))
 		}
 		statics[s.Name] = true
-		if !strings.HasPrefix(s.URL, "http://") && !strings.HasPrefix(s.URL, "https://") {
-			errs = append(errs, fmt.Errorf("config: static upstream %q: url %q must be http(s)", s.Name, s.URL))
+		if !httpURL(s.URL) {
+			errs = append(errs, fmt.Errorf("config: static upstream %q: url %q must be http(s)://host[:port][/prefix]", s.Name, s.URL))
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// httpURL reports whether raw is an upstream URL the proxy can dial (as
+// proxy.NewUpstream checks it): one without a host would be accepted here and
+// fail every request instead.
+func httpURL(raw string) bool {
+	u, err := url.Parse(raw)
+	return err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != ""
 }
 
 // Overlay returns base with everything file sets on top: scalars it sets

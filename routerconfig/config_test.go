@@ -143,6 +143,11 @@ func TestInvalidConfigsAreRejected(t *testing.T) {
 		"negative rate":   "routing: {prefill_per_token: -30us}\n",
 		"bound below 1":   "routing: {load_bound: 0.5}\n",
 		"exit over enter": "routing: {imbalance_enter: 2, imbalance_exit: 3}\n",
+		// Table.Select counts distinct names: [a, a] would pass here and
+		// fail when applied.
+		"selection twice":     "selection: [a, a]\n",
+		"static url, no host": "static_upstreams: [{name: s, url: 'http://'}]\n",
+		"fallback, no host":   "models: [{name: m, fallback: [{url: 'https://'}]}]\n",
 	}
 	for name, doc := range cases {
 		if _, err := Parse([]byte(doc)); err == nil {
@@ -155,6 +160,11 @@ func TestInvalidConfigsAreRejected(t *testing.T) {
 	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
 	if _, err := b.Build(&Config{Models: []Model{{Name: "m", Tokenizer: "/no/such/dir"}}}); err == nil {
 		t.Error("missing tokenizer dir accepted")
+	}
+	// A key pasted where its variable's name belongs: the error (which the
+	// reloader logs) must not carry it.
+	if _, err := b.Build(&Config{EngineAPIKeyEnv: "sk-live-SECRET123"}); err == nil || strings.Contains(err.Error(), "SECRET123") {
+		t.Errorf("engine_api_key_env holding a key: %v", err)
 	}
 	if _, err := b.Build(&Config{Models: []Model{{Name: "m", Fallback: []Endpoint{{URL: "http://x", APIKeyEnv: "KVMESH_TEST_UNSET_VAR"}}}}}); err == nil {
 		t.Error("fallback with an empty key variable accepted")
@@ -408,5 +418,55 @@ func TestReloadKeepsLearnedStaticModelsUntilConfigured(t *testing.T) {
 	reload("{name: s, url: 'http://127.0.0.1:9'}")
 	if got := models(); got != "[]" {
 		t.Fatalf("another URL kept the old one's models %s", got)
+	}
+}
+
+// TestRejectedReloadKeepsThePolicyInForce: a reload that fails to build must
+// leave nothing behind; re-applying the configuration in force afterwards
+// keeps its policy, and with it the speculative records and learned costs.
+func TestRejectedReloadKeepsThePolicyInForce(t *testing.T) {
+	table := fleet.NewTable(fleet.TableConfig{})
+	b := &Builder{Table: table}
+	good := &Config{Policy: "kvaware", DefaultTokenizer: "builtin"}
+	s, err := b.Build(good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := gateway.New(table, nil, s, zerolog.Nop())
+	p0 := g.Settings().Policy
+	bad := &Config{Policy: "chwbl", DefaultTokenizer: "builtin", APIKeysEnv: "KVMESH_TEST_UNSET_VAR"}
+	if err := b.Apply(g, bad); err == nil {
+		t.Fatal("a config naming an empty variable applied")
+	}
+	if err := b.Apply(g, good); err != nil {
+		t.Fatal(err)
+	}
+	if g.Settings().Policy != p0 {
+		t.Fatalf("re-applying the config in force after a rejected reload replaced its %s policy", p0.Name())
+	}
+}
+
+// TestEmptyFileIsNotReloaded: a file caught empty (> router.yaml, a failed
+// envsubst) would mean all defaults: client API keys off, every static
+// upstream gone. The configuration in force stays.
+func TestEmptyFileIsNotReloaded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "router.yaml")
+	write := func(s string) {
+		if err := os.WriteFile(path, []byte(s), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("api_keys: [k1]\nstatic_upstreams: [{name: s, url: 'http://127.0.0.1:9', models: [m]}]\n")
+	table := fleet.NewTable(fleet.TableConfig{})
+	r := &Reloader{Base: &Config{}, Path: path, Builder: &Builder{Table: table}, Log: zerolog.Nop()}
+	r.Gateway = gateway.New(table, nil, gateway.Settings{}, zerolog.Nop())
+	if err := r.Reload(); err != nil || len(r.Gateway.Settings().APIKeys) != 1 {
+		t.Fatal(err)
+	}
+	for _, empty := range []string{"", "\n# being rewritten\n"} {
+		write(empty)
+		if err := r.Reload(); err == nil || len(r.Gateway.Settings().APIKeys) != 1 || len(table.Snapshot().Replicas) != 1 {
+			t.Fatalf("%q reloaded (%v): API keys %v, %d replicas", empty, err, r.Gateway.Settings().APIKeys, len(table.Snapshot().Replicas))
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package routerconfig
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/rs/zerolog"
@@ -28,6 +29,12 @@ func (r *Reloader) Reload() error {
 	cfg := r.Base
 	if r.Path != "" {
 		file, err := Load(r.Path)
+		if err == nil && file.empty {
+			// Applied, it would mean all defaults: client API keys off,
+			// every static upstream gone. Far likelier a write caught half
+			// way (> file, a failed envsubst) than meant.
+			err = fmt.Errorf("config: %s is empty", r.Path)
+		}
 		if err != nil {
 			r.Log.Error().Err(err).Msg("config not reloaded: keeping the one in force")
 			return err
