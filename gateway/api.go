@@ -152,17 +152,26 @@ const warmupGrace = 10 * time.Second
 // serveReady answers 200 once the router can route well: at least one live
 // replica, and every live replica with KV events has sent its filter (a
 // router started late catches up from snapshots before it takes traffic),
-// or warmupGrace has passed.
+// or warmupGrace has passed. A replica this router ejected for not
+// answering is not live: a static upstream is online by configuration,
+// dead or not, and a router whose only replicas refuse every request
+// cannot serve.
 func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 	if g.stopping.Load() {
 		notReady(ctx, "shutting down")
 		return
 	}
 	snap := g.table.Snapshot()
-	live, waiting := 0, 0
+	loads := g.loadsOf(snap)
+	now := g.now().UnixNano()
+	live, waiting, ejected := 0, 0, 0
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]
 		if !r.Online {
+			continue
+		}
+		if loads[i].eject.out(now) {
+			ejected++
 			continue
 		}
 		live++
@@ -170,11 +179,15 @@ func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 			waiting++
 		}
 	}
-	if live == 0 || waiting > 0 && g.now().Sub(g.started) < warmupGrace {
+	switch {
+	case live == 0 && ejected > 0:
+		notReady(ctx, fmt.Sprintf("no live replica: %d ejected for not answering", ejected))
+		return
+	case live == 0 || waiting > 0 && g.now().Sub(g.started) < warmupGrace:
 		notReady(ctx, "no live replica")
 		return
 	}
-	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live, "awaiting_filters": waiting})
+	writeJSON(ctx, map[string]any{"status": "ready", "live_replicas": live, "awaiting_filters": waiting, "ejected_replicas": ejected})
 }
 
 // notReady answers /ready with 503, OpenAI-shaped, and a Retry-After.

@@ -117,3 +117,25 @@ func TestOnlyAnswerlessFailuresEject(t *testing.T) {
 		}
 	}
 }
+
+// TestEjectedReplicasDoNotMakeARouterReady: a static upstream is online by
+// configuration; once this router ejected it for refusing connections, it
+// no longer counts toward /ready, so load balancers stop sending requests
+// that could only fail.
+func TestEjectedReplicasDoNotMakeARouterReady(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("dead", refusedURL(t), []string{testModel})
+	if res := r.get(t, "/ready"); res.status != 200 {
+		t.Fatalf("before any request: %d %s", res.status, res.body)
+	}
+	if res := r.post(t, "/v1/completions", `{"model":"sim","prompt":"hi","max_tokens":1}`); res.status != 503 {
+		t.Fatalf("request to a dead upstream: %d %s", res.status, res.body)
+	}
+	if res := r.get(t, "/ready"); res.status != 503 || !strings.Contains(res.body, "1 ejected") || res.header["retry-after"] == "" {
+		t.Fatalf("ready with its only upstream ejected: %d %v %s", res.status, res.header, res.body)
+	}
+	r.table.AddStatic("alive", startEngine(t, testModel), []string{testModel})
+	if res := r.get(t, "/ready"); res.status != 200 || !strings.Contains(res.body, `"ejected_replicas":1`) || !strings.Contains(res.body, `"live_replicas":1`) {
+		t.Fatalf("one live, one ejected: %d %s", res.status, res.body)
+	}
+}
