@@ -36,7 +36,19 @@ type apiRequest struct {
 }
 
 type streamOptions struct {
-	IncludeUsage *bool `json:"include_usage"`
+	IncludeUsage *bool
+	set          map[string]json.RawMessage // every key given
+}
+
+func (o *streamOptions) UnmarshalJSON(b []byte) error {
+	if err := json.Unmarshal(b, &o.set); err != nil {
+		return err
+	}
+	if v, ok := o.set["include_usage"]; ok && string(v) != "null" {
+		o.IncludeUsage = new(bool)
+		return json.Unmarshal(v, o.IncludeUsage)
+	}
+	return nil
 }
 
 // requestError is a client error with its HTTP status and vLLM type.
@@ -177,8 +189,10 @@ func (s *Server) maxTokens(r *apiRequest, chat bool, promptLen int) (int, *reque
 	if *p < 1 {
 		return 0, invalid("max_tokens must be at least 1, got %d.", *p)
 	}
-	if promptLen+*p > limit {
-		return 0, invalid("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.", limit, promptLen+*p, promptLen, *p)
+	// *p > limit-promptLen, not promptLen+*p > limit: clients send
+	// sys.maxsize for "no limit", and the sum would wrap negative.
+	if *p > limit-promptLen {
+		return 0, invalid("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.", limit, uint64(promptLen)+uint64(*p), promptLen, *p)
 	}
 	return *p, nil
 }
@@ -228,7 +242,8 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		return
 	}
 	stream := boolOr(r.Stream, false)
-	if r.StreamOptions != nil && !stream {
+	// vLLM tests the dict's truth: {} passes without a stream.
+	if r.StreamOptions != nil && len(r.StreamOptions.set) > 0 && !stream {
 		badRequest(ctx, "Stream options can only be defined when `stream=True`.")
 		return
 	}
@@ -257,7 +272,9 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		s.respond(ctx, c, &rs)
 		return
 	}
-	rs.includeUsage = r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, false)
+	// vLLM's StreamOptions.include_usage defaults to true (OpenAI's to
+	// false): stream_options: {} asks for the usage chunk there.
+	rs.includeUsage = r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, true)
 	ctx.SetContentType("text/event-stream; charset=utf-8")
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, c, &rs) })
 }
@@ -312,8 +329,17 @@ func (s *Server) stream(w *bufio.Writer, c *call, rs *response) {
 		var done bool
 		var err error
 		toks, rs.cached, done, err = c.take(toks[:0], sent)
+		if err == nil && !done && len(toks) == 0 {
+			select {
+			case <-s.stopped:
+				// Submitted as the loop stopped: nothing will come, and
+				// wait no longer waits.
+				err = errShutdown
+			default:
+			}
+		}
 		if err != nil {
-			buf = append(buf[:0], `data: {"error":{"object":"error","message":`...)
+			buf = append(buf[:0], `data: {"error":{"message":`...)
 			buf = appendJSONString(buf, err.Error())
 			buf = append(buf, `,"type":"InternalServerError","param":null,"code":500}}`+"\n\ndata: [DONE]\n\n"...)
 			_, _ = w.Write(buf)

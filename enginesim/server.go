@@ -215,16 +215,18 @@ func (s *Server) models(ctx *fasthttp.RequestCtx) {
 	ctx.SetBody(b)
 }
 
-// writeError writes vLLM's error body.
+// writeError writes vLLM's error body: ErrorResponse{error: ErrorInfo} since
+// v0.10.1 (vllm-project/vllm#22099; before, the ErrorInfo alone, with an
+// "object":"error").
 func writeError(ctx *fasthttp.RequestCtx, code int, typ, msg string) {
 	b := make([]byte, 0, 128+len(msg))
-	b = append(b, `{"object":"error","message":`...)
+	b = append(b, `{"error":{"message":`...)
 	b = appendJSONString(b, msg)
 	b = append(b, `,"type":`...)
 	b = appendJSONString(b, typ)
 	b = append(b, `,"param":null,"code":`...)
 	b = strconv.AppendInt(b, int64(code), 10)
-	b = append(b, '}')
+	b = append(b, "}}"...)
 	ctx.SetStatusCode(code)
 	ctx.SetContentType("application/json")
 	ctx.SetBody(b)

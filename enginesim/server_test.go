@@ -222,6 +222,10 @@ func TestBadInputGetsVLLMStyleErrors(t *testing.T) {
 		{"/v1/completions", `{"prompt":"hi","max_tokens":"8"}`, 400},
 		{"/v1/completions", `{"prompt":"hi","max_tokens":1.5}`, 400},
 		{"/v1/completions", `{"prompt":"hi","max_tokens":255}`, 400},
+		// sys.maxsize for "no limit": the prompt plus it wraps negative.
+		{"/v1/completions", `{"prompt":"hi","max_tokens":9223372036854775807}`, 400},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":9223372036854775807}`, 400},
+		{"/v1/completions", `{"prompt":"hi","stream_options":{"include_usage":false}}`, 400},
 		{"/v1/completions", `{"prompt":"` + long + `"}`, 400},
 		{"/v1/completions", `{"prompt":"hi","stream":"yes"}`, 400},
 		{"/v1/completions", `{"prompt":"hi","stream_options":{"include_usage":true}}`, 400},
@@ -240,19 +244,17 @@ func TestBadInputGetsVLLMStyleErrors(t *testing.T) {
 	}
 	for _, c := range cases {
 		code, body := ts.do(t, "POST", c.path, []byte(c.body))
-		var e struct {
-			Object  string  `json:"object"`
-			Message string  `json:"message"`
-			Type    string  `json:"type"`
-			Param   *string `json:"param"`
-			Code    int     `json:"code"`
-		}
-		if err := json.Unmarshal(body, &e); err != nil || code != c.code || e.Object != "error" || e.Code != c.code || e.Message == "" {
+		var e vllmError
+		if err := json.Unmarshal(body, &e); err != nil || code != c.code || e.Error.Code != c.code || e.Error.Message == "" {
 			t.Fatalf("%s %q: status %d body %s; want %d with a vLLM error object", c.path, c.body, code, body, c.code)
 		}
-		if c.code == 400 && e.Type != "BadRequestError" {
-			t.Fatalf("%s %q: error type %q", c.path, c.body, e.Type)
+		if c.code == 400 && e.Error.Type != "BadRequestError" {
+			t.Fatalf("%s %q: error type %q", c.path, c.body, e.Error.Type)
 		}
+	}
+	// stream_options is tested for its truth: {} passes without a stream.
+	if code, body := ts.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":2,"stream_options":{}}`)); code != 200 {
+		t.Fatalf("stream_options {} without a stream: %d %s", code, body)
 	}
 	if code, _ := ts.do(t, "GET", "/v1/completions", nil); code != 405 {
 		t.Fatalf("GET /v1/completions: %d, want 405", code)
@@ -509,10 +511,8 @@ func FuzzHandler(f *testing.F) {
 		switch code {
 		case 200:
 		case 400, 404:
-			var e struct {
-				Object string `json:"object"`
-			}
-			if err := json.Unmarshal(rc.Response.Body(), &e); err != nil || e.Object != "error" {
+			var e vllmError
+			if err := json.Unmarshal(rc.Response.Body(), &e); err != nil || e.Error.Code != code || e.Error.Message == "" {
 				t.Fatalf("status %d with body %q", code, rc.Response.Body())
 			}
 		default:
@@ -662,6 +662,69 @@ func TestAPIKeyGuardsV1LikeVLLM(t *testing.T) {
 		}
 		if c.want == 401 && body != `{"error":"Unauthorized"}` {
 			t.Errorf("%s %s: body %s, want vLLM's", c.method, c.path, body)
+		}
+	}
+}
+
+// vllmError is vLLM's error body since v0.10.1: ErrorResponse{error: ErrorInfo}.
+type vllmError struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    int     `json:"code"`
+	} `json:"error"`
+}
+
+// TestStreamsAfterTheEngineStoppedEnd: a request that reaches the submit
+// queue as the engine loop stops (the binary stops the engine before the
+// HTTP server) gets an error, not a stream that waits for good.
+func TestStreamsAfterTheEngineStoppedEnd(t *testing.T) {
+	srv, err := New(Config{Model: "sim", Tokenizer: tokenize.Builtin{},
+		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 8192, Cost: engine.DefaultCost}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	srv.Run(ctx)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &fasthttp.Server{Handler: srv.Handler}
+	go func() { _ = hs.Serve(ln) }()
+	t.Cleanup(func() {
+		// A stream that never ends would hold Shutdown for good.
+		sctx, stop := context.WithTimeout(context.Background(), 2*time.Second)
+		defer stop()
+		_ = hs.ShutdownWithContext(sctx)
+	})
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	for i := range 8 {
+		req.SetRequestURI("http://" + ln.Addr().String() + "/v1/completions")
+		req.Header.SetMethod("POST")
+		req.SetBodyString(`{"prompt":"hi","max_tokens":4,"stream":true}`)
+		if err := fasthttp.DoTimeout(req, resp, 3*time.Second); err != nil {
+			t.Fatalf("stream %d after the engine stopped: %v", i, err)
+		}
+		if code := resp.StatusCode(); code == 200 && !strings.Contains(string(resp.Body()), `"error"`) || code != 200 && code != 503 {
+			t.Fatalf("stream %d after the engine stopped: %d %s", i, code, resp.Body())
+		}
+	}
+}
+
+// TestStreamOptionsIncludeUsageDefaultsToTrue: vLLM's StreamOptions has
+// include_usage = True (OpenAI's API defaults it to false), so
+// stream_options: {} gets the usage chunk.
+func TestStreamOptionsIncludeUsageDefaultsToTrue(t *testing.T) {
+	ts := startServer(t, Config{TimeScale: 0})
+	for opts, want := range map[string]bool{`{}`: true, `{"include_usage":true}`: true, `{"include_usage":false}`: false, `null`: false} {
+		code, body := ts.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":2,"stream":true,"stream_options":`+opts+`}`))
+		if code != 200 || strings.Contains(string(body), `"usage":{`) != want {
+			t.Errorf("stream_options %s: %d, usage chunk %v, want %v:\n%s", opts, code, !want, want, body)
 		}
 	}
 }
