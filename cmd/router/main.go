@@ -140,6 +140,16 @@ func run(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
+	// drained closes once no request is left: until then the other routers
+	// must still see this one's in-flight work on each replica.
+	drained := make(chan struct{})
+	defer func() {
+		select {
+		case <-drained:
+		default:
+			close(drained)
+		}
+	}()
 	var node *gossip.RouterNode
 	if o.gossipBind != "" || o.join != "" {
 		if node, err = startGossip(o, table, g, log); err != nil {
@@ -149,7 +159,7 @@ func run(args []string) error {
 		if err := g.RegisterMetrics(gossip.Collector("kvmesh_router", node.Stats)); err != nil {
 			return err
 		}
-		go g.ReportInflight(100*time.Millisecond, ctx.Done())
+		go g.ReportInflight(100*time.Millisecond, drained)
 	}
 	go g.DiscoverStatic(10*time.Second, ctx.Done())
 	go g.ForgetDeparted(time.Minute, 10*time.Minute, ctx.Done())
@@ -193,6 +203,7 @@ func run(args []string) error {
 		return err
 	case <-ctx.Done():
 	}
+	stop() // a second signal ends the process at once, delay and drain cut short
 	g.Stopping()
 	if o.shutdownDelay > 0 {
 		log.Info().Dur("shutdown_delay", o.shutdownDelay).Msg("shutting down: not ready, still serving")
@@ -204,6 +215,7 @@ func run(args []string) error {
 	if err := srv.ShutdownWithContext(drainCtx); err != nil {
 		log.Warn().Err(err).Int("inflight", g.Inflight()).Msg("drain timed out")
 	}
+	close(drained)
 	if node != nil {
 		if err := node.Leave(2 * time.Second); err != nil {
 			log.Warn().Err(err).Msg("leaving the cluster")
