@@ -117,8 +117,8 @@ type Forwarder struct {
 // other than a connection error, 5xx or 429, writes that answer into ctx and
 // returns the index of the target that served (-1 when all failed and ctx
 // holds the last failure, or a 503 with Retry-After when none answered at
-// all: no replica could serve, as when the router knows of none). Streams are relayed after Forward
-// returns, from fasthttp's body-writer goroutine.
+// all: no replica could serve, as when the router knows of none). Streams
+// are relayed after Forward returns, from fasthttp's body-writer goroutine.
 func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, obs Observer) int {
 	var last *fasthttp.Response // last retryable failure, relayed if all fail
 	lastIdx := -1
