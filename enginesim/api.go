@@ -44,9 +44,11 @@ func (o *streamOptions) UnmarshalJSON(b []byte) error {
 	if err := json.Unmarshal(b, &o.set); err != nil {
 		return err
 	}
-	if v, ok := o.set["include_usage"]; ok && string(v) != "null" {
-		o.IncludeUsage = new(bool)
-		return json.Unmarshal(v, o.IncludeUsage)
+	if v, ok := o.set["include_usage"]; ok {
+		o.IncludeUsage = new(bool) // an explicit null is None there: false
+		if string(v) != "null" {
+			return json.Unmarshal(v, o.IncludeUsage)
+		}
 	}
 	return nil
 }

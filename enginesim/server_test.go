@@ -721,7 +721,7 @@ func TestStreamsAfterTheEngineStoppedEnd(t *testing.T) {
 // stream_options: {} gets the usage chunk.
 func TestStreamOptionsIncludeUsageDefaultsToTrue(t *testing.T) {
 	ts := startServer(t, Config{TimeScale: 0})
-	for opts, want := range map[string]bool{`{}`: true, `{"include_usage":true}`: true, `{"include_usage":false}`: false, `null`: false} {
+	for opts, want := range map[string]bool{`{}`: true, `{"include_usage":true}`: true, `{"include_usage":false}`: false, `{"include_usage":null}`: false, `null`: false} {
 		code, body := ts.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":2,"stream":true,"stream_options":`+opts+`}`))
 		if code != 200 || strings.Contains(string(body), `"usage":{`) != want {
 			t.Errorf("stream_options %s: %d, usage chunk %v, want %v:\n%s", opts, code, !want, want, body)
