@@ -112,6 +112,15 @@ func (s *Server) promptTokens(r *apiRequest, chat bool) ([]uint32, *requestError
 		if r.Messages[0] != '[' {
 			return nil, invalid("messages must be a list")
 		}
+		var msgs []json.RawMessage
+		if err := json.Unmarshal(r.Messages, &msgs); err != nil {
+			return nil, invalid("messages: %v", err)
+		}
+		for i, m := range msgs {
+			if m = bytes.TrimSpace(m); len(m) == 0 || m[0] != '{' {
+				return nil, invalid("messages[%d] must be an object", i)
+			}
+		}
 		addGen := boolOr(r.AddGenerationPrompt, true)
 		cont := boolOr(r.ContinueFinalMessage, false)
 		if addGen && cont {
@@ -165,6 +174,12 @@ func (s *Server) promptTokens(r *apiRequest, chat bool) ([]uint32, *requestError
 		var ids []uint32
 		if err := json.Unmarshal(raw, &ids); err != nil {
 			return nil, invalid("prompt: token ids must be integers in [0, 2^32): %v", err)
+		}
+		// encoding/json leaves a null element at 0; vLLM's validation
+		// refuses it. In a list that decoded as numbers, "null" can only
+		// be such an element.
+		if bytes.Contains(raw, []byte("null")) {
+			return nil, invalid("prompt: token ids must be integers, got null")
 		}
 		return ids, nil
 	}
