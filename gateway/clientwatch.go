@@ -10,8 +10,9 @@ import (
 )
 
 // clientWatch notices clients that hang up while an engine works on their
-// non-streamed request, and aborts the request so the engine stops: fasthttp
-// tells a handler nothing of its client until it writes the answer. One
+// request, and aborts the request so the engine stops: fasthttp tells a
+// handler nothing of its client until it writes, and a stream writes
+// nothing while the engine queues and prefills. One
 // goroutine, running only while requests are watched, polls each
 // client's socket a few times a second once the request is older than
 // watchAfter.

@@ -74,6 +74,9 @@ type exchange struct {
 	ttft         time.Duration
 	hdrBuf       [20]byte // formats header numbers
 	requestID    []byte   // X-Request-Id, the client's or the router's
+	// abort ends the request when its client leaves (watched by g.watch
+	// until putExchange); nil for short non-streamed answers.
+	abort *proxy.Abort
 }
 
 // targetInfo is what the gateway knows about each target it handed the proxy.
@@ -100,6 +103,10 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 }
 
 func (g *Gateway) putExchange(ex *exchange) {
+	if ex.abort != nil {
+		g.watch.remove(ex.abort)
+		ex.abort = nil
+	}
 	ex.s, ex.ids, ex.loads = nil, nil, nil
 	clear(ex.targets[:cap(ex.targets)])
 	clear(ex.info[:cap(ex.info)])
@@ -176,18 +183,14 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 			return continuation(orig, k, text, chunks)
 		}
 	}
-	if p.stream {
-		// Until its first event nothing is written that would fail.
-		conn := ctx.Conn()
-		req.ClientGone = func() bool { return clientGone(conn) }
-	}
-	if !p.stream && !p.shortAnswer() {
+	if p.stream || !p.shortAnswer() {
 		// A client that leaves while the engine works must stop the
-		// engine too; the proxy only hears of it through an Abort.
-		a := &proxy.Abort{}
-		req.Abort = a
-		g.watch.add(a, ctx.Conn())
-		defer g.watch.remove(a)
+		// engine too; the proxy only hears of it through an Abort (a
+		// stream writes nothing before its first event). Watched until
+		// the request's last Finish (putExchange).
+		ex.abort = &proxy.Abort{}
+		req.Abort = ex.abort
+		g.watch.add(ex.abort, ctx.Conn())
 	}
 	// ex belongs to the proxy from here: it is released on the last Finish,
 	// which may run after this handler returns.

@@ -7,23 +7,28 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/valyala/fasthttp"
 )
 
 // An engine stops generating when the connection of a request it is
-// working on closes. For a stream the relay closes it as soon as a write to
-// the client fails; a non-streamed request gives no such signal while the
+// working on closes. A relayed stream closes it as soon as a write to the
+// client fails, but nothing is written while the engine queues and
+// prefills, and a non-streamed request gives no signal at all while the
 // engine works (fasthttp's client waits for the answer whole and takes no
-// cancellation), so an Abort carries it: the request's upstream connection
-// is found through a tag header the dispatch adds and the connection reads
-// back as the request leaves, and Now makes the waiting read fail.
+// cancellation). An Abort carries the signal. For a non-streamed request
+// the upstream connection is found through a tag header the dispatch adds
+// and the connection reads back as the request leaves, and Now makes the
+// waiting read fail; for a stream, Now closes the body being relayed.
 
-// Abort ends a non-streamed request's attempts early, from any goroutine
-// (the caller saw its client leave). Set one in Request.Abort.
+// Abort ends a request's attempts early, from any goroutine (the caller saw
+// its client leave). Set one in Request.Abort.
 type Abort struct {
 	mu      sync.Mutex
 	aborted bool
-	id      uint64        // the attempt in flight, 0 between attempts
-	conn    *deadlineConn // its connection, once the request was written
+	id      uint64                       // the attempt in flight, 0 between attempts
+	conn    *deadlineConn                // its connection, once the request was written
+	body    fasthttp.ReadCloserWithError // a stream being relayed
 }
 
 // Now closes the upstream connection of the attempt in flight, if any, and
@@ -34,6 +39,25 @@ func (a *Abort) Now() {
 	a.aborted = true
 	if a.conn != nil {
 		a.conn.abort(a.id)
+	}
+	if a.body != nil {
+		_ = a.body.CloseWithError(errAborted)
+	}
+}
+
+// relaying lets Now close body, a stream's, until the returned end is
+// called; an Abort already done closes it at once.
+func (a *Abort) relaying(body fasthttp.ReadCloserWithError) (end func()) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.aborted {
+		_ = body.CloseWithError(errAborted)
+	}
+	a.body = body
+	return func() {
+		a.mu.Lock()
+		a.body = nil
+		a.mu.Unlock()
 	}
 }
 

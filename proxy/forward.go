@@ -43,15 +43,10 @@ type Request struct {
 	// and how many events carried it, and returns the body that asks a
 	// target to continue from there, or false when it cannot be asked.
 	Resume func(text []byte, chunks int) ([]byte, bool)
-	// Abort, when set on a non-streamed request, lets the caller end it
-	// while an engine works on it (the client left): the upstream
-	// connection closes, so the engine stops, and no other target is tried.
+	// Abort, when set, lets the caller end the request while an engine
+	// works on it (the client left): the upstream connection closes, so
+	// the engine stops, and no other target is tried.
 	Abort *Abort
-	// ClientGone, when set on a stream, reports whether the client hung up.
-	// The relay polls it while an attempt waits for its first event, when
-	// no write would tell (queueing and prefill can take minutes), and then
-	// closes the upstream connection so the engine stops.
-	ClientGone func() bool
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -435,7 +430,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	sent := 0 // events the client has had, over all attempts
 	for {
 		up := targets[i]
-		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, req.ClientGone, tr)
+		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, req.Abort, tr)
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
@@ -596,7 +591,7 @@ func isEventStream(resp *fasthttp.Response) bool {
 // the text) on the way. first is called when the first body bytes arrive
 // (the first token); never if none came. done reports whether [DONE] was
 // relayed; a stream that broke before it is left for the caller to end.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), clientGone func() bool, tr *transcript) (res Result, done bool) {
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), abort *Abort, tr *transcript) (res Result, done bool) {
 	res = Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
@@ -610,22 +605,20 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 		}
 	})
 	defer watchdog.Stop()
-	var firstSeen, left atomic.Bool
-	if clientGone != nil && closer != nil {
-		stop := watchClient(clientGone, &firstSeen, func() {
-			left.Store(true)
-			_ = closer.CloseWithError(errAborted)
-		})
-		defer stop()
+	if abort != nil && closer != nil {
+		// Before the first event, and in a long gap, no write would show
+		// that the client left.
+		defer abort.relaying(closer)()
 	}
 	buf := make([]byte, 32<<10)
 	var pending []byte
+	firstSeen := false
 	for {
 		n, rerr := body.Read(buf)
 		if n > 0 {
 			watchdog.Reset(idle)
-			if !firstSeen.Load() {
-				firstSeen.Store(true)
+			if !firstSeen {
+				firstSeen = true
 				first()
 			}
 			data := buf[:n]
@@ -665,7 +658,7 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 				return res, done
 			}
 			switch {
-			case left.Load():
+			case abort != nil && abort.Aborted():
 				res.ClientGone, rerr = true, errAborted
 			case stalled.Load():
 				rerr = errStalled
@@ -677,39 +670,6 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 			return res, done
 		}
 	}
-}
-
-// clientPollEvery is how often a stream waiting for its first event asks
-// whether its client is still there. Most first events come sooner, so
-// most streams never ask.
-const clientPollEvery = 250 * time.Millisecond
-
-// watchClient calls gone every clientPollEvery until firstSeen is set and,
-// when the client has gone, calls end once. The returned stop waits for the
-// watcher to exit, so end never runs after it (the response it closes goes
-// back to a pool).
-func watchClient(gone func() bool, firstSeen *atomic.Bool, end func()) (stop func()) {
-	quit, exited := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(exited)
-		t := time.NewTicker(clientPollEvery)
-		defer t.Stop()
-		for {
-			select {
-			case <-quit:
-				return
-			case <-t.C:
-				if firstSeen.Load() {
-					return
-				}
-				if gone() {
-					end()
-					return
-				}
-			}
-		}
-	}()
-	return func() { close(quit); <-exited }
 }
 
 // writeEvents writes the complete events in data to w and returns the
