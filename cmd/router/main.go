@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -143,13 +144,8 @@ func run(args []string) error {
 	// drained closes once no request is left: until then the other routers
 	// must still see this one's in-flight work on each replica.
 	drained := make(chan struct{})
-	defer func() {
-		select {
-		case <-drained:
-		default:
-			close(drained)
-		}
-	}()
+	drainedNow := sync.OnceFunc(func() { close(drained) })
+	defer drainedNow()
 	var node *gossip.RouterNode
 	if o.gossipBind != "" || o.join != "" {
 		if node, err = startGossip(o, table, g, log); err != nil {
@@ -215,7 +211,7 @@ func run(args []string) error {
 	if err := srv.ShutdownWithContext(drainCtx); err != nil {
 		log.Warn().Err(err).Int("inflight", g.Inflight()).Msg("drain timed out")
 	}
-	close(drained)
+	drainedNow()
 	if node != nil {
 		if err := node.Leave(2 * time.Second); err != nil {
 			log.Warn().Err(err).Msg("leaving the cluster")
