@@ -716,26 +716,35 @@ func TestReconnectCatchesUpFromTheRing(t *testing.T) {
 	assertDelivered(t, rec, seqRange(0, 9), 0)
 }
 
-// Bind mode: an engine that restarts and stays idle sends nothing whose
-// number could reveal the restart. Its publisher connecting is checked
-// against the replay ring, as a redial is in dial mode.
-func TestBindModeRestartWithoutNewBatchesResets(t *testing.T) {
+// startBindSubscriber starts a Bind-mode subscriber with a replay
+// endpoint; connect makes a publisher (an engine) that connects to it.
+func startBindSubscriber(t *testing.T) (*Subscriber, *recorder, func() *Publisher) {
+	t.Helper()
 	ep, replay := freeEndpoint(t), freeEndpoint(t)
 	rec := &recorder{}
 	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true, ReplayEndpoint: replay}, rec)
 	waitFor(t, "listening", func() bool { return s.Stats().Connected })
-	p1, err := newPublisher(PublisherConfig{Endpoint: ep, ReplayEndpoint: replay, Logger: testLogger(t)}, false)
-	if err != nil {
-		t.Fatal(err)
+	return s, rec, func() *Publisher {
+		t.Helper()
+		p, err := newPublisher(PublisherConfig{Endpoint: ep, ReplayEndpoint: replay, Logger: testLogger(t)}, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
 	}
+}
+
+// Bind mode: an engine that restarts and stays idle sends nothing whose
+// number could reveal the restart. Its publisher connecting is checked
+// against the replay ring, as a redial is in dial mode.
+func TestBindModeRestartWithoutNewBatchesResets(t *testing.T) {
+	s, rec, connect := startBindSubscriber(t)
+	p1 := connect()
 	waitSubscribed(t, p1)
 	publishRange(t, p1, 0, 9)
 	waitFor(t, "10 batches", func() bool { return rec.count() == 10 })
 	p1.Close()
-	p2, err := newPublisher(PublisherConfig{Endpoint: ep, ReplayEndpoint: replay, Logger: testLogger(t)}, false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	p2 := connect()
 	defer p2.Close()
 	waitSubscribed(t, p2)
 	waitFor(t, "reset on the restarted publisher's arrival", func() bool { return s.Stats().Resets == 1 })
@@ -750,14 +759,8 @@ func TestBindModeRestartWithoutNewBatchesResets(t *testing.T) {
 // (its ring holds our last batch) passes the check without a reset, and what
 // the ring holds after our last batch is applied at once.
 func TestBindModeJoinOfTheSameEngineCatchesUp(t *testing.T) {
-	ep, replay := freeEndpoint(t), freeEndpoint(t)
-	rec := &recorder{}
-	s := startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true, ReplayEndpoint: replay}, rec)
-	waitFor(t, "listening", func() bool { return s.Stats().Connected })
-	p, err := newPublisher(PublisherConfig{Endpoint: ep, ReplayEndpoint: replay, Logger: testLogger(t)}, false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	s, rec, connect := startBindSubscriber(t)
+	p := connect()
 	defer p.Close()
 	p.skipSend = func(seq uint64) bool { return seq >= 5 } // in the ring only
 	waitSubscribed(t, p)
@@ -770,7 +773,7 @@ func TestBindModeJoinOfTheSameEngineCatchesUp(t *testing.T) {
 	// network blip while the old connection is not yet seen to be dead.
 	pub := zmq4.NewPub(context.Background(), zmq4.WithLogger(zmqLog))
 	defer pub.Close()
-	if err := pub.Dial(ep); err != nil {
+	if err := pub.Dial(s.cfg.Endpoint); err != nil {
 		t.Fatal(err)
 	}
 	assertDelivered(t, rec, seqRange(0, 7), 0)
