@@ -74,6 +74,22 @@ func (f *feedRouter) advance(d time.Duration) {
 
 func (f *feedRouter) has(key uint64) bool { return hasKey(f.tb, "a", key) }
 
+// clearFrom delivers router from's route clear for sidecar a.
+func (f *feedRouter) clearFrom(from string) {
+	f.r.mu.Lock()
+	f.r.handle(&Message{Kind: KindClearRoutes, From: from, Names: []string{"a"}})
+	f.r.mu.Unlock()
+}
+
+// loadsFor sends epoch 7's load records every 100 ms for d, numbered on
+// from *seq, announcing filter generation gen at sequence fseq.
+func (f *feedRouter) loadsFor(d time.Duration, seq *uint64, gen, fseq uint64) {
+	for end := f.now.Add(d); f.now.Before(end); *seq++ {
+		f.advance(100 * time.Millisecond)
+		f.load(7, *seq, gen, fseq, true)
+	}
+}
+
 func (f *feedRouter) resyncs() uint64 { return f.r.d.stats.Resyncs.Load() }
 
 func TestRouterAppliesDeltasAndResyncsOnGap(t *testing.T) {
@@ -257,24 +273,16 @@ func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
 	f.load(7, 1, 1, 0, true)
 	f.snapshot(7, 1, 0, 1)
 	f.snapshot(7, 2, 0, 1, 2) // rebuilt because router A cleared
-	f.r.mu.Lock()
-	f.r.handle(&Message{Kind: KindClearRoutes, From: "router/A", Names: []string{"a"}})
-	f.r.mu.Unlock()
+	f.clearFrom("router/A")
 	if f.has(1) {
 		t.Fatal("clear did not drop the filter")
 	}
 	seq := uint64(2)
-	loads := func(d time.Duration, gen, fseq uint64) {
-		for end := f.now.Add(d); f.now.Before(end); seq++ {
-			f.advance(100 * time.Millisecond)
-			f.load(7, seq, gen, fseq, true)
-		}
-	}
-	loads(clearWait-200*time.Millisecond, 2, 0)
+	f.loadsFor(clearWait-200*time.Millisecond, &seq, 2, 0)
 	if f.has(2) {
 		t.Fatal("stopped awaiting a fresh generation early")
 	}
-	loads(time.Second, 2, 0)
+	f.loadsFor(time.Second, &seq, 2, 0)
 	if !f.has(2) || f.resyncs() != 0 {
 		t.Fatalf("current filter not shown again after the wait: has %v resyncs %d", f.has(2), f.resyncs())
 	}
@@ -287,15 +295,10 @@ func TestRouterResyncsAfterAClearWhoseRebuildNeverComes(t *testing.T) {
 	f := newFeedRouter(t)
 	f.load(7, 1, 1, 0, true)
 	f.snapshot(7, 1, 0, 1)
-	f.r.mu.Lock()
-	f.r.handle(&Message{Kind: KindClearRoutes, From: "router/A", Names: []string{"a"}})
-	f.r.mu.Unlock()
+	f.clearFrom("router/A")
 	f.delta(7, 1, 1, 2) // ignored while awaiting generation 2
 	seq := uint64(2)
-	for end := f.now.Add(clearWait + time.Second); f.now.Before(end); seq++ {
-		f.advance(100 * time.Millisecond)
-		f.load(7, seq, 1, 1, true)
-	}
+	f.loadsFor(clearWait+time.Second, &seq, 1, 1)
 	if f.has(1) || f.resyncs() == 0 {
 		t.Fatalf("after the wait: has %v resyncs %d (want hidden, resynced)", f.has(1), f.resyncs())
 	}
