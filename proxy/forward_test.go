@@ -87,9 +87,14 @@ func router(t testing.TB, targets []*Upstream, strip bool, rec *recorder) string
 }
 
 func upstreams(t testing.TB, urls ...string) []*Upstream {
+	return upstreamsWith(t, Options{FirstByteTimeout: 5 * time.Second, IdleTimeout: 2 * time.Second}, urls...)
+}
+
+// upstreamsWith is upstreams with options of the test's own.
+func upstreamsWith(t testing.TB, opt Options, urls ...string) []*Upstream {
 	var out []*Upstream
 	for i, u := range urls {
-		up, err := NewUpstream(fmt.Sprintf("r%d", i), u, "", Options{FirstByteTimeout: 5 * time.Second, IdleTimeout: 2 * time.Second})
+		up, err := NewUpstream(fmt.Sprintf("r%d", i), u, "", opt)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -212,15 +217,7 @@ func TestNonStreamedAnswerOverrunningItsLimitIsNotRetried(t *testing.T) {
 		time.Sleep(time.Second)
 		ctx.SetBodyString(completionJSON)
 	}
-	var targets []*Upstream
-	for i := range 2 {
-		up, err := NewUpstream(fmt.Sprintf("r%d", i), serve(t, slow), "", Options{FirstByteTimeout: 300 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(up.Close)
-		targets = append(targets, up)
-	}
+	targets := upstreamsWith(t, Options{FirstByteTimeout: 300 * time.Millisecond}, serve(t, slow), serve(t, slow))
 	rec := newRecorder()
 	status, body, err := fasthttp.Post(nil, router(t, targets, false, rec)+"/v1/completions", nil)
 	if err != nil || status != 504 || !bytes.Contains(body, []byte(`"type":"upstream_timeout","code":504}}`)) {
@@ -618,15 +615,7 @@ func TestStreamBrokenBeforeItsFirstEventIsRetried(t *testing.T) {
 		return "http://" + ln.Addr().String()
 	}
 	for _, c := range []struct{ name, first string }{{"dies", brokenSSE(t)}, {"stalls", stalled()}} {
-		var targets []*Upstream
-		for i, u := range []string{c.first, serve(t, sseEngine(3, 0, false, nil))} {
-			up, err := NewUpstream(fmt.Sprintf("r%d", i), u, "", Options{FirstByteTimeout: 300 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(up.Close)
-			targets = append(targets, up)
-		}
+		targets := upstreamsWith(t, Options{FirstByteTimeout: 300 * time.Millisecond}, c.first, serve(t, sseEngine(3, 0, false, nil)))
 		rec := newRecorder()
 		status, body, err := fasthttp.Post(nil, router(t, targets, false, rec)+"/v1/chat/completions", nil)
 		if err != nil || status != 200 || string(body) != wantEvents(3, false) {
