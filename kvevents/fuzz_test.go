@@ -2,6 +2,9 @@ package kvevents
 
 import (
 	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
 	"math/rand/v2"
 	"testing"
 )
@@ -59,4 +62,71 @@ func FuzzFrames(f *testing.F) {
 		}
 		parseReplayRequest(frames)
 	})
+}
+
+// FuzzFrameReader feeds arbitrary byte streams, read in chunks of every
+// size, through the ZMTP frame guard: it passes exactly the bytes a
+// reference reading of the stream allows, never a header over the limit,
+// and counts the same whole messages.
+func FuzzFrameReader(f *testing.F) {
+	greeting := nullGreeting[:]
+	f.Add(uint16(4096), append(greeting, readyCommand("PUB")...))
+	f.Add(uint16(4096), append(append(greeting, readyCommand("PUB")...), longFrameHeader(1<<50)...))
+	f.Add(uint16(200), append(greeting, 0x01, 3, 'a', 'b', 'c', 0x01, 0, 0x02, 0, 0, 0, 0, 0, 0, 0, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9))
+	f.Add(uint16(64), append(greeting, 0x01, 0, 0x01, 0))
+	f.Fuzz(func(t *testing.T, limit uint16, in []byte) {
+		wantN, wantTooLarge, wantMessages := referenceFrames(in, uint64(limit))
+		fr := newFrameReader(bytes.NewReader(in), uint64(limit))
+		var out []byte
+		var err error
+		for i := 0; err == nil; i++ {
+			buf := make([]byte, []int{1, 3, 2, 9, 64, 7, 1000}[i%7])
+			var n int
+			n, err = fr.Read(buf)
+			out = append(out, buf[:n]...)
+		}
+		var tooLarge *MessageTooLargeError
+		if !bytes.Equal(out, in[:wantN]) || errors.As(err, &tooLarge) != wantTooLarge || fr.messages != wantMessages {
+			t.Fatalf("limit %d: passed %d bytes (err %v, %d messages), want %d (too large %v, %d messages)",
+				limit, len(out), err, fr.messages, wantN, wantTooLarge, wantMessages)
+		}
+		if !wantTooLarge && err != io.EOF && err != io.ErrUnexpectedEOF {
+			t.Fatalf("error %v at the end of the stream", err)
+		}
+	})
+}
+
+// referenceFrames reads a ZMTP stream the plain way: how many bytes pass
+// before a header that is cut short or takes its message over limit
+// (tooLarge), and how many messages complete.
+func referenceFrames(in []byte, limit uint64) (passed int, tooLarge bool, messages uint64) {
+	if len(in) <= greetingLen {
+		return len(in), false, 0
+	}
+	off, charged := greetingLen, uint64(0)
+	for off < len(in) {
+		hdr := 2
+		if in[off]&flagLong != 0 {
+			hdr = 9
+		}
+		if len(in)-off < hdr {
+			return off, false, messages
+		}
+		size := uint64(in[off+1])
+		if hdr == 9 {
+			size = binary.BigEndian.Uint64(in[off+1 : off+9])
+		}
+		if size >= limit || charged+size+frameCost > limit {
+			return off, true, messages
+		}
+		charged += size + frameCost
+		if size > uint64(len(in)-off-hdr) {
+			return len(in), false, messages
+		}
+		off += hdr + int(size)
+		if in[off-hdr-int(size)]&flagMore == 0 {
+			messages, charged = messages+1, 0
+		}
+	}
+	return off, false, messages
 }

@@ -25,7 +25,12 @@ type PublisherConfig struct {
 	Topic          string
 	BufferSteps    int // replay ring size in batches; 0 means vLLM's 10000
 	Format         Format
-	Logger         zerolog.Logger
+	// MaxMessageBytes and HandshakeTimeout bound what each connecting peer
+	// (subscriber or replay client) can make the publisher spend, as for
+	// a Subscriber; 0 means the defaults.
+	MaxMessageBytes  int64
+	HandshakeTimeout time.Duration
+	Logger           zerolog.Logger
 }
 
 // ErrQueueFull is returned by Publish when the send queue is full and the
@@ -49,6 +54,9 @@ type PublisherStats struct {
 	Sent           uint64 // messages handed to the PUB socket
 	ReplayRequests uint64 // well-formed replay requests served
 	Replayed       uint64 // batches sent in replies
+	// Connections dropped for a message over MaxMessageBytes, or before
+	// their handshake completed (see SubscriberStats).
+	Oversized, HandshakeFailures uint64
 }
 
 // Publisher publishes KV event batches like vLLM's ZmqEventPublisher: 3-frame
@@ -59,9 +67,10 @@ type PublisherStats struct {
 type Publisher struct {
 	cfg    PublisherConfig
 	log    zerolog.Logger
-	ctx    context.Context
+	ctx    context.Context // carries guard to the sockets
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	guard  *connGuard
 
 	mu      sync.Mutex // guards nextSeq, closed and sends on queue
 	nextSeq uint64
@@ -140,16 +149,20 @@ func newPublisher(cfg PublisherConfig, bind bool) (*Publisher, error) {
 	if cfg.BufferSteps <= 0 {
 		cfg.BufferSteps = defaultBufferSteps
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	log := cfg.Logger.With().Str("endpoint", cfg.Endpoint).Logger()
+	guard, err := newConnGuard(cfg.MaxMessageBytes, cfg.HandshakeTimeout, log)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(withGuard(context.Background(), guard))
 	p := &Publisher{
-		cfg: cfg, ctx: ctx, cancel: cancel,
-		log:   cfg.Logger.With().Str("endpoint", cfg.Endpoint).Logger(),
+		cfg: cfg, ctx: ctx, cancel: cancel, guard: guard, log: log,
 		queue: make(chan ringEntry, publishQueueSize),
 		sent:  make(chan struct{}),
 	}
 	if bind {
 		pub := p.newPub()
-		if err := pub.Listen(cfg.Endpoint); err != nil {
+		if err := pub.Listen(guarded(cfg.Endpoint)); err != nil {
 			cancel()
 			pub.Close()
 			return nil, fmt.Errorf("kvevents: bind %s: %w", cfg.Endpoint, err)
@@ -161,7 +174,7 @@ func newPublisher(cfg PublisherConfig, bind bool) (*Publisher, error) {
 	}
 	if cfg.ReplayEndpoint != "" {
 		router := zmq4.NewRouter(ctx, zmq4.WithLogger(zmqLog))
-		if err := router.Listen(cfg.ReplayEndpoint); err != nil {
+		if err := router.Listen(guarded(cfg.ReplayEndpoint)); err != nil {
 			p.cancel()
 			router.Close()
 			p.wg.Wait()
@@ -238,6 +251,7 @@ func (p *Publisher) Stats() PublisherStats {
 	return PublisherStats{
 		Published: p.stats.published.Load(), Dropped: p.stats.dropped.Load(), Sent: p.stats.sent.Load(),
 		ReplayRequests: p.stats.replayRequests.Load(), Replayed: p.stats.replayed.Load(),
+		Oversized: p.guard.oversized.Load(), HandshakeFailures: p.guard.failed.Load(),
 	}
 }
 
@@ -272,7 +286,7 @@ func (p *Publisher) connect() {
 	const poll = 200 * time.Millisecond
 	for p.ctx.Err() == nil {
 		pub := p.newPub()
-		if err := pub.Dial(p.cfg.Endpoint); err != nil { // retries until connected or closed
+		if err := pub.Dial(guarded(p.cfg.Endpoint)); err != nil { // retries until connected or closed
 			pub.Close()
 			select { // a handshake failure returns at once: do not spin
 			case <-p.ctx.Done():

@@ -27,8 +27,14 @@ type SubscriberConfig struct {
 	// every gap becomes a reset.
 	ReplayEndpoint string
 	// Topic is a prefix filter on the topic frame; "" accepts every topic.
-	Topic  string
-	Logger zerolog.Logger
+	Topic string
+	// MaxMessageBytes bounds each message a peer sends, handshake included
+	// (0: DefaultMaxMessageBytes); a peer that declares more is dropped.
+	MaxMessageBytes int64
+	// HandshakeTimeout bounds each connection's ZMTP handshake (0:
+	// DefaultHandshakeTimeout).
+	HandshakeTimeout time.Duration
+	Logger           zerolog.Logger
 }
 
 // Handler receives what a Subscriber decodes. Both methods are called from
@@ -56,8 +62,12 @@ type SubscriberStats struct {
 	ReplayErrors uint64 // replays that failed (dial, timeout, bad reply)
 	Resets       uint64 // HandleReset calls
 	Reconnects   uint64 // sockets re-created after the publisher went away
-	LastSeq      uint64 // sequence number of the last delivered batch
-	Connected    bool   // connected to the publisher (Bind: listening)
+	Oversized    uint64 // connections dropped for a message over MaxMessageBytes
+	// HandshakeFailures are connections dropped before their ZMTP
+	// handshake completed: not ZMTP, closed early, or over HandshakeTimeout.
+	HandshakeFailures uint64
+	LastSeq           uint64 // sequence number of the last delivered batch
+	Connected         bool   // connected to the publisher (Bind: listening)
 }
 
 // Subscriber is a long-running ZMQ SUB client for one engine's KV events:
@@ -68,6 +78,10 @@ type Subscriber struct {
 	cfg SubscriberConfig
 	h   Handler
 	log zerolog.Logger
+	// guard bounds every connection of the subscriber's sockets; guardErr
+	// is a configuration it refused, returned by Run.
+	guard    *connGuard
+	guardErr error
 
 	// Timeouts; fields so tests can shorten them.
 	minBackoff, maxBackoff time.Duration
@@ -90,7 +104,7 @@ type Subscriber struct {
 
 // NewSubscriber returns a Subscriber that calls h; start it with Run.
 func NewSubscriber(cfg SubscriberConfig, h Handler) *Subscriber {
-	return &Subscriber{
+	s := &Subscriber{
 		cfg: cfg, h: h,
 		log:            cfg.Logger.With().Str("endpoint", cfg.Endpoint).Logger(),
 		minBackoff:     100 * time.Millisecond,
@@ -99,18 +113,24 @@ func NewSubscriber(cfg SubscriberConfig, h Handler) *Subscriber {
 		replayTotal:    time.Minute,
 		replayCooldown: 10 * time.Second,
 	}
+	s.guard, s.guardErr = newConnGuard(cfg.MaxMessageBytes, cfg.HandshakeTimeout, s.log)
+	return s
 }
 
 // Stats returns a snapshot of the counters; safe from any goroutine.
 func (s *Subscriber) Stats() SubscriberStats {
 	st := &s.stats
-	return SubscriberStats{
+	out := SubscriberStats{
 		Messages: st.messages.Load(), Batches: st.batches.Load(), Malformed: st.malformed.Load(),
 		DecodeErrors: st.decodeErrors.Load(), Filtered: st.filtered.Load(), Duplicates: st.duplicates.Load(),
 		Gaps: st.gaps.Load(), Replayed: st.replayed.Load(), ReplayErrors: st.replayErrors.Load(),
 		Resets: st.resets.Load(), Reconnects: st.reconnects.Load(), LastSeq: st.lastSeq.Load(),
 		Connected: st.connected.Load(),
 	}
+	if s.guard != nil {
+		out.Oversized, out.HandshakeFailures = s.guard.oversized.Load(), s.guard.failed.Load()
+	}
+	return out
 }
 
 // zmqLog keeps go-zeromq's own stderr logging out of the process output.
@@ -123,10 +143,14 @@ func (s *Subscriber) Run(ctx context.Context) error {
 	if s.cfg.Endpoint == "" {
 		return errors.New("kvevents: subscriber needs an endpoint")
 	}
+	if s.guardErr != nil {
+		return s.guardErr
+	}
 	if !s.running.CompareAndSwap(false, true) {
 		return errors.New("kvevents: Subscriber.Run called twice")
 	}
 	defer s.running.Store(false)
+	ctx = withGuard(ctx, s.guard) // for every socket made from it
 
 	backoff := s.minBackoff
 	for attempt := 0; ctx.Err() == nil; attempt++ {
@@ -188,10 +212,10 @@ func (s *Subscriber) session(ctx context.Context, attempt int) (gotMessages bool
 		return false, err
 	}
 	if s.cfg.Bind {
-		if err := sock.Listen(s.cfg.Endpoint); err != nil {
+		if err := sock.Listen(guarded(s.cfg.Endpoint)); err != nil {
 			return false, &listenError{err}
 		}
-	} else if err := sock.Dial(s.cfg.Endpoint); err != nil { // retries until connected or ctx ends
+	} else if err := sock.Dial(guarded(s.cfg.Endpoint)); err != nil { // retries until connected or ctx ends
 		return false, err
 	}
 	s.stats.connected.Store(true)
@@ -497,7 +521,7 @@ func fetchReplay(ctx context.Context, endpoint string, from uint64, idle, total 
 		dealer.Close()
 		wg.Wait()
 	}()
-	if err := dealer.Dial(endpoint); err != nil {
+	if err := dealer.Dial(guarded(endpoint)); err != nil {
 		return fmt.Errorf("replay dial: %w", err)
 	}
 	if err := dealer.SendMulti(zmq4.NewMsgFrom([]byte{}, seqBytes(from))); err != nil {

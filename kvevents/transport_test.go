@@ -474,18 +474,30 @@ func pythonWithZMQ() string {
 
 // The subscriber against real libzmq sockets shaped like vLLM's publisher,
 // in both replay layouts and both event encodings, with batches lost on the
-// live stream that only the replay ROUTER can supply.
+// live stream that only the replay ROUTER can supply; in Bind mode libzmq's
+// PUB connects, so its handshake runs through the listener's guard.
 func TestInteropWithLibzmqPublisher(t *testing.T) {
 	py := pythonWithZMQ()
 	if py == "" {
 		t.Skip("no python3 with pyzmq and msgpack (apt-get install python3-zmq python3-msgpack)")
 	}
-	for _, tc := range []struct{ layout, format string }{{"new", "map"}, {"old", "array"}} {
-		t.Run(tc.layout+"-"+tc.format, func(t *testing.T) {
+	for _, tc := range []struct {
+		layout, format string
+		bind           bool
+	}{{"new", "map", false}, {"old", "array", false}, {"new", "map", true}, {"old", "array", true}} {
+		t.Run(fmt.Sprintf("%s-%s-bind=%v", tc.layout, tc.format, tc.bind), func(t *testing.T) {
 			ep, replay := freeEndpoint(t), freeEndpoint(t)
+			rec := &recorder{}
+			var s *Subscriber
+			pubMode := "bind"
+			if tc.bind {
+				pubMode = "connect"
+				s = startSubscriber(t, SubscriberConfig{Endpoint: ep, Bind: true, ReplayEndpoint: replay, Topic: "kv@"}, rec)
+				waitFor(t, "listening", func() bool { return s.Stats().Connected })
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			cmd := exec.CommandContext(ctx, py, "testdata/vllm_publisher.py", ep, replay, tc.layout, tc.format, "40", "0,1,17,18,19")
+			cmd := exec.CommandContext(ctx, py, "testdata/vllm_publisher.py", ep, replay, tc.layout, tc.format, "40", "0,1,17,18,19", pubMode)
 			stdin, err := cmd.StdinPipe()
 			if err != nil {
 				t.Fatal(err)
@@ -504,16 +516,17 @@ func TestInteropWithLibzmqPublisher(t *testing.T) {
 			if !lines.Scan() || lines.Text() != "ready" {
 				t.Fatalf("publisher did not start: %q", lines.Text())
 			}
-			rec := &recorder{}
-			s := startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay, Topic: "kv@"}, rec)
-			waitFor(t, "connection", func() bool { return s.Stats().Connected })
-			time.Sleep(100 * time.Millisecond) // let libzmq register the subscription
+			if !tc.bind {
+				s = startSubscriber(t, SubscriberConfig{Endpoint: ep, ReplayEndpoint: replay, Topic: "kv@"}, rec)
+				waitFor(t, "connection", func() bool { return s.Stats().Connected })
+				time.Sleep(100 * time.Millisecond) // let libzmq register the subscription
+			}
 			io.WriteString(stdin, "go\n")
 			if !lines.Scan() || lines.Text() != "done" {
 				t.Fatalf("publisher did not finish: %q", lines.Text())
 			}
 			assertDelivered(t, rec, seqRange(0, 39), 0)
-			if st := s.Stats(); st.Replayed < 5 || st.Resets != 0 || st.DecodeErrors != 0 {
+			if st := s.Stats(); st.Replayed < 5 || st.Resets != 0 || st.DecodeErrors != 0 || st.HandshakeFailures != 0 {
 				t.Fatalf("stats %+v", st)
 			}
 		})

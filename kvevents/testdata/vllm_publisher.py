@@ -4,11 +4,13 @@ PUB [topic, seq8 BE, payload]; ROUTER replay answering [id, "", start8] with
 every retained batch from start on, then an end marker. msgpack's packer
 picks the same smallest encodings as msgspec for these types.
 
-Usage: vllm_publisher.py PUB_ENDPOINT REPLAY_ENDPOINT LAYOUT FORMAT N SKIP
+Usage: vllm_publisher.py PUB_ENDPOINT REPLAY_ENDPOINT LAYOUT FORMAT N SKIP [PUB_MODE]
   LAYOUT new: replies ["", topic, seq8, payload], end ["", "", FF*8, ""]
          old: replies ["", seq8, payload],        end ["", FF*8, ""]
   FORMAT map (v0.26 events) or array (older events)
   SKIP   comma-separated sequence numbers kept in the ring but not sent live
+  PUB_MODE bind (default) or connect: connect dials a subscriber that binds,
+         and waits for its subscription before printing "ready"
 Prints "ready", publishes after reading a line, prints "done", exits at EOF.
 """
 import sys
@@ -18,6 +20,7 @@ import msgpack
 import zmq
 
 pub_ep, replay_ep, layout, fmt, n, skip = sys.argv[1:7]
+pub_mode = sys.argv[7] if len(sys.argv) > 7 else "bind"
 n = int(n)
 skip = {int(s) for s in skip.split(",") if s}
 topic = b"kv@127.0.0.1@model"
@@ -25,9 +28,15 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 tokens = [151644, 872, 198, 9064, 374, 279, 6722, 315, 5616, 30, 151645, 198, 151644, 77091, 198, 151667]
 
 ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
-pub.setsockopt(zmq.LINGER, 0)
-pub.bind(pub_ep)
+if pub_mode == "connect":
+    # XPUB publishes as PUB does and also shows the subscription arriving.
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(pub_ep)
+else:
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(pub_ep)
 router = ctx.socket(zmq.ROUTER)
 router.setsockopt(zmq.LINGER, 0)
 router.bind(replay_ep)
@@ -69,6 +78,8 @@ def serve_replay():
 
 
 threading.Thread(target=serve_replay, daemon=True).start()
+if pub_mode == "connect":
+    pub.recv()  # the subscription
 print("ready", flush=True)
 sys.stdin.readline()
 for seq in range(n):
