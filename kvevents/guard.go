@@ -33,10 +33,11 @@ import (
 
 const (
 	// DefaultMaxMessageBytes bounds one message from a peer. A KV event
-	// batch is one engine step: with vLLM's chunked prefill at most
-	// max_num_batched_tokens tokens (8192 by default) of new blocks, about
-	// 5 bytes a token id and 40 a block hash, so well under 1 MiB; 16 MiB
-	// leaves room for steps of over two million tokens.
+	// batch is one engine step, and with vLLM's chunked prefill a step
+	// stores at most max_num_batched_tokens tokens (8192 by default) of
+	// new blocks and evicts about as many: encoded, 50 KB for 8192 tokens,
+	// 6.4 MB for 2^20 (8-byte hashes; vLLM's 32-byte sha256 ones add 3 MB).
+	// 16 MiB holds a step of over 1.5 million tokens.
 	DefaultMaxMessageBytes = 16 << 20
 	// DefaultHandshakeTimeout bounds the ZMTP handshake of one connection;
 	// a publisher on the same host or network greets in milliseconds.

@@ -44,6 +44,10 @@ type Config struct {
 	KVEventsBind string
 	KVReplay     string
 	KVTopic      string
+	// KVMaxMessageBytes and KVHandshakeTimeout bound each connection of
+	// the event sockets (0: the kvevents defaults).
+	KVMaxMessageBytes  int64
+	KVHandshakeTimeout time.Duration
 
 	Gossip gossip.Config // Name is filled from Name
 
@@ -234,6 +238,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		}
 		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{
 			Endpoint: ep, Bind: bind, ReplayEndpoint: s.cfg.KVReplay, Topic: s.cfg.KVTopic,
+			MaxMessageBytes: s.cfg.KVMaxMessageBytes, HandshakeTimeout: s.cfg.KVHandshakeTimeout,
 			Logger: s.log.With().Str("part", "kvevents").Logger(),
 		}, s)
 		s.sub.Store(sub)

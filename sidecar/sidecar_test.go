@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"slices"
 	"strings"
@@ -595,5 +596,52 @@ func TestSlowMetricsKeepTheirCadence(t *testing.T) {
 	}
 	if st := status(t, statusAddr); st.MetricsReadMS < 100 {
 		t.Errorf("metrics_read_ms %v, want ≥ 100", st.MetricsReadMS)
+	}
+}
+
+// A peer on the bind port that greets and then declares a 2^50-byte frame
+// is dropped and counted in /metrics; a publisher after it is served.
+func TestOversizedEventPeerIsDroppedAndCounted(t *testing.T) {
+	url, _ := startEngine(t, nil)
+	zmqAddr := freeAddr(t)
+	sc := startSidecar(t, Config{Name: "e1", EngineURL: url, KVEventsBind: "tcp://" + zmqAddr})
+	var raw net.Conn
+	waitFor(t, settle, "bind port up", func() bool {
+		c, err := net.Dial("tcp", zmqAddr)
+		raw = c
+		return err == nil
+	})
+	defer raw.Close()
+	greeting := make([]byte, 64)
+	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
+	copy(greeting[12:], "NULL")
+	huge := []byte{0x02, 0, 4, 0, 0, 0, 0, 0, 0} // 2^50 bytes
+	if _, err := raw.Write(append(greeting, huge...)); err != nil {
+		t.Fatal(err)
+	}
+	_ = raw.SetReadDeadline(time.Now().Add(settle))
+	if _, err := io.Copy(io.Discard, raw); err != nil {
+		t.Fatalf("oversized peer not dropped: %v", err)
+	}
+	rec := httptest.NewRecorder()
+	sc.s.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	if !strings.Contains(rec.Body.String(), "kvmesh_sidecar_event_oversized_total 1\n") {
+		t.Fatalf("metrics:\n%s", rec.Body.String())
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pub := zmq4.NewPub(ctx)
+	defer pub.Close()
+	waitFor(t, settle, "publisher connected", func() bool { return pub.Dial("tcp://"+zmqAddr) == nil })
+	ev, keys := chain(1, nil, blockkey.Seed("", ""), tokens(0, 32), 16)
+	good := kvevents.AppendBatch(nil, &kvevents.Batch{Events: []kvevents.Event{ev}, DPRank: -1}, kvevents.FormatVLLMArray)
+	waitFor(t, settle, "batch applied", func() bool {
+		_ = pub.Send(zmq4.NewMsgFrom([]byte(""), make([]byte, 8), good))
+		time.Sleep(20 * time.Millisecond)
+		return sc.s.Status().ResidentBlocks == len(keys)
+	})
+	if st := sc.s.Status(); st.EventOversized != 1 || st.EventHandshakeFailures != 0 {
+		t.Fatalf("status %+v", st)
 	}
 }

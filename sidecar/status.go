@@ -54,7 +54,11 @@ type Status struct {
 	Replayed        uint64   `json:"replayed"`
 	DecodeErrors    uint64   `json:"decode_errors"`
 	Malformed       uint64   `json:"malformed_messages"`
-	Connected       bool     `json:"events_connected"`
+	// Event connections dropped: a message over --kv-events-max-message-bytes,
+	// or no ZMTP handshake within --kv-events-handshake-timeout.
+	EventOversized         uint64 `json:"event_connections_oversized"`
+	EventHandshakeFailures uint64 `json:"event_handshake_failures"`
+	Connected              bool   `json:"events_connected"`
 
 	Gossip  string               `json:"gossip_addr"`
 	Routers int                  `json:"routers"`
@@ -98,6 +102,7 @@ func (s *Sidecar) Status() Status {
 		ks := sub.Stats()
 		st.LastSeq, st.BatchesReceived, st.Gaps, st.Replayed = ks.LastSeq, ks.Batches, ks.Gaps, ks.Replayed
 		st.DecodeErrors, st.Malformed, st.Connected = ks.DecodeErrors, ks.Malformed, ks.Connected
+		st.EventOversized, st.EventHandshakeFailures = ks.Oversized, ks.HandshakeFailures
 	}
 	if n := s.node.Load(); n != nil {
 		st.Gossip = n.Addr()
@@ -153,6 +158,8 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_event_replayed_total", "batches recovered by replay", true, func(s *Status) float64 { return float64(s.Replayed) }},
 	{"kvmesh_sidecar_event_decode_errors_total", "event payloads that did not decode (skipped)", true, func(s *Status) float64 { return float64(s.DecodeErrors) }},
 	{"kvmesh_sidecar_event_malformed_total", "event messages with bad framing (skipped)", true, func(s *Status) float64 { return float64(s.Malformed) }},
+	{"kvmesh_sidecar_event_oversized_total", "KV event connections dropped for a message over --kv-events-max-message-bytes", true, func(s *Status) float64 { return float64(s.EventOversized) }},
+	{"kvmesh_sidecar_event_handshake_failures_total", "KV event connections dropped before their ZMTP handshake completed (not ZMTP, closed, or over --kv-events-handshake-timeout)", true, func(s *Status) float64 { return float64(s.EventHandshakeFailures) }},
 	{"kvmesh_sidecar_engine_resets_total", "event stream resets (engine restart or unrecoverable gap)", true, func(s *Status) float64 { return float64(s.EngineResets) }},
 	{"kvmesh_sidecar_last_seq", "sequence number of the last event batch", false, func(s *Status) float64 { return float64(s.LastSeq) }},
 	{"kvmesh_sidecar_filter_generation", "current filter generation", false, func(s *Status) float64 { return float64(s.FilterGeneration) }},

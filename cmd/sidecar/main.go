@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/sidecar"
 )
@@ -45,6 +46,8 @@ func run(args []string) error {
 	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "endpoint to bind for a publisher that connects (e.g. tcp://*:5557)")
 	fs.StringVar(&cfg.KVReplay, "kv-replay", "", "engine's KV events replay (ROUTER) endpoint")
 	fs.StringVar(&cfg.KVTopic, "kv-topic", "", "KV events topic prefix (empty: all)")
+	fs.Int64Var(&cfg.KVMaxMessageBytes, "kv-events-max-message-bytes", kvevents.DefaultMaxMessageBytes, "largest KV events message (all its frames) a publisher may send; a peer declaring more is dropped")
+	fs.DurationVar(&cfg.KVHandshakeTimeout, "kv-events-handshake-timeout", kvevents.DefaultHandshakeTimeout, "time a KV events connection has to complete its ZMTP handshake")
 	fs.StringVar(&cfg.Name, "name", host, "replica name, unique in the cluster")
 	fs.StringVar(&bind, "gossip-bind", "0.0.0.0:7946", "gossip listen address host:port (UDP and TCP)")
 	fs.StringVar(&advertise, "gossip-advertise", "", "gossip address others reach this sidecar at (host:port)")
