@@ -28,6 +28,9 @@ func newPublisher(o options, log zerolog.Logger) (*kvevents.Publisher, error) {
 		Topic:          o.kvTopic,
 		Format:         format,
 		Logger:         log,
+
+		MaxMessageBytes:  o.kvMaxMessageBytes,
+		HandshakeTimeout: o.kvHandshakeTimeout,
 	})
 }
 

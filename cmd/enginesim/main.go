@@ -20,6 +20,7 @@ import (
 	"github.com/kvmesh/kvmesh/engine"
 	"github.com/kvmesh/kvmesh/enginesim"
 	"github.com/kvmesh/kvmesh/flagenv"
+	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -44,6 +45,8 @@ type options struct {
 	blockSize, kvBlocks          int
 	maxNumSeqs, maxBatchedTokens int
 	maxModelLen                  int
+	kvMaxMessageBytes            int64
+	kvHandshakeTimeout           time.Duration
 	timeScale                    float64
 	log                          logging.Options
 }
@@ -62,6 +65,8 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&o.kvReplay, "kv-replay", "", "ZMQ ROUTER endpoint serving replay of recent event batches (optional)")
 	fs.StringVar(&o.kvTopic, "kv-topic", "", "topic frame of every KV-event message")
 	fs.StringVar(&o.kvFormat, "kv-events-format", "vllm", "KV-event encoding: vllm (v0.26+ map events), vllm-array (older array events) or sglang")
+	fs.Int64Var(&o.kvMaxMessageBytes, "kv-events-max-message-bytes", kvevents.DefaultMaxMessageBytes, "largest message a KV-events peer (subscriber, replay client) may send; a peer declaring more is dropped")
+	fs.DurationVar(&o.kvHandshakeTimeout, "kv-events-handshake-timeout", kvevents.DefaultHandshakeTimeout, "time a KV-events connection has to complete its ZMTP handshake")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "real seconds per simulated second: 1 real time, 0.1 ten times faster, 0 no delay")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 256, "maximum running sequences per step")
 	fs.IntVar(&o.maxBatchedTokens, "max-num-batched-tokens", 8192, "token budget per step (longer prefills are chunked)")
