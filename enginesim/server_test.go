@@ -202,6 +202,8 @@ func TestBadInputGetsVLLMStyleErrors(t *testing.T) {
 	cfg := engine.Config{BlockSize: 16, KVBlocks: 64, MaxNumSeqs: 8, MaxNumBatchedTokens: 512, MaxModelLen: 256, Cost: engine.DefaultCost}
 	ts := startServer(t, Config{Engine: cfg, TimeScale: 0})
 	long := words("x", 300)
+	// Nested 3,000,000 deep (6 MB): encoding/json stops at 10,000 levels.
+	deep := strings.Repeat("[", 3_000_000) + strings.Repeat("]", 3_000_000)
 	cases := []struct {
 		path, body string
 		code       int
@@ -244,15 +246,19 @@ func TestBadInputGetsVLLMStyleErrors(t *testing.T) {
 		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"continue_final_message":true}`, 400},
 		{"/tokenize", `{"prompt":[1,2]}`, 400},
 		{"/tokenize", `{}`, 400},
+		{"/v1/completions", `{"prompt":"hi","x":` + deep + `}`, 400},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":` + deep + `}]}`, 400},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":` + deep + `}}]}`, 400},
+		{"/tokenize", `{"messages":[{"role":"user","content":"hi"}],"x":` + deep + `}`, 400},
 	}
 	for _, c := range cases {
 		code, body := ts.do(t, "POST", c.path, []byte(c.body))
 		var e vllmError
 		if err := json.Unmarshal(body, &e); err != nil || code != c.code || e.Error.Code != c.code || e.Error.Message == "" {
-			t.Fatalf("%s %q: status %d body %s; want %d with a vLLM error object", c.path, c.body, code, body, c.code)
+			t.Fatalf("%s %.200q: status %d body %s; want %d with a vLLM error object", c.path, c.body, code, body, c.code)
 		}
 		if c.code == 400 && e.Error.Type != "BadRequestError" {
-			t.Fatalf("%s %q: error type %q", c.path, c.body, e.Error.Type)
+			t.Fatalf("%s %.200q: error type %q", c.path, c.body, e.Error.Type)
 		}
 	}
 	// stream_options is tested for its truth: {} passes without a stream.

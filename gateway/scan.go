@@ -3,6 +3,8 @@ package gateway
 import (
 	"bytes"
 	"encoding/json"
+
+	"github.com/kvmesh/kvmesh/jsonscan"
 )
 
 // decodeTop fills r from the top-level fields of body, which json.Valid has
@@ -147,13 +149,13 @@ func valueEnd(b []byte, i int) int {
 	}
 	switch b[i] {
 	case '"':
-		return stringEnd(b, i+1)
+		return jsonscan.StringEnd(b, i+1)
 	case '{', '[':
 		depth := 0
 		for j := i; j < len(b); j++ {
 			switch b[j] {
 			case '"':
-				j = stringEnd(b, j+1) - 1
+				j = jsonscan.StringEnd(b, j+1) - 1
 			case '{', '[':
 				depth++
 			case '}', ']':
@@ -174,25 +176,4 @@ func valueEnd(b []byte, i int) int {
 		j++
 	}
 	return j
-}
-
-// stringEnd returns the index just past the closing quote of the JSON
-// string whose content starts at b[j]. It jumps from quote to quote
-// (IndexByte is vectorised) and counts the backslashes before each.
-func stringEnd(b []byte, j int) int {
-	for {
-		k := bytes.IndexByte(b[j:], '"')
-		if k < 0 {
-			return len(b)
-		}
-		q := j + k
-		n := 0
-		for p := q - 1; p >= j && b[p] == '\\'; p-- {
-			n++
-		}
-		if n%2 == 0 {
-			return q + 1
-		}
-		j = q + 1
-	}
 }

@@ -97,3 +97,26 @@ func TestPanicWhileRelayingAStreamStaysWithIt(t *testing.T) {
 		return !busy
 	})
 }
+
+// TestDeepNestingIsABadRequest: a body nested 3,000,000 deep in a field
+// routing does not read (6 MB) once overflowed the stack of the validator
+// used on bodies of 256 bytes or more: a fatal error that ended the router.
+// It is a 400 on every route that reads a body, and the router serves on.
+func TestDeepNestingIsABadRequest(t *testing.T) {
+	r := newRouter(t, Settings{}, 16<<20)
+	r.table.AddStatic("e1", startEngine(t, testModel), []string{testModel})
+	deep := strings.Repeat("[", 3_000_000) + strings.Repeat("]", 3_000_000)
+	for path, body := range map[string]string{
+		"/v1/chat/completions": `{"model":"sim","messages":[{"role":"user","content":"hi"}],"x":` + deep + `}`,
+		"/v1/completions":      `{"model":"sim","prompt":"hi","x":` + deep + `}`,
+		"/tokenize":            `{"model":"sim","prompt":"hi","x":` + deep + `}`,
+		"/v1/embeddings":       `{"model":"sim","input":"hi","x":` + deep + `}`,
+	} {
+		if res := r.post(t, path, body); res.status != 400 || !strings.Contains(res.body, "exceeded max depth") {
+			t.Errorf("%s nested 3,000,000 deep: %d %.200s, want a 400 naming the depth", path, res.status, res.body)
+		}
+	}
+	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 {
+		t.Fatalf("after the deep bodies: %d %s", res.status, res.body)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"unicode/utf8"
 
 	segjson "github.com/segmentio/encoding/json"
+
+	"github.com/kvmesh/kvmesh/jsonscan"
 )
 
 // Builtin is a simple deterministic tokenizer for demos and tests, shared by
@@ -43,7 +45,11 @@ func (b Builtin) EncodeChat(chat Chat) (string, []uint32, error) {
 		Content json.RawMessage `json:"content"`
 	}
 	// segmentio's decoder is a drop-in for encoding/json here, 5× faster on
-	// chats (engine and router decode with this same function).
+	// chats (engine and router decode with this same function). It recurses
+	// without a limit, so nesting is bounded first, as encoding/json does.
+	if !jsonscan.DepthWithin(chat.Messages, jsonscan.MaxDepth) {
+		return "", nil, fmt.Errorf("tokenize: messages nest deeper than %d levels", jsonscan.MaxDepth)
+	}
 	if err := segjson.Unmarshal(chat.Messages, &msgs); err != nil {
 		return "", nil, fmt.Errorf("tokenize: messages: %w", err)
 	}
