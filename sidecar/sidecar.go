@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -24,6 +25,7 @@ import (
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
+	"github.com/kvmesh/kvmesh/listener"
 	"github.com/kvmesh/kvmesh/residentset"
 )
 
@@ -120,6 +122,21 @@ type Sidecar struct {
 	announceMu       sync.Mutex // one metadata announcement at a time
 
 	httpSrv *http.Server
+	// accepts is the status listener, once listening.
+	accepts atomic.Pointer[listener.Guarded]
+}
+
+// serveHTTP serves status and metrics through a listener that rides out
+// accept errors (counted in accept_errors) rather than net/http's, which
+// retries too but counts nothing.
+func (s *Sidecar) serveHTTP() error {
+	ln, err := net.Listen("tcp", s.cfg.Listen)
+	if err != nil {
+		return err
+	}
+	g := listener.Guard(ln, s.log)
+	s.accepts.Store(g)
+	return s.httpSrv.Serve(g)
 }
 
 // observer forwards resident-set changes to the current generations.
@@ -258,7 +275,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.httpSrv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			if err := s.serveHTTP(); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				errc <- fmt.Errorf("sidecar: --listen %s: %w", s.cfg.Listen, err)
 			}
 		}()

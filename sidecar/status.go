@@ -40,6 +40,9 @@ type Status struct {
 	InflightRequests      int     `json:"inflight_requests"`
 	InflightPrefillTokens int     `json:"inflight_prefill_tokens"`
 	ScrapeErrors          uint64  `json:"scrape_errors"`
+	// AcceptErrors counts failed accepts on --listen (out of file
+	// descriptors...): each is retried after a pause.
+	AcceptErrors uint64 `json:"accept_errors"`
 	// Version is the sidecar's build (git revision).
 	Version string `json:"version"`
 	// MetricsReadMS is how long the engine took to answer the last /metrics
@@ -79,6 +82,7 @@ func (s *Sidecar) Status() Status {
 		Running:        m.Running,
 		KVUsage:        m.KVUsage,
 		ScrapeErrors:   s.scrapeErrs.Load(),
+		AcceptErrors:   s.acceptErrors(),
 		Version:        buildinfo.Version(),
 		MetricsReadMS:  float64(s.metricsReadNanos.Load()) / 1e6,
 		KVEvents:       s.kvEvents(),
@@ -132,6 +136,13 @@ func (s *Sidecar) Handler() http.Handler {
 	return mux
 }
 
+func (s *Sidecar) acceptErrors() uint64 {
+	if g := s.accepts.Load(); g != nil {
+		return g.Errors()
+	}
+	return 0
+}
+
 // collector exports Status as Prometheus series at scrape time.
 type collector struct{ s *Sidecar }
 
@@ -171,6 +182,7 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_engine_kv_usage", "engine KV cache usage 0..1", false, func(s *Status) float64 { return s.KVUsage }},
 	{"kvmesh_sidecar_inflight_requests", "requests routers report in flight here", false, func(s *Status) float64 { return float64(s.InflightRequests) }},
 	{"kvmesh_sidecar_scrape_errors_total", "failed engine metric scrapes", true, func(s *Status) float64 { return float64(s.ScrapeErrors) }},
+	{"kvmesh_sidecar_accept_errors_total", "failed accepts on the status listener (each retried after a pause)", true, func(s *Status) float64 { return float64(s.AcceptErrors) }},
 	{"kvmesh_sidecar_engine_metrics_read_seconds", "time the engine took to answer the last /metrics read (it is read every scrape interval)", false, func(s *Status) float64 { return s.MetricsReadMS / 1e3 }},
 	{"kvmesh_sidecar_routers", "routers this sidecar feeds", false, func(s *Status) float64 { return float64(s.Routers) }},
 	{"kvmesh_sidecar_gossip_members", "live cluster members", false, func(s *Status) float64 { return float64(s.Cluster.Members) }},

@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/enginesim"
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/kvevents"
+	"github.com/kvmesh/kvmesh/listener"
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -119,6 +120,9 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	// fasthttp's Serve returns on an accept error (EMFILE under a load test
+	// with a low nofile): keep accepting instead.
+	ln = listener.Guard(ln, log)
 	engineCtx, stopEngine := context.WithCancel(context.Background())
 	engineDone := make(chan struct{})
 	go func() { srv.Run(engineCtx); close(engineDone) }()

@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/pprofhandler"
@@ -31,6 +32,7 @@ import (
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gateway"
 	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/listener"
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/routerconfig"
 	"github.com/kvmesh/kvmesh/routing"
@@ -170,7 +172,7 @@ func run(args []string) error {
 		}
 	}
 
-	ln, err := net.Listen("tcp", o.listen)
+	ln, err := guardedListen(o.listen, "api", g, log)
 	if err != nil {
 		return err
 	}
@@ -182,11 +184,11 @@ func run(args []string) error {
 		ln = tls.NewListener(ln, certs.Config())
 	}
 	if o.pprofListen != "" {
-		go func() {
-			if err := fasthttp.ListenAndServe(o.pprofListen, pprofhandler.PprofHandler); err != nil {
-				log.Warn().Err(err).Msg("pprof server")
-			}
-		}()
+		if pln, err := guardedListen(o.pprofListen, "pprof", g, log); err != nil {
+			log.Warn().Err(err).Msg("pprof server")
+		} else {
+			go func() { _ = fasthttp.Serve(pln, pprofhandler.PprofHandler) }()
+		}
 	}
 	srv := g.Server(o.maxBodyBytes)
 	served := make(chan error, 1)
@@ -219,6 +221,27 @@ func run(args []string) error {
 	}
 	log.Info().Msg("stopped")
 	return nil
+}
+
+// guardedListen listens on addr through a listener that survives accept
+// errors (fasthttp's Serve returns on the first one: at the open-file limit
+// the router exited), counted in kvmesh_router_accept_errors_total{listener=name}.
+func guardedListen(addr, name string, g *gateway.Gateway, log zerolog.Logger) (net.Listener, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	guarded := listener.Guard(ln, log)
+	err = g.RegisterMetrics(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name:        "kvmesh_router_accept_errors_total",
+		Help:        "Accepts that failed (too many open files...); the listener waits up to 1s and accepts again.",
+		ConstLabels: prometheus.Labels{"listener": name},
+	}, func() float64 { return float64(guarded.Errors()) }))
+	if err != nil {
+		_ = ln.Close()
+		return nil, err
+	}
+	return guarded, nil
 }
 
 func startGossip(o *options, table *fleet.Table, g *gateway.Gateway, log zerolog.Logger) (*gossip.RouterNode, error) {
