@@ -3,9 +3,12 @@ package gateway
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -111,6 +114,8 @@ func TestOnlyAnswerlessFailuresEject(t *testing.T) {
 		{"client gone", proxy.Result{Err: refused, ClientGone: true}, false},
 		{"router's own panic", proxy.Result{Err: refused, Internal: true}, false},
 		{"router out of connections", proxy.Result{Err: fasthttp.ErrNoFreeConns}, false},
+		{"router out of file descriptors", proxy.Result{Err: fmt.Errorf("dial: %w", &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EMFILE)})}, false},
+		{"host out of file descriptors", proxy.Result{Err: &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.ENFILE)}}, false},
 	} {
 		if got := unreachable(c.r); got != c.want {
 			t.Errorf("%s: unreachable %v, want %v", c.name, got, c.want)

@@ -3,6 +3,7 @@ package gateway
 import (
 	"errors"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -179,7 +180,15 @@ func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
 // answers: no response at all, not because the client left or the router
 // had no free connection to it.
 func unreachable(r proxy.Result) bool {
-	return r.Err != nil && r.Status == 0 && !r.ClientGone && !r.Internal && !r.Overran && !errors.Is(r.Err, fasthttp.ErrNoFreeConns)
+	return r.Err != nil && r.Status == 0 && !r.ClientGone && !r.Internal && !r.Overran && !errors.Is(r.Err, fasthttp.ErrNoFreeConns) &&
+		!outOfDescriptors(r.Err)
+}
+
+// outOfDescriptors reports a dial that failed for want of a file descriptor
+// here: at the open-file limit every replica would be ejected by a router
+// that cannot open a socket, and stay out after descriptors are free again.
+func outOfDescriptors(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
 }
 
 var _ proxy.Observer = (*exchange)(nil)
