@@ -99,6 +99,17 @@ func (m *metrics) serve(ctx *fasthttp.RequestCtx) { m.handler(ctx) }
 // RegisterMetrics adds c to the router's /metrics (e.g. gossip counters).
 func (g *Gateway) RegisterMetrics(c prometheus.Collector) error { return g.metrics.reg.Register(c) }
 
+// RegisterAcceptErrors exports a listener's count of failed accepts as
+// kvmesh_router_accept_errors_total{listener}: at the open-file limit
+// every accept fails until descriptors are free again.
+func (g *Gateway) RegisterAcceptErrors(listener string, errors func() uint64) error {
+	return g.metrics.reg.Register(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name:        "kvmesh_router_accept_errors_total",
+		Help:        "Accepts that failed (too many open files...); the listener waits up to 1 s and accepts again.",
+		ConstLabels: prometheus.Labels{"listener": listener},
+	}, func() float64 { return float64(errors()) }))
+}
+
 // infoCollector exports kvmesh_router_info{policy,version} = 1: the policy in
 // force (it changes with a config reload) and the build running.
 type infoCollector struct{ g *Gateway }

@@ -120,3 +120,15 @@ func TestDeepNestingIsABadRequest(t *testing.T) {
 		t.Fatalf("after the deep bodies: %d %s", res.status, res.body)
 	}
 }
+
+// TestAcceptErrorsAreExported: the count of a listener's failed accepts
+// (the router's own file-descriptor shortage) is in /metrics by listener.
+func TestAcceptErrorsAreExported(t *testing.T) {
+	r := newRouter(t, Settings{}, 1<<20)
+	if err := r.g.RegisterAcceptErrors("api", func() uint64 { return 3 }); err != nil {
+		t.Fatal(err)
+	}
+	if body := r.get(t, "/metrics").body; !strings.Contains(body, `kvmesh_router_accept_errors_total{listener="api"} 3`) {
+		t.Fatalf("accept errors not exported:\n%s", body)
+	}
+}

@@ -18,7 +18,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 	"github.com/valyala/fasthttp/pprofhandler"
@@ -232,12 +231,7 @@ func guardedListen(addr, name string, g *gateway.Gateway, log zerolog.Logger) (n
 		return nil, err
 	}
 	guarded := listener.Guard(ln, log)
-	err = g.RegisterMetrics(prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name:        "kvmesh_router_accept_errors_total",
-		Help:        "Accepts that failed (too many open files...); the listener waits up to 1s and accepts again.",
-		ConstLabels: prometheus.Labels{"listener": name},
-	}, func() float64 { return float64(guarded.Errors()) }))
-	if err != nil {
+	if err := g.RegisterAcceptErrors(name, guarded.Errors); err != nil {
 		_ = ln.Close()
 		return nil, err
 	}
