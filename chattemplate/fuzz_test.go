@@ -95,17 +95,23 @@ func TestQwenTemplateToolCall(t *testing.T) {
 	}
 }
 
+// compileNatives compiles the templates natives renders: Llama 3's and
+// Qwen2.5's.
+func compileNatives(tb testing.TB) (llama3, qwen *Template) {
+	llama3, err := Compile(llama3Template)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if qwen, err = Compile(qwen25Template); err != nil {
+		tb.Fatal(err)
+	}
+	return llama3, qwen
+}
+
 // FuzzRender feeds arbitrary messages JSON to real templates: the renderer
 // must return a prompt or an error, never panic.
 func FuzzRender(f *testing.F) {
-	llama3, err := Compile(llama3Template)
-	if err != nil {
-		f.Fatal(err)
-	}
-	qwen, err := Compile(qwen25Template)
-	if err != nil {
-		f.Fatal(err)
-	}
+	llama3, qwen := compileNatives(f)
 	seeds := []string{
 		`[{"role":"system","content":"s"},{"role":"user","content":"hi"}]`,
 		`[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"function":{"name":"f","arguments":{"a":[1,2.5,{"b":null}]}}}]},{"role":"tool","content":"r"},{"role":"tool","content":"r2"}]`,

@@ -45,6 +45,9 @@
 //   - raise_exception yields a *TemplateError carrying the template's message;
 //   - continue_final_message cuts the prompt after the final message's
 //     content, as transformers does;
+//   - CutMessages keeps the leading messages of a long chat, for the
+//     templates known to render messages in order (RendersInOrder), so
+//     that a router can render only the start of the prompt (cut.go);
 //   - the templates of some common models (Llama 3, Qwen2.5), recognised by
 //     their source, render requests without chat_template_kwargs in Go
 //     rather than jinja: the same prompt, in a fraction of the time and
