@@ -27,19 +27,37 @@ const (
 )
 
 // Encode implements Model.
-func (Builtin) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
-	if !utf8.ValidString(text) {
-		return nil, errors.New("tokenize: prompt is not valid UTF-8")
-	}
-	ids := make([]uint32, 0, len(text)/4+2)
-	if addSpecialTokens {
-		ids = append(ids, BuiltinBOS)
-	}
-	return appendBuiltin(ids, text), nil
+func (b Builtin) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
+	return b.encodeCut(make([]uint32, 0, len(text)/4+2), text, addSpecialTokens)
 }
 
 // EncodeChat implements Model.
 func (b Builtin) EncodeChat(chat Chat) (string, []uint32, error) {
+	prompt, err := b.renderChat(chat)
+	if err != nil {
+		return "", nil, err
+	}
+	ids, err := b.Encode(prompt, chat.AddSpecialTokens)
+	return prompt, ids, err
+}
+
+// Builtin's pieces end at a space after a letter or digit, and chats
+// render message after message: both can be cut (EncodePrefix).
+func (Builtin) cutsAtWords() bool    { return true }
+func (Builtin) rendersInOrder() bool { return true }
+
+func (b Builtin) encodeCut(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
+	if !utf8.ValidString(text) {
+		return nil, errors.New("tokenize: prompt is not valid UTF-8")
+	}
+	dst = dst[:0]
+	if addSpecialTokens {
+		dst = append(dst, BuiltinBOS)
+	}
+	return appendBuiltin(dst, text), nil
+}
+
+func (Builtin) renderChat(chat Chat) (string, error) {
 	var msgs []struct {
 		Role    string          `json:"role"`
 		Content json.RawMessage `json:"content"`
@@ -48,16 +66,16 @@ func (b Builtin) EncodeChat(chat Chat) (string, []uint32, error) {
 	// chats (engine and router decode with this same function). It recurses
 	// without a limit, so nesting is bounded first, as encoding/json does.
 	if !jsonscan.DepthWithin(chat.Messages, jsonscan.MaxDepth) {
-		return "", nil, fmt.Errorf("tokenize: messages nest deeper than %d levels", jsonscan.MaxDepth)
+		return "", fmt.Errorf("tokenize: messages nest deeper than %d levels", jsonscan.MaxDepth)
 	}
 	if err := segjson.Unmarshal(chat.Messages, &msgs); err != nil {
-		return "", nil, fmt.Errorf("tokenize: messages: %w", err)
+		return "", fmt.Errorf("tokenize: messages: %w", err)
 	}
 	var sb strings.Builder
 	for _, m := range msgs {
 		text, err := contentText(m.Content)
 		if err != nil {
-			return "", nil, err
+			return "", err
 		}
 		sb.WriteString("<|")
 		sb.WriteString(m.Role)
@@ -68,9 +86,7 @@ func (b Builtin) EncodeChat(chat Chat) (string, []uint32, error) {
 	if chat.AddGenerationPrompt {
 		sb.WriteString("<|assistant|>\n")
 	}
-	prompt := sb.String()
-	ids, err := b.Encode(prompt, chat.AddSpecialTokens)
-	return prompt, ids, err
+	return sb.String(), nil
 }
 
 // contentText flattens an OpenAI message content: a string, null, or a list

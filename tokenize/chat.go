@@ -28,6 +28,7 @@ func MediaMessage(err error) (int, bool) {
 type chatRenderer interface {
 	RenderInto(*[]byte, chattemplate.Input) (string, error)
 	Renderer() string
+	RendersInOrder() bool
 }
 
 func compileChatTemplate(src string) (chatRenderer, error) {
@@ -82,25 +83,38 @@ func (t *HF) renderWith(r chatRenderer, chat Chat) (string, error) {
 // EncodeChat implements Model: render the template, then tokenize without
 // adding special tokens (vLLM's chat path; BOS comes from the template).
 func (t *HF) EncodeChat(chat Chat) (string, []uint32, error) {
-	return t.encodeChat(t.chat, chat, 0)
+	return t.encodeChat(t.chat, chat)
 }
 
-func (t *HF) encodeChat(r chatRenderer, chat Chat, maxTokens int) (string, []uint32, error) {
+func (t *HF) encodeChat(r chatRenderer, chat Chat) (string, []uint32, error) {
 	prompt, err := t.renderWith(r, chat)
 	if err != nil {
 		return "", nil, err
 	}
-	size := len(prompt)/3 + 4
-	if maxTokens > 0 {
-		size = min(size, maxTokens+8)
-	}
 	buf := chat.IDs[:0]
-	if cap(buf) < size {
+	if size := len(prompt)/3 + 4; cap(buf) < size {
 		buf = make([]uint32, 0, size)
 	}
-	ids, err := t.appendEncode(buf, prompt, chat.AddSpecialTokens, maxTokens)
+	ids, err := t.AppendEncode(buf, prompt, chat.AddSpecialTokens)
 	if err != nil {
 		return prompt, nil, err
 	}
 	return prompt, ids, nil
+}
+
+func (t *HF) cutsAtWords() bool { return t.wordCut }
+
+func (t *HF) rendersInOrder() bool { return t.chat != nil && t.chat.RendersInOrder() }
+
+func (t *HF) renderChat(chat Chat) (string, error) { return t.RenderChat(chat) }
+
+func (t *HF) encodeCut(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
+	if cap(dst) == 0 {
+		dst = make([]uint32, 0, len(text)/3+4)
+	}
+	ids, err := t.AppendEncode(dst[:0], text, addSpecialTokens)
+	if err == nil && addSpecialTokens {
+		ids = ids[:len(ids)-len(t.postAfter)] // a cut text has no end
+	}
+	return ids, err
 }

@@ -220,6 +220,9 @@ type splitPre struct {
 	scan     scanner // non-nil: a hand-written equivalent of pat
 	behavior behavior
 	invert   bool
+	// known: pat is one of the patterns scannerFor knows (used or not),
+	// whose pieces a cut at a word end leaves alone (wordCutSafe).
+	known bool
 }
 
 func (p *splitPre) pretokenize(e *encoder, s string, first bool, next int) bool {
@@ -347,6 +350,7 @@ func parsePreTokenizer(raw json.RawMessage, regexOnly bool) ([]preTokenizer, err
 				return nil, err
 			}
 			sp.pat = regexPattern{re}
+			sp.known = scannerFor(*p.Pattern.Regex) != nil
 			if !regexOnly {
 				sp.scan = scannerFor(*p.Pattern.Regex)
 			}

@@ -120,7 +120,7 @@ func TestGrowingChatTokenizesOnlyTheNewTurn(t *testing.T) {
 	// Another instance (regexp2 splitting, its own caches) has never seen
 	// these turns.
 	other, _ := goldenVariant(t, "llama3", "regexp2", func(o *options) { o.regexOnly = true })
-	if _, want, _ := other.encodeChat(tok.chat, Chat{Messages: []byte(turn2), AddGenerationPrompt: true}, 0); !slices.Equal(second, want) {
+	if _, want, _ := other.encodeChat(tok.chat, Chat{Messages: []byte(turn2), AddGenerationPrompt: true}); !slices.Equal(second, want) {
 		t.Fatal("cached chat ids differ from a fresh tokenizer's")
 	}
 }

@@ -181,7 +181,7 @@ func TestGoldenChat(t *testing.T) {
 					Tools:               c.Tools,
 					AddGenerationPrompt: c.AddGenerationPrompt,
 					Prompt:              pc.prompt,
-				}, 0)
+				})
 				if c.Error != nil {
 					if err == nil {
 						t.Errorf("%s/%s: rendered, want error %q", c.Template, c.ID, *c.Error)

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"runtime"
 	"strings"
 	"sync"
@@ -36,6 +35,9 @@ type HF struct {
 	bosToken, eosToken string
 	chat               chatRenderer
 	chatErr            error
+	// wordCut: a text cut at a word end encodes as the whole text starts
+	// (wordCutSafe, decided at load).
+	wordCut bool
 }
 
 // Option configures a tokenizer at load time.
@@ -112,6 +114,7 @@ func Load(tokenizerJSON []byte, opts ...Option) (*HF, error) {
 		runtime.AddCleanup(t, func(c *segmentCache) { c.reset() }, t.segments)
 	}
 	t.encoders.New = t.newEncoder
+	t.wordCut = t.wordCutSafe()
 	t.chatErr = errNoChatTemplate
 	if o.chatTemplate != nil {
 		t.chat, t.chatErr = compileChatTemplate(*o.chatTemplate)
@@ -541,7 +544,6 @@ func templateItems(raw json.RawMessage) ([]templateItem, error) {
 type encoder struct {
 	t      *HF
 	out    []uint32
-	limit  int // stop once len(out) reaches it
 	err    error
 	sc     bpeScratch
 	spans  []addedSpan
@@ -572,13 +574,13 @@ func (e *encoder) release() {
 }
 
 // emit hands piece s to pre-tokenizer stage next, or to the model after the
-// last stage. It reports whether to go on (the token budget is not spent).
+// last stage. It reports whether to go on (no error occurred).
 func (e *encoder) emit(next int, s string, first bool) bool {
 	if next < len(e.t.pre) {
 		return e.t.pre[next].pretokenize(e, s, first, next+1)
 	}
 	e.out = e.t.model.appendPieces(e.out, s, &e.sc)
-	return len(e.out) < e.limit
+	return true
 }
 
 // emitSpans splits s with a pattern and behaviour and emits the pieces.
@@ -610,21 +612,11 @@ func (t *HF) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
 // AppendEncode appends the ids of text to dst. With a segment cache and
 // enough room in dst, re-encoding known text does not allocate.
 func (t *HF) AppendEncode(dst []uint32, text string, addSpecialTokens bool) ([]uint32, error) {
-	return t.appendEncode(dst, text, addSpecialTokens, 0)
-}
-
-// appendEncode stops after maxTokens ids (0: no limit).
-func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxTokens int) ([]uint32, error) {
 	if !utf8.ValidString(text) {
 		return dst, ErrInvalidUTF8
 	}
 	e := t.encoders.Get().(*encoder)
-	base := len(dst)
 	e.out, e.err = dst, nil
-	e.limit = math.MaxInt
-	if maxTokens > 0 {
-		e.limit = base + maxTokens
-	}
 	if addSpecialTokens {
 		e.out = append(e.out, t.postBefore...)
 	}
@@ -634,10 +626,6 @@ func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxT
 	} else {
 		e.spans = t.added.split(text, e.spans[:0])
 		for _, sp := range e.spans {
-			if len(e.out) >= e.limit {
-				complete = false
-				break
-			}
 			if sp.tok >= 0 {
 				e.out = append(e.out, t.added.tokens[sp.tok].ID)
 				continue
@@ -652,9 +640,6 @@ func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxT
 		e.out = append(e.out, t.postAfter...)
 	}
 	out, err := e.out, e.err
-	if len(out) > e.limit {
-		out = out[:e.limit]
-	}
 	e.out = nil
 	e.release()
 	t.encoders.Put(e)
@@ -669,7 +654,7 @@ func (t *HF) appendEncode(dst []uint32, text string, addSpecialTokens bool, maxT
 const minCachedSegment = 16
 
 // segment encodes text between added tokens, through the segment cache. It
-// reports false when the token budget ran out (or an error occurred).
+// reports false when an error occurred.
 func (t *HF) segment(e *encoder, seg string, first bool) bool {
 	if seg == "" {
 		return true
@@ -682,7 +667,7 @@ func (t *HF) segment(e *encoder, seg string, first bool) bool {
 	e.cached = buf
 	if ok {
 		e.out = out
-		return len(e.out) < e.limit
+		return true
 	}
 	t.segmentMisses.Add(1)
 	mark := len(e.out)
@@ -709,9 +694,6 @@ func (t *HF) segmentUncached(e *encoder, seg string, first bool) bool {
 	for _, sp := range e.spans2 {
 		if sp.tok >= 0 {
 			e.out = append(e.out, t.addedNorm.tokens[sp.tok].ID)
-			if len(e.out) >= e.limit {
-				return false
-			}
 			continue
 		}
 		if !e.emit(0, s[sp.start:sp.end], first && sp.start == 0) {

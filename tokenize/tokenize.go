@@ -23,9 +23,14 @@
 //     whose files the router lacks.
 //   - Builtin is a tiny deterministic tokenizer for demos and tests.
 //
-// Prefix wraps any Model to stop after max_prefix_tokens ids: routing only
-// matches prefixes, and HF then stops splitting as soon as the budget is
-// spent.
+// EncodePrefix and EncodeChatPrefix give what routing needs of a prompt,
+// its first max_prefix_tokens ids exactly and its token count, rendering
+// and tokenizing at most max_prefix_bytes of it: a prompt longer than a
+// first window is cut at a word end, where HF (with a known pre-tokenizer)
+// and Builtin give the whole prompt's leading ids, and counted beyond it at
+// the window's ids per byte; a long chat whose template renders in order
+// renders only its leading messages (cut.go). Prefix wraps any Model the
+// same way.
 //
 // Known limits of HF: character classes come from Go's Unicode tables and
 // regexp2's case folding (HF uses Oniguruma), so characters newer than
