@@ -61,7 +61,7 @@ func FuzzEachElement(f *testing.F) {
 			return
 		}
 		var got [][]byte
-		eachElement(bytes.TrimSpace(raw), func(e []byte) { got = append(got, bytes.TrimSpace(e)) })
+		eachElement(bytes.TrimSpace(raw), func(e []byte) bool { got = append(got, bytes.TrimSpace(e)); return true })
 		if len(got) != len(want) {
 			t.Fatalf("%q: %d elements, want %d", raw, len(got), len(want))
 		}

@@ -49,6 +49,10 @@ type Settings struct {
 	DefaultTokenizer tokenize.Model
 	// MaxPrefixTokens caps the tokens used for matching (default 16384).
 	MaxPrefixTokens int
+	// MaxPrefixBytes bounds the prompt bytes rendered and tokenized to
+	// find them (default tokenize.DefaultMaxPrefixBytes): a decision costs
+	// the same for any body the size limit lets through.
+	MaxPrefixBytes int
 	// MaxAttempts bounds the replicas tried for one request (default 3),
 	// not counting the fallback.
 	MaxAttempts int
@@ -98,7 +102,10 @@ func (s *Settings) tokenizer(ms Model) tokenize.Model {
 func (s *Settings) withDefaults() *Settings {
 	c := *s
 	if c.MaxPrefixTokens <= 0 {
-		c.MaxPrefixTokens = 16384
+		c.MaxPrefixTokens = tokenize.DefaultMaxPrefixTokens
+	}
+	if c.MaxPrefixBytes <= 0 {
+		c.MaxPrefixBytes = tokenize.DefaultMaxPrefixBytes
 	}
 	if c.MaxAttempts <= 0 {
 		c.MaxAttempts = 3

@@ -840,7 +840,8 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 				p.Tools = json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
 			}
 			before := cap(ex.promptBuf)
-			ids, err := ex.encode(p, Model{})
+			pre, err := ex.encode(p, Model{})
+			ids := pre.IDs
 			if cap(ex.promptBuf) > before && before > 0 {
 				grew++
 			}

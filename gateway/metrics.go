@@ -26,6 +26,8 @@ type metrics struct {
 	errors          *prometheus.CounterVec
 	ejections       *prometheus.CounterVec
 	spills          prometheus.Counter
+	promptsCut      prometheus.Counter
+	promptsTooLong  prometheus.Counter
 	ttft            *prometheus.HistogramVec
 	upstreamLatency *prometheus.HistogramVec
 	handler         fasthttp.RequestHandler
@@ -51,6 +53,8 @@ func newMetrics(g *Gateway) *metrics {
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
 	m.spills = f.counter("kvmesh_router_spills_total", "Requests sent to their model's fallback first because the best replica's predicted time to first token was over spill_after.")
+	m.promptsCut = f.counter("kvmesh_router_prompts_cut_total", "Prompts longer than the window first tokenized (8 bytes per max_prefix_tokens token): matched on their exact leading tokens, the rest counted by estimate.")
+	m.promptsTooLong = f.counter("kvmesh_router_prompts_too_long_total", "Prompts routed by load because their leading tokens could not be found within max_prefix_bytes (no word end to cut at, or a chat template not known to render in order).")
 	m.ejections = f.counterVec("kvmesh_router_ejections_total", "Replicas taken out of routing for a while after a request could not reach them, by replica.", "replica")
 	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte (a stream's first event), by replica.",

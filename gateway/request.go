@@ -203,11 +203,12 @@ func checkMessages(raw json.RawMessage) error {
 	}
 	n := 0
 	bad := -1
-	eachElement(raw, func(elem []byte) {
+	eachElement(raw, func(elem []byte) bool {
 		if bad < 0 && elem[0] != '{' {
 			bad = n
 		}
 		n++
+		return true
 	})
 	if n == 0 {
 		return badRequest("messages must not be empty")
@@ -219,26 +220,28 @@ func checkMessages(raw json.RawMessage) error {
 }
 
 // leadingElements returns a JSON array of the first n elements of the
-// array raw (validated already).
+// array raw (validated already), reading no further.
 func leadingElements(raw []byte, n int) []byte {
 	out := []byte{'['}
+	if n <= 0 {
+		return append(out, ']')
+	}
 	i := 0
-	eachElement(raw, func(elem []byte) {
-		if i < n {
-			if i > 0 {
-				out = append(out, ',')
-			}
-			out = append(out, elem...)
+	eachElement(raw, func(elem []byte) bool {
+		if i > 0 {
+			out = append(out, ',')
 		}
+		out = append(out, elem...)
 		i++
+		return i < n
 	})
 	return append(out, ']')
 }
 
 // eachElement calls f with each element of the JSON array raw, which the
-// JSON decoder has already validated: one pass, no allocation (cheaper than
-// decoding it again).
-func eachElement(raw []byte, f func(elem []byte)) {
+// JSON decoder has already validated, until f returns false: one pass, no
+// allocation (cheaper than decoding it again).
+func eachElement(raw []byte, f func(elem []byte) bool) {
 	depth, start := 0, -1
 	for i := 0; i < len(raw); i++ {
 		c := raw[i]
@@ -266,7 +269,9 @@ func eachElement(raw []byte, f func(elem []byte)) {
 			}
 		case ',':
 			if depth == 1 {
-				f(raw[start:i])
+				if !f(raw[start:i]) {
+					return
+				}
 				start = -1
 				continue
 			}

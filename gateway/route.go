@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"time"
@@ -39,7 +40,10 @@ type exchange struct {
 	path  string
 
 	promptTokens int
-	tokenizeErr  error
+	// promptEstimated: promptTokens counts only the window of a long
+	// prompt that was tokenized exactly, the rest by estimate.
+	promptEstimated bool
+	tokenizeErr     error
 	// mediaPrefix is set when the chat holds media: ids are then the
 	// text before the first media part, and promptTokens counts only them.
 	mediaPrefix bool
@@ -97,7 +101,7 @@ func (g *Gateway) getExchange(s *Settings) *exchange {
 	ex := g.exchanges.Get().(*exchange)
 	ex.g, ex.s = g, s
 	ex.tokenizeErr, ex.promptTokens, ex.attempts, ex.firstByte, ex.ttft = nil, 0, 0, false, 0
-	ex.mediaPrefix, ex.measuresTTFT, ex.staleOnly = false, false, false
+	ex.mediaPrefix, ex.measuresTTFT, ex.staleOnly, ex.promptEstimated = false, false, false, false
 	ex.cands, ex.snapIdx, ex.keys, ex.targets, ex.info = ex.cands[:0], ex.snapIdx[:0], ex.keys[:0], ex.targets[:0], ex.info[:0]
 	return ex
 }
@@ -380,15 +384,21 @@ func (ex *exchange) snapIndex(ci int) int { return ex.snapIdx[ci] }
 
 // tokens tokenizes the prompt; a failure degrades to load-only routing.
 func (ex *exchange) tokens(p *parsed, ms Model) {
-	ids, err := ex.encode(p, ms)
+	pre, err := ex.encode(p, ms)
 	if err != nil {
+		if errors.Is(err, tokenize.ErrPromptTooLong) {
+			ex.g.metrics.promptsTooLong.Inc()
+		}
 		ex.tokenizeErr = err
 		ex.ids = nil
 		ex.promptTokens = 0
 		return
 	}
-	ex.ids = ids
-	ex.promptTokens = len(ids)
+	if pre.Estimated {
+		ex.g.metrics.promptsCut.Inc()
+	}
+	ex.ids = pre.IDs
+	ex.promptTokens, ex.promptEstimated = pre.Total, pre.Estimated
 	salt := ""
 	if p.CacheSalt != nil {
 		salt = *p.CacheSalt
@@ -397,27 +407,30 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 	ex.seed = blockkey.Seed(ms.Adapter, salt)
 }
 
-// encode returns the prompt's token ids. A tokenizer that panics on some
-// input is an error like any other: that request is routed by load, the
-// router stays up, and the panic is counted and logged with its stack.
-func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
+// encode returns the prompt's leading token ids and count, rendering and
+// tokenizing no more of it than Settings.MaxPrefixBytes (tokenize.Bounds).
+// A tokenizer that panics on some input is an error like any other: that
+// request is routed by load, the router stays up, and the panic is counted
+// and logged with its stack.
+func (ex *exchange) encode(p *parsed, ms Model) (pre tokenize.Prefixed, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			ids, err = nil, fmt.Errorf("tokenizer panic: %v", r)
+			pre, err = tokenize.Prefixed{}, fmt.Errorf("tokenizer panic: %v", r)
 			ex.g.panicked("tokenizer_panic", r, debug.Stack()).Str("model", ex.model).
 				Msg("tokenizer panicked; the request is routed by load")
 		}
 	}()
 	tk := ex.s.tokenizer(ms)
+	bounds := tokenize.Bounds{MaxTokens: ex.s.MaxPrefixTokens, MaxBytes: ex.s.MaxPrefixBytes}
 	switch {
 	case p.kind == kindOther:
 		err = errLoadOnly
 	case p.kind == kindCompletion && p.promptIDs != nil:
-		ids = p.promptIDs
+		pre = tokenize.Prefixed{IDs: p.promptIDs, Total: len(p.promptIDs)}
 	case tk == nil:
 		err = errNoTokenizer
 	case p.kind == kindCompletion:
-		ids, err = tk.Encode(p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens)
+		pre, err = tokenize.EncodePrefix(tk, p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens, bounds)
 	default:
 		chat := tokenize.Chat{
 			Messages:             p.Messages,
@@ -429,7 +442,7 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 			IDs:                  ex.idsBuf,
 			Prompt:               &ex.promptBuf,
 		}
-		_, ids, err = tk.EncodeChat(chat)
+		pre, err = tokenize.EncodeChatPrefix(tk, chat, bounds)
 		if k, media := tokenize.MediaMessage(err); media && k > 0 {
 			// The engine expands media into tokens the router cannot know,
 			// but the messages before the first media part are rendered
@@ -437,17 +450,17 @@ func (ex *exchange) encode(p *parsed, ms Model) (ids []uint32, err error) {
 			// their blocks (a shared system prompt, earlier text turns).
 			chat.Messages = leadingElements(p.Messages, k)
 			chat.AddGenerationPrompt, chat.ContinueFinalMessage = false, false
-			_, ids, err = tk.EncodeChat(chat)
+			pre, err = tokenize.EncodeChatPrefix(tk, chat, bounds)
 			ex.mediaPrefix = err == nil
 		}
-		if cap(ids) > cap(ex.idsBuf) && cap(ids) <= maxReusedIDs {
-			ex.idsBuf = ids[:0] // grown by the tokenizer: keep the bigger one
+		if cap(pre.IDs) > cap(ex.idsBuf) && cap(pre.IDs) <= maxReusedIDs {
+			ex.idsBuf = pre.IDs[:0] // grown by the tokenizer: keep the bigger one
 		}
 		if cap(ex.promptBuf) > maxReusedPrompt {
 			ex.promptBuf = nil
 		}
 	}
-	return ids, err
+	return pre, err
 }
 
 var (

@@ -62,6 +62,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	s := gateway.Settings{
 		EngineAPIKey:    engineKey,
 		MaxPrefixTokens: c.MaxPrefixTokens,
+		MaxPrefixBytes:  c.MaxPrefixBytes,
 		MaxAttempts:     c.MaxAttempts,
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
 		AdminToken:      b.AdminToken,

@@ -29,6 +29,9 @@ type Config struct {
 	Routing Routing `yaml:"routing"`
 	// MaxPrefixTokens caps the prompt tokens used for matching.
 	MaxPrefixTokens int `yaml:"max_prefix_tokens"`
+	// MaxPrefixBytes bounds the prompt bytes rendered and tokenized to
+	// find those tokens (tokenize.Bounds).
+	MaxPrefixBytes int `yaml:"max_prefix_bytes"`
 	// MaxAttempts bounds the replicas tried per request before the fallback.
 	MaxAttempts int `yaml:"max_attempts"`
 	// DefaultTokenizer tokenizes models without their own: builtin, engine
@@ -162,8 +165,8 @@ func (c *Config) Validate() error {
 	if err := routing.Validate(c.Policy, c.Routing.config()); err != nil {
 		errs = append(errs, err)
 	}
-	if c.MaxPrefixTokens < 0 || c.MaxAttempts < 0 {
-		errs = append(errs, errors.New("config: max_prefix_tokens and max_attempts must not be negative"))
+	if c.MaxPrefixTokens < 0 || c.MaxPrefixBytes < 0 || c.MaxAttempts < 0 {
+		errs = append(errs, errors.New("config: max_prefix_tokens, max_prefix_bytes and max_attempts must not be negative"))
 	}
 	selected := map[string]bool{}
 	for _, n := range c.Selection {
@@ -235,6 +238,9 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.MaxPrefixTokens > 0 {
 		out.MaxPrefixTokens = file.MaxPrefixTokens
+	}
+	if file.MaxPrefixBytes > 0 {
+		out.MaxPrefixBytes = file.MaxPrefixBytes
 	}
 	if file.MaxAttempts > 0 {
 		out.MaxAttempts = file.MaxAttempts

@@ -35,6 +35,7 @@ type Flags struct {
 	// SpillAfter: MODEL=DURATION.
 	SpillAfter      List
 	MaxPrefixTokens int
+	MaxPrefixBytes  int
 	MaxAttempts     int
 	ResumeStreams   bool
 	// CalibrateCost: kvaware decides by the cost model fitted to measured TTFTs.
@@ -43,7 +44,7 @@ type Flags struct {
 
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
-	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
+	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxPrefixBytes: f.MaxPrefixBytes, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
 		Routing: Routing{Calibrate: &f.CalibrateCost}}
 	model := func(name string) *Model {
 		for i := range c.Models {

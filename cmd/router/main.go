@@ -35,6 +35,7 @@ import (
 	"github.com/kvmesh/kvmesh/logging"
 	"github.com/kvmesh/kvmesh/routerconfig"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tokenize"
 )
 
 type options struct {
@@ -75,6 +76,7 @@ func parse(args []string) (*options, error) {
 	fs.Var(&o.flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
 	fs.Var(&o.flags.SpillAfter, "spill-after", "MODEL=DURATION, repeatable: MODEL's requests go to its --fallback first when the best replica's predicted time to first token is longer (kvaware)")
 	fs.IntVar(&o.flags.MaxPrefixTokens, "max-prefix-tokens", 16384, "prompt tokens used for prefix matching")
+	fs.IntVar(&o.flags.MaxPrefixBytes, "max-prefix-bytes", tokenize.DefaultMaxPrefixBytes, "prompt bytes rendered and tokenized at most to find the --max-prefix-tokens leading tokens (the rest is counted by estimate); a prompt whose leading tokens are not found within them is routed by load")
 	fs.IntVar(&o.flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
 	fs.BoolVar(&o.flags.CalibrateCost, "calibrate-cost", false, "kvaware decides by the cost model it fits per model to the times to first token of streamed requests (exported in /metrics either way) instead of by routing.prefill_per_token and per_running")
 	fs.BoolVar(&o.flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
