@@ -18,6 +18,7 @@ func Collector(prefix string, stats func() StatsSnapshot) prometheus.Collector {
 		sentBytes: d("sent_bytes_total", "Bytes of kvmesh messages sent."),
 		sendErrs:  d("send_errors_total", "Messages that could not be sent."),
 		bad:       d("bad_messages_total", "Messages that failed to decode (garbage, truncated, wrong magic)."),
+		forged:    d("unverified_sender_total", "Messages dropped because they could not be from the member they name: forged (another member's address, or no live member's), or in a form the sender check cannot read.", "reason"),
 		dropped:   d("dropped_total", "Messages dropped for a full queue: the node's inbox or memberlist's handoff queue.", "queue"),
 		rejected:  d("rejected_total", "Packets memberlist refused: wrong cluster label, wrong key, malformed.", "reason"),
 		resyncs:   d("resyncs_total", "Snapshot requests (sent by a router, received by a sidecar)."),
@@ -29,11 +30,12 @@ type collector struct {
 	stats                                              func() StatsSnapshot
 	members, received, recvBytes, sent, sentBytes      *prometheus.Desc
 	sendErrs, bad, dropped, rejected, resyncs, reasons *prometheus.Desc
+	forged                                             *prometheus.Desc
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.members, c.received, c.recvBytes, c.sent, c.sentBytes,
-		c.sendErrs, c.bad, c.dropped, c.rejected, c.resyncs, c.reasons} {
+		c.sendErrs, c.bad, c.forged, c.dropped, c.rejected, c.resyncs, c.reasons} {
 		ch <- d
 	}
 }
@@ -56,6 +58,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(c.sentBytes, s.SentBytes)
 	counter(c.sendErrs, s.SendErrors)
 	counter(c.bad, s.BadMessages)
+	counter(c.forged, s.ForgedSender, "forged")
+	counter(c.forged, s.Unverified, "unreadable")
 	counter(c.dropped, s.Dropped, "inbox")
 	counter(c.dropped, s.QueueFull, "handoff")
 	counter(c.rejected, s.RejectedLabel, "label")

@@ -12,7 +12,7 @@ func TestCollectorExportsStats(t *testing.T) {
 	s := StatsSnapshot{
 		Members: 3, Received: map[string]uint64{"load": 7}, ReceivedBytesByKind: map[string]uint64{"load": 700},
 		Sent: map[string]uint64{"inflight": 2}, SentBytes: 90, RejectedDecrypt: 4, QueueFull: 1,
-		Resyncs: 2, ResyncReasons: map[string]uint64{"gap": 2},
+		Resyncs: 2, ResyncReasons: map[string]uint64{"gap": 2}, ForgedSender: 200,
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(Collector("kvmesh_router", func() StatsSnapshot { return s }))
@@ -35,10 +35,15 @@ kvmesh_router_gossip_dropped_total{queue="inbox"} 0
 # HELP kvmesh_router_gossip_resync_reasons_total Why a router asked for a snapshot.
 # TYPE kvmesh_router_gossip_resync_reasons_total counter
 kvmesh_router_gossip_resync_reasons_total{reason="gap"} 2
+# HELP kvmesh_router_gossip_unverified_sender_total Messages dropped because they could not be from the member they name: forged (another member's address, or no live member's), or in a form the sender check cannot read.
+# TYPE kvmesh_router_gossip_unverified_sender_total counter
+kvmesh_router_gossip_unverified_sender_total{reason="forged"} 200
+kvmesh_router_gossip_unverified_sender_total{reason="unreadable"} 0
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvmesh_router_gossip_members",
 		"kvmesh_router_gossip_received_bytes_total", "kvmesh_router_gossip_rejected_total",
-		"kvmesh_router_gossip_dropped_total", "kvmesh_router_gossip_resync_reasons_total"); err != nil {
+		"kvmesh_router_gossip_dropped_total", "kvmesh_router_gossip_resync_reasons_total",
+		"kvmesh_router_gossip_unverified_sender_total"); err != nil {
 		t.Fatal(err)
 	}
 }

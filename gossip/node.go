@@ -48,6 +48,11 @@ type Config struct {
 	Key []byte
 	// Label keeps clusters apart on one network (default DefaultLabel).
 	Label string
+	// TrustClaimedSender turns the sender check off: a message is then
+	// taken to be from whichever member it names. Only for networks where
+	// members do not send from the address they advertise (NAT between
+	// them); any key holder can then speak for any member.
+	TrustClaimedSender bool
 
 	// Failure detection; zero values take the tuned defaults below.
 	ProbeInterval  time.Duration // default 500 ms
@@ -128,7 +133,43 @@ func (c *Config) memberlistConfig(role Role, d *delegate) (*memberlist.Config, e
 	mc.Delegate = d
 	mc.Events = d
 	mc.Logger = log.New(&logSink{log: c.Logger, stats: &d.stats}, "", 0)
+	if !c.TrustClaimedSender {
+		nt, err := netTransport(mc)
+		if err != nil {
+			return nil, err
+		}
+		if mc.Transport, err = newSenderTransport(nt, mc.BindAddr, d, mc.Label, c.Key, mc.TCPTimeout); err != nil {
+			_ = nt.Shutdown()
+			return nil, fmt.Errorf("gossip key: %w", err)
+		}
+		d.checkSender = true
+	}
 	return mc, nil
+}
+
+// netTransport binds memberlist's UDP and TCP listeners as memberlist
+// would itself, retrying a dynamic port another socket took between the
+// two binds, and fixes the port in mc.
+func netTransport(mc *memberlist.Config) (*memberlist.NetTransport, error) {
+	var err error
+	for range 10 {
+		var nt *memberlist.NetTransport
+		nt, err = memberlist.NewNetTransport(&memberlist.NetTransportConfig{
+			BindAddrs: []string{mc.BindAddr}, BindPort: mc.BindPort, Logger: mc.Logger})
+		if err == nil {
+			if mc.BindPort == 0 {
+				mc.BindPort = nt.GetAutoBindPort()
+				if mc.AdvertisePort == 0 {
+					mc.AdvertisePort = mc.BindPort
+				}
+			}
+			return nt, nil
+		}
+		if mc.BindPort != 0 || !strings.Contains(err.Error(), "address already in use") {
+			break
+		}
+	}
+	return nil, fmt.Errorf("gossip: bind %s:%d: %w", mc.BindAddr, mc.BindPort, err)
 }
 
 func orDur(v, def time.Duration) time.Duration {
@@ -169,6 +210,12 @@ type Stats struct {
 	// dropped earlier by memberlist (its handoff queue was full).
 	Dropped   atomic.Uint64
 	QueueFull atomic.Uint64
+	// ForgedSender are messages whose From names a member other than the
+	// one at the address they came from, or no live member; Unverified,
+	// user messages in a form the sender check cannot read (compressed,
+	// inside a compound packet), which kvmesh members never send.
+	ForgedSender atomic.Uint64
+	Unverified   atomic.Uint64
 	// RejectedLabel, RejectedDecrypt and RejectedMalformed are packets and
 	// streams memberlist refused: wrong cluster label, wrong key (or
 	// plaintext into an encrypted cluster), or unparseable.
@@ -245,10 +292,16 @@ type delegate struct {
 	evq   chan event
 	stats Stats
 	log   zerolog.Logger
+	// checkSender: messages come through the sender check (deliver), and
+	// memberlist's own NotifyMsg only with what the check could not read.
+	checkSender bool
+	members     memberAddrs
+	forgedLog   zerolog.Logger // sampled: a forger must not flood the log
 }
 
 func newDelegate(self string, log zerolog.Logger) *delegate {
-	return &delegate{self: self, inbox: make(chan Message, 8192), evq: make(chan event, 1024), log: log}
+	return &delegate{self: self, inbox: make(chan Message, 8192), evq: make(chan event, 1024), log: log,
+		forgedLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: 10 * time.Second})}
 }
 
 func (d *delegate) NodeMeta(limit int) []byte {
@@ -259,10 +312,27 @@ func (d *delegate) NodeMeta(limit int) []byte {
 }
 
 func (d *delegate) NotifyMsg(b []byte) {
+	if d.checkSender {
+		d.stats.Unverified.Add(1)
+		return
+	}
 	// b is reused by memberlist: decode from a copy the message may alias.
-	m, err := Decode(bytes.Clone(b))
+	d.deliver(bytes.Clone(b), nil, false)
+}
+
+// deliver decodes b (which the message may alias) and queues it; when src
+// is set (the sender transport read it from there), only if its From is
+// the member at src.
+func (d *delegate) deliver(b []byte, src net.Addr, datagram bool) {
+	m, err := Decode(b)
 	if err != nil {
 		d.stats.BadMessages.Add(1)
+		return
+	}
+	if src != nil && !d.members.binds(m.From, src, datagram) {
+		d.stats.ForgedSender.Add(1)
+		d.forgedLog.Warn().Str("claimed", m.From).Str("source", src.String()).Str("kind", m.Kind.String()).
+			Msg("gossip message dropped: its sender is not the member it names")
 		return
 	}
 	d.stats.Received[m.Kind].Add(1)
@@ -285,6 +355,13 @@ func (d *delegate) NotifyLeave(n *memberlist.Node)  { d.membership(evLeave, n) }
 func (d *delegate) membership(k eventKind, n *memberlist.Node) {
 	if n.Name == d.self {
 		return
+	}
+	// At once, not through the event queue: memberlist calls this as it
+	// changes its own view, which the sender check must follow exactly.
+	if k == evLeave {
+		d.members.remove(n.Name)
+	} else {
+		d.members.set(n)
 	}
 	cp := *n
 	cp.Meta = bytes.Clone(n.Meta)
@@ -333,6 +410,9 @@ func start(cfg Config, meta Meta) (*node, error) {
 	}
 	ml, err := memberlist.Create(mc)
 	if err != nil {
+		if mc.Transport != nil {
+			_ = mc.Transport.Shutdown()
+		}
 		return nil, fmt.Errorf("gossip: start member: %w", err)
 	}
 	n.ml = ml
@@ -452,6 +532,7 @@ type StatsSnapshot struct {
 	Received, Sent, ReceivedBytesByKind               map[string]uint64
 	ReceivedBytes, SentBytes, SendErrors              uint64
 	BadMessages, Dropped, QueueFull                   uint64
+	ForgedSender, Unverified                          uint64
 	RejectedLabel, RejectedDecrypt, RejectedMalformed uint64
 	Resyncs                                           uint64
 	// ResyncReasons (router): "gap", "behind", "block_size".
@@ -469,6 +550,8 @@ func (n *node) stats() StatsSnapshot {
 		SentBytes:           s.SentBytes.Load(),
 		SendErrors:          s.SendErrors.Load(),
 		BadMessages:         s.BadMessages.Load(),
+		ForgedSender:        s.ForgedSender.Load(),
+		Unverified:          s.Unverified.Load(),
 		Dropped:             s.Dropped.Load(),
 		QueueFull:           s.QueueFull.Load(),
 		RejectedLabel:       s.RejectedLabel.Load(),

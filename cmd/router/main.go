@@ -43,6 +43,7 @@ type options struct {
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
 	engineAPIKey                      string
+	gossipTrustSender                 bool
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout, shutdownDelay       time.Duration
@@ -66,6 +67,7 @@ func parse(args []string) (*options, error) {
 	fs.StringVar(&o.gossipAdvertise, "gossip-advertise", "", "gossip host:port others reach this router at")
 	fs.StringVar(&o.join, "join", "", "comma list of gossip host:port to join")
 	fs.StringVar(&o.gossipKey, "gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip")
+	fs.BoolVar(&o.gossipTrustSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
 	fs.StringVar(&o.flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
 	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
 	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change")
@@ -264,7 +266,8 @@ func startGossip(o *options, table *fleet.Table, g *gateway.Gateway, log zerolog
 	return gossip.StartRouter(gossip.RouterConfig{
 		Config: gossip.Config{
 			Name: name, BindAddr: bind, AdvertiseAddr: o.gossipAdvertise, Join: join, Key: key,
-			Logger: log.With().Str("component", "gossip").Logger(),
+			TrustClaimedSender: o.gossipTrustSender,
+			Logger:             log.With().Str("component", "gossip").Logger(),
 		},
 		OnClearRoutes: g.ClearRecords,
 	}, table)

@@ -54,6 +54,7 @@ func run(args []string) error {
 	fs.StringVar(&join, "join", "", "comma-separated gossip addresses of members to join")
 	fs.StringVar(&key, "gossip-key", "", "base64 gossip encryption key (16, 24 or 32 bytes)")
 	fs.StringVar(&label, "gossip-label", gossip.DefaultLabel, "cluster label; members with another label are rejected")
+	fs.BoolVar(&cfg.Gossip.TrustClaimedSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:9100", "status and metrics HTTP address")
 	fs.StringVar(&cfg.Protocol, "protocol", "vllm", "engine dialect for metrics: vllm or sglang")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", 200*time.Millisecond, "engine /health and /metrics interval")
