@@ -32,9 +32,14 @@ type Replica struct {
 	// Selected is true when the replica takes part in prefix matching; an
 	// unselected replica still receives traffic by load.
 	Selected bool
-	// Online is false once the replica is known to be down (sidecar says the
-	// engine is unhealthy, the sidecar left or fell silent).
+	// Online is false once the engine is known to be down: its sidecar
+	// says so or, for an orphan, it does not answer the router's health
+	// probe. A replica whose sidecar left on purpose is removed.
 	Online bool
+	// Orphan is true when the replica's sidecar failed or fell silent: it
+	// is routed by load only (no filter, no load figures) while its engine
+	// answers, until the sidecar is heard again.
+	Orphan bool
 	// Stale is true when the replica's state is older than the table's TTL:
 	// it is then routed by load only.
 	Stale bool

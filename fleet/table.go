@@ -22,10 +22,14 @@ type TableConfig struct {
 	// StaleAfter is the TTL of a replica's state: older state is Stale and
 	// routed by load only. Default 350 ms (three missed 10 Hz load records).
 	StaleAfter time.Duration
-	// DropAfter takes a silent sidecar offline and drops its filter, whatever
-	// memberlist thinks of it. Default 500 ms; with Expire run every 50 ms a
-	// vanished sidecar is out of routing within 1 s.
+	// DropAfter drops a silent sidecar's filter and its load figures,
+	// whatever memberlist thinks of it: its replica is an orphan from then
+	// on. Default 500 ms; with Expire run every 50 ms a vanished sidecar's
+	// filter is out of routing within 1 s.
 	DropAfter time.Duration
+	// ForgetOrphanAfter removes an orphan whose engine has not answered a
+	// health probe (OrphanProbed) for this long. Default 1 min.
+	ForgetOrphanAfter time.Duration
 }
 
 func (c TableConfig) withDefaults() TableConfig {
@@ -34,6 +38,9 @@ func (c TableConfig) withDefaults() TableConfig {
 	}
 	if c.DropAfter <= 0 {
 		c.DropAfter = 500 * time.Millisecond
+	}
+	if c.ForgetOrphanAfter <= 0 {
+		c.ForgetOrphanAfter = time.Minute
 	}
 	return c
 }
@@ -64,10 +71,11 @@ type Table struct {
 type entry struct {
 	r      Replica
 	static bool
-	// engineHealthy is the sidecar's last word on its engine; silent is set
-	// when the sidecar fell silent. Online = engineHealthy && !silent.
+	// engineHealthy is the last word on the engine: its sidecar's, or for
+	// an orphan (Replica.Orphan) the router's own health probe; answered
+	// is when an orphan's engine last answered one. Online = engineHealthy.
 	engineHealthy bool
-	silent        bool
+	answered      time.Time
 }
 
 // NewTable returns an empty table.
@@ -197,7 +205,7 @@ func (t *Table) LearnStatic(name, url string, models []string) bool {
 	return true
 }
 
-// Remove forgets a replica (its sidecar left or was declared dead).
+// Remove forgets a replica (its sidecar left on purpose).
 func (t *Table) Remove(name string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -263,12 +271,58 @@ func (t *Table) Heard(name string, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if e := t.entries[name]; e != nil && !e.static {
-		wasStale, wasSilent := e.r.Stale, e.silent
+		wasStale, wasOrphan := e.r.Stale, e.r.Orphan
 		e.heard(now)
-		if wasStale || wasSilent {
+		if wasStale || wasOrphan {
 			t.changedLocked()
 		}
 	}
+}
+
+// Orphan notes that a replica's sidecar failed (memberlist declared it dead,
+// as opposed to leaving): the engine may well still serve, so the replica
+// stays, routed by load only (no filter, no load figures: the router's own
+// in-flight counts), while it answers the router's health probes. It
+// reports false for an unknown or static replica.
+func (t *Table) Orphan(name string, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[name]
+	if e == nil || e.static {
+		return false
+	}
+	if !e.r.Orphan {
+		e.orphan(now)
+		e.r.Stale = true
+		t.changedLocked()
+	}
+	return true
+}
+
+// OrphanProbed records whether an orphan's engine answered a health probe
+// at now: its replica is online while it does; one that has not answered
+// for ForgetOrphanAfter is removed. It reports false when name is not an
+// orphan (its sidecar is back, or it was removed).
+func (t *Table) OrphanProbed(name string, ok bool, now time.Time) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e := t.entries[name]
+	if e == nil || !e.r.Orphan {
+		return false
+	}
+	if ok {
+		e.answered = now
+	} else if now.Sub(e.answered) >= t.cfg.ForgetOrphanAfter {
+		delete(t.entries, name)
+		t.changedLocked()
+		return false
+	}
+	if e.engineHealthy != ok {
+		e.engineHealthy = ok
+		e.refreshOnline()
+		t.changedLocked()
+	}
+	return true
 }
 
 // ClearRoutes drops the filters of the named replicas (all when names is
@@ -322,8 +376,9 @@ func (t *Table) Select(names []string) error {
 }
 
 // Expire ages every sidecar's state at now: state older than StaleAfter is
-// Stale; a sidecar silent for DropAfter goes offline and loses its filter.
-// It returns the replicas taken offline by this call. Run it every ~100 ms.
+// Stale; a replica whose sidecar is silent for DropAfter becomes an orphan
+// (see Orphan). It returns the replicas orphaned by this call. Run it every
+// ~100 ms.
 func (t *Table) Expire(now time.Time) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -337,10 +392,8 @@ func (t *Table) Expire(now time.Time) []string {
 			e.r.Stale = stale
 			t.changedLocked()
 		}
-		if age > t.cfg.DropAfter && !e.silent {
-			e.silent = true
-			e.dropFilter()
-			e.refreshOnline()
+		if age > t.cfg.DropAfter && !e.r.Orphan {
+			e.orphan(now)
 			dropped = append(dropped, n)
 			t.changedLocked()
 		}
@@ -354,11 +407,20 @@ func (e *entry) heard(now time.Time) {
 		e.r.UpdatedAt = now
 	}
 	e.r.Stale = false
-	e.silent = false
+	e.r.Orphan = false
 	e.refreshOnline()
 }
 
-func (e *entry) refreshOnline() { e.r.Online = e.engineHealthy && !e.silent }
+// orphan drops what only the sidecar could keep current: the filter and
+// the engine's load figures.
+func (e *entry) orphan(now time.Time) {
+	e.r.Orphan = true
+	e.answered = now
+	e.r.Load = Load{}
+	e.dropFilter()
+}
+
+func (e *entry) refreshOnline() { e.r.Online = e.engineHealthy }
 
 func (e *entry) dropFilter() {
 	e.r.Filter, e.r.FilterGeneration, e.r.FilterKeys = nil, 0, 0

@@ -78,19 +78,61 @@ func TestMatchPrefixUsesOnlyFreshSelectedOnlineFilters(t *testing.T) {
 	if !s.Replicas[1].Stale || s.Replicas[0].Stale || !s.Replicas[1].Online {
 		t.Fatalf("stale flags: %+v", s.Replicas[:2])
 	}
-	// Silent past DropAfter: offline, filter gone.
+	// Silent past DropAfter: orphans, filter gone, still routed by load.
 	off := tb.Expire(t0.Add(800 * time.Millisecond))
 	if fmt.Sprint(off) != "[b c]" {
-		t.Fatalf("offline %v, want [b c]", off)
+		t.Fatalf("orphaned %v, want [b c]", off)
 	}
 	s = tb.Snapshot()
-	if r := s.Replicas[1]; r.Online || r.Filter != nil || r.FilterGeneration != 0 {
-		t.Fatalf("silent replica still usable: %+v", r)
+	if r := s.Replicas[1]; !r.Online || !r.Orphan || !r.Stale || r.Filter != nil || r.FilterGeneration != 0 {
+		t.Fatalf("silent replica: %+v", r)
 	}
-	// Heard again: online, but no filter until a snapshot arrives.
+	// Heard again: no orphan, but no filter until a snapshot arrives.
 	tb.SetLoad("b", Load{}, true, t0.Add(900*time.Millisecond))
 	s = tb.Snapshot()
-	if r := s.Replicas[1]; !r.Online || r.Stale || r.Filter != nil {
+	if r := s.Replicas[1]; !r.Online || r.Orphan || r.Stale || r.Filter != nil {
+		t.Fatalf("back: %+v", r)
+	}
+}
+
+// TestOrphanIsRoutedWhileItsEngineAnswers: a replica whose sidecar failed
+// keeps serving by load, goes offline when its engine stops answering the
+// router's probes, back online when it answers again, and is forgotten
+// after ForgetOrphanAfter without an answer. A sidecar heard again ends it.
+func TestOrphanIsRoutedWhileItsEngineAnswers(t *testing.T) {
+	tb := NewTable(TableConfig{ForgetOrphanAfter: 10 * time.Second})
+	tb.Upsert(sidecar("a"), t0)
+	tb.SetFilter("a", filterWith(7), 3, 1, t0)
+	tb.SetLoad("a", Load{Waiting: 9, Running: 4}, true, t0)
+	if !tb.Orphan("a", t0.Add(time.Second)) || tb.Orphan("nope", t0) {
+		t.Fatal("Orphan's report")
+	}
+	r := tb.Snapshot().Replicas[0]
+	if !r.Online || !r.Orphan || !r.Stale || r.Filter != nil || r.Load != (Load{}) {
+		t.Fatalf("orphan: %+v", r)
+	}
+	tb.OrphanProbed("a", false, t0.Add(2*time.Second))
+	if r := tb.Snapshot().Replicas[0]; r.Online {
+		t.Fatal("engine not answering, still online")
+	}
+	tb.OrphanProbed("a", true, t0.Add(3*time.Second))
+	if r := tb.Snapshot().Replicas[0]; !r.Online {
+		t.Fatal("engine answering again, still offline")
+	}
+	if !tb.OrphanProbed("a", false, t0.Add(12*time.Second)) {
+		t.Fatal("forgotten 9 s after its last answer")
+	}
+	if tb.OrphanProbed("a", false, t0.Add(13*time.Second)) || len(tb.Snapshot().Replicas) != 0 {
+		t.Fatal("not forgotten 10 s after its last answer")
+	}
+	// The sidecar is back before that: no orphan, probes change nothing.
+	tb.Upsert(sidecar("b"), t0)
+	tb.Orphan("b", t0)
+	tb.SetLoad("b", Load{Waiting: 1}, true, t0.Add(time.Second))
+	if tb.OrphanProbed("b", false, t0.Add(time.Minute)) {
+		t.Fatal("a replica whose sidecar is back was probed")
+	}
+	if r := tb.Snapshot().Replicas[0]; !r.Online || r.Orphan || r.Load.Waiting != 1 {
 		t.Fatalf("back: %+v", r)
 	}
 }

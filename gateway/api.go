@@ -198,22 +198,25 @@ func notReady(ctx *fasthttp.RequestCtx, why string) {
 
 // replicaView is one entry of /admin/replicas.
 type replicaView struct {
-	Name             string   `json:"name"`
-	Model            string   `json:"model"`
-	Models           []string `json:"models"`
-	URL              string   `json:"url"`
-	Protocol         string   `json:"protocol"`
-	Online           bool     `json:"online"`
-	Selected         bool     `json:"selected"`
-	KVEvents         bool     `json:"kv_events"`
-	Stale            bool     `json:"stale"`
-	Waiting          int      `json:"waiting"`
-	Running          int      `json:"running"`
-	KVUsage          float64  `json:"kv_usage"`
-	BlockSize        int      `json:"block_size"`
-	FilterGeneration uint64   `json:"filter_generation"`
-	FilterKeys       int      `json:"filter_keys"`
-	StateAgeMS       int64    `json:"state_age_ms"`
+	Name     string   `json:"name"`
+	Model    string   `json:"model"`
+	Models   []string `json:"models"`
+	URL      string   `json:"url"`
+	Protocol string   `json:"protocol"`
+	Online   bool     `json:"online"`
+	Selected bool     `json:"selected"`
+	KVEvents bool     `json:"kv_events"`
+	Stale    bool     `json:"stale"`
+	// Orphan: the sidecar failed; routed by load while the engine answers
+	// this router's health probes.
+	Orphan           bool    `json:"orphan"`
+	Waiting          int     `json:"waiting"`
+	Running          int     `json:"running"`
+	KVUsage          float64 `json:"kv_usage"`
+	BlockSize        int     `json:"block_size"`
+	FilterGeneration uint64  `json:"filter_generation"`
+	FilterKeys       int     `json:"filter_keys"`
+	StateAgeMS       int64   `json:"state_age_ms"`
 	// Cluster-wide in-flight work (gossiped) and this router's own.
 	ClusterInflightRequests      int `json:"cluster_inflight_requests"`
 	ClusterInflightPrefillTokens int `json:"cluster_inflight_prefill_tokens"`
@@ -241,7 +244,7 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 		clusterRequests, clusterPrefill := l.clusterView(r.Load)
 		v := replicaView{
 			Name: r.Name, Models: slices.Clone(r.Models), URL: r.URL, Protocol: r.Protocol,
-			Online: r.Online, Selected: r.Selected, KVEvents: r.KVEvents, Stale: r.Stale,
+			Online: r.Online, Selected: r.Selected, KVEvents: r.KVEvents, Stale: r.Stale, Orphan: r.Orphan,
 			Waiting: r.Load.Waiting, Running: r.Load.Running, KVUsage: r.Load.KVUsage,
 			BlockSize: r.BlockSize, FilterGeneration: r.FilterGeneration, FilterKeys: r.FilterKeys,
 			ClusterInflightRequests:      clusterRequests,

@@ -548,9 +548,9 @@ func TestTokenizerFailureDegradesToLoadOnly(t *testing.T) {
 	}
 }
 
-// TestSilentReplicasAreTriedBeforeGivingUp: when every replica's sidecar
-// fell silent (offline, stale), the router still tries them by load.
-func TestSilentReplicasAreTriedBeforeGivingUp(t *testing.T) {
+// TestSilentReplicasAreRoutedByLoad: replicas whose sidecars fell silent
+// (orphans: stale, without load figures) are still routed to by load.
+func TestSilentReplicasAreRoutedByLoad(t *testing.T) {
 	r := newRouter(t, Settings{}, 1<<20)
 	r.table = fleet.NewTable(fleet.TableConfig{StaleAfter: time.Millisecond, DropAfter: 2 * time.Millisecond})
 	r.g.table = r.table
@@ -558,7 +558,7 @@ func TestSilentReplicasAreTriedBeforeGivingUp(t *testing.T) {
 	r.table.Upsert(fleet.Info{Name: "quiet", Models: []string{testModel}, URL: startEngine(t, testModel), KVEvents: true, BlockSize: 16}, past)
 	r.table.SetLoad("quiet", fleet.Load{}, true, past)
 	r.table.Expire(time.Now())
-	if rep := r.table.Snapshot().Replicas[0]; rep.Online || !rep.Stale {
+	if rep := r.table.Snapshot().Replicas[0]; !rep.Online || !rep.Orphan || !rep.Stale {
 		t.Fatalf("setup: %+v", rep)
 	}
 	res := r.post(t, "/v1/chat/completions", chatBody)

@@ -46,6 +46,14 @@ func startEngine(t testing.TB, model string) string {
 // when empty), as vllm serve --api-key.
 func startEngineWithKey(t testing.TB, model, apiKey string) string {
 	t.Helper()
+	url, _ := serveEngine(t, model, apiKey)
+	return url
+}
+
+// serveEngine is startEngineWithKey, also returning the server (to stop it:
+// the engine dies).
+func serveEngine(t testing.TB, model, apiKey string) (string, *fasthttp.Server) {
+	t.Helper()
 	sim, err := enginesim.New(enginesim.Config{
 		Model: model, Tokenizer: tokenize.Builtin{}, APIKey: apiKey,
 		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
@@ -56,7 +64,8 @@ func startEngineWithKey(t testing.TB, model, apiKey string) string {
 	ctx, cancel := context.WithCancel(context.Background())
 	go sim.Run(ctx)
 	t.Cleanup(cancel)
-	return listen(t, &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true})
+	srv := &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true}
+	return listen(t, srv), srv
 }
 
 func refusedURL(t testing.TB) string {

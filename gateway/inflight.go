@@ -98,20 +98,13 @@ func (g *Gateway) ReportInflight(every time.Duration, stop <-chan struct{}) {
 	if g.cluster == nil {
 		return
 	}
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-stop:
-			return
-		case <-t.C:
-		}
+	repeat(every, stop, func() {
 		// The cluster node decides what goes on the wire (nothing for
 		// a replica where this router has had no work for a while).
 		g.inflight.each(func(name string, l *replicaLoad) {
 			g.cluster.ReportInflight(name, int(l.requests.Load()), int(l.prefill.Load()))
 		})
-	}
+	})
 }
 
 // Inflight returns this router's in-flight requests summed over replicas.

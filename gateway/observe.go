@@ -162,7 +162,7 @@ func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
 	// r.Events: a 200 to a stream that is not SSE (an engine ignoring
 	// "stream") came whole, so its first byte is its last.
 	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 || r.Events == 0 ||
-		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix || ex.staleOnly || ex.promptEstimated {
+		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix || ex.staleOnly || ex.promptEstimated || t.stale {
 		return
 	}
 	l, ok := ex.s.Policy.(routing.Learner)

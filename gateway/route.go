@@ -95,6 +95,9 @@ type targetInfo struct {
 	// sent to them (routing.Recorder), from the blocks their filter showed.
 	prefixAware   bool
 	filterMatched int
+	// stale: the replica's load figures are old or, for an orphan, gone;
+	// its times to first token teach the cost model nothing.
+	stale bool
 }
 
 func (g *Gateway) getExchange(s *Settings) *exchange {
@@ -349,7 +352,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		ex.info = append(ex.info, targetInfo{
 			name: r.Name, mode: mode, predicted: matched,
 			uncached: max(ex.promptTokens-matched, 0), load: ex.loads[ex.snapIndex(ci)],
-			prefixAware: c.PrefixAware, filterMatched: c.MatchedTokens,
+			prefixAware: c.PrefixAware, filterMatched: c.MatchedTokens, stale: r.Stale,
 		})
 		replicas++
 	}

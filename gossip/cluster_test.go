@@ -246,19 +246,41 @@ func TestRouteClearIsClusterWide(t *testing.T) {
 	})
 }
 
-func TestKilledSidecarLeavesRoutingWithinOneSecond(t *testing.T) {
+// TestKilledSidecarsReplicaIsAnOrphanWithinOneSecond: a sidecar killed
+// (kill -9) takes its filter and load figures out of routing within a
+// second; its replica stays, an orphan routed by load, also once
+// memberlist declares the sidecar dead: its engine may well still serve.
+func TestKilledSidecarsReplicaIsAnOrphanWithinOneSecond(t *testing.T) {
 	r, tb := startTestRouter(t, "r1")
 	s, g := startTestSidecar(t, "a", r.Addr())
 	g.Add(5)
+	s.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 3})
 	waitFor(t, 3*time.Second, "key at router", func() bool { return hasKey(tb, "a", 5) })
 	s.crash() // no leave message, no last load record (as kill -9)
 	killed := time.Now()
-	waitFor(t, time.Second, "replica offline", func() bool { rep, _ := replica(tb, "a"); return !rep.Online })
+	waitFor(t, time.Second, "orphan", func() bool { rep, _ := replica(tb, "a"); return rep.Orphan })
 	d := time.Since(killed)
-	if hasKey(tb, "a", 5) {
-		t.Fatal("dead replica still matches")
+	if rep, _ := replica(tb, "a"); !rep.Online || hasKey(tb, "a", 5) || rep.Load.Waiting != 0 {
+		t.Fatalf("orphan: %+v", rep)
 	}
-	t.Logf("killed sidecar out of routing after %v", d)
+	t.Logf("killed sidecar's filter out of routing after %v", d)
+	waitFor(t, 10*time.Second, "sidecar declared dead", func() bool { return r.Members() == 1 })
+	if rep, ok := replica(tb, "a"); !ok || !rep.Online || !rep.Orphan {
+		t.Fatalf("after memberlist's verdict: %+v (listed %v)", rep, ok)
+	}
+}
+
+// TestSidecarLeavingTakesItsReplicaOut: a sidecar that leaves on purpose
+// (a drain) takes its replica out of routing at once.
+func TestSidecarLeavingTakesItsReplicaOut(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	s, _ := startTestSidecar(t, "a", r.Addr())
+	s.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 3})
+	waitFor(t, 3*time.Second, "replica", func() bool { rep, _ := replica(tb, "a"); return rep.Online && rep.Load.Waiting == 3 })
+	if err := s.Leave(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, time.Second, "replica removed", func() bool { _, ok := replica(tb, "a"); return !ok })
 }
 
 func TestWrongKeyOrLabelIsRejectedAndCounted(t *testing.T) {

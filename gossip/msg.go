@@ -47,6 +47,11 @@ const (
 // Load is a sidecar's load record.
 type Load struct {
 	Healthy bool // engine answers /health; false announces it offline
+	// Leaving: the sidecar's last record as it leaves the cluster on
+	// purpose (a drain); routers take the replica out of routing, where a
+	// sidecar that fails leaves its engine routed by load. Implies
+	// !Healthy (older routers read it as a bad record and drop it).
+	Leaving bool
 	Waiting int
 	Running int
 	KVUsage float32
@@ -105,7 +110,10 @@ func (m *Message) Append(dst []byte) []byte {
 	case KindLoad:
 		l := &m.Load
 		var h byte
-		if l.Healthy {
+		switch {
+		case l.Leaving:
+			h = 2
+		case l.Healthy:
 			h = 1
 		}
 		w.byte(h)
@@ -155,6 +163,8 @@ func Decode(b []byte) (Message, error) {
 		case 0:
 		case 1:
 			l.Healthy = true
+		case 2:
+			l.Leaving = true
 		default:
 			r.fail(fmt.Errorf("gossip: bad health flag"))
 		}

@@ -13,6 +13,7 @@ func sampleMessages() []Message {
 	return []Message{
 		{Kind: KindLoad, From: "sidecar/a", Epoch: 7, Seq: 3, Load: Load{Healthy: true, Waiting: 2, Running: 5, KVUsage: 0.5,
 			InflightRequests: 4, InflightPrefillTokens: 900, FilterGen: 2, FilterSeq: 11, FilterKeys: 1234}},
+		{Kind: KindLoad, From: "sidecar/a", Epoch: 7, Seq: 4, Load: Load{Leaving: true}},
 		{Kind: KindSnapshot, From: "sidecar/a", Epoch: 7, Payload: []byte("KB\x01\x01snap")},
 		{Kind: KindDelta, From: "sidecar/a", Epoch: 7, Payload: []byte("KB\x01\x02delta")},
 		{Kind: KindResync, From: "router/r1", Epoch: 7},
@@ -60,7 +61,7 @@ func TestDecodeRejects(t *testing.T) {
 		"trailing":      append(append([]byte{}, good...), 0),
 		"no sender":     (&Message{Kind: KindResync}).Append(nil),
 		"nan kv usage":  (&Message{Kind: KindLoad, From: "x", Load: Load{KVUsage: float32NaN()}}).Append(nil),
-		"health flag 2": func() []byte { b := append([]byte{}, good...); b[3+1+9+8+1] = 2; return b }(),
+		"health flag 3": func() []byte { b := append([]byte{}, good...); b[3+1+9+8+1] = 3; return b }(),
 	}
 	for name, b := range cases {
 		if _, err := Decode(b); err == nil {

@@ -89,6 +89,10 @@ type sidecarPeer struct {
 	// awaitUntil (see clearWait).
 	awaitGen   uint64
 	awaitUntil time.Time
+	// leaving: the sidecar's last load record said it leaves on purpose;
+	// when memberlist then reports it gone, its replica leaves routing,
+	// where one that failed stays as an orphan (fleet.Table.Orphan).
+	leaving bool
 	// reported is the in-flight work this router last reported there.
 	reported inflight
 	inflSeq  uint64
@@ -223,6 +227,13 @@ func (r *RouterNode) loop() {
 			return
 		case ev := <-r.d.evq:
 			r.mu.Lock()
+			// Messages that came before the event first: a sidecar's
+			// leaving record must be read before memberlist's word that
+			// it is gone.
+			for range len(r.d.inbox) {
+				m := <-r.d.inbox
+				r.handle(&m)
+			}
 			r.membership(ev)
 			r.mu.Unlock()
 		case m := <-r.d.inbox:
@@ -250,7 +261,7 @@ func (r *RouterNode) membership(ev event) {
 		if ev.kind == evLeave {
 			delete(r.routers, m.node.Name)
 			if p := r.sidecars[m.node.Name]; p != nil {
-				r.dropSidecar(p)
+				r.sidecarGone(p)
 			}
 		}
 		return
@@ -258,7 +269,7 @@ func (r *RouterNode) membership(ev event) {
 	p := r.sidecars[m.node.Name]
 	if ev.kind == evLeave {
 		if p != nil {
-			r.dropSidecar(p)
+			r.sidecarGone(p)
 		}
 		return
 	}
@@ -296,12 +307,22 @@ func (r *RouterNode) usesFilter(p *sidecarPeer) bool {
 	return p.meta.Capabilities&CapKVEvents != 0 && p.meta.SchemeVersion == blockkey.SchemeVersion
 }
 
-func (r *RouterNode) dropSidecar(p *sidecarPeer) {
+// sidecarGone forgets a sidecar memberlist no longer lists. Its replica
+// leaves the table if the sidecar said it was leaving; one that failed
+// (crashed, partitioned, or declared dead by a forged message) may have a
+// healthy engine behind it: the replica stays, an orphan routed by load.
+func (r *RouterNode) sidecarGone(p *sidecarPeer) {
 	delete(r.sidecars, p.node.Name)
-	if r.replicas[p.meta.Name] == p {
-		delete(r.replicas, p.meta.Name)
-		r.table.Remove(p.meta.Name)
+	if r.replicas[p.meta.Name] != p {
+		return
 	}
+	delete(r.replicas, p.meta.Name)
+	if p.leaving {
+		r.table.Remove(p.meta.Name)
+		return
+	}
+	r.table.Orphan(p.meta.Name, r.now())
+	r.log.Info().Str("replica", p.meta.Name).Msg("sidecar failed: replica routed by load while its engine answers")
 }
 
 func (r *RouterNode) handle(m *Message) {
@@ -375,6 +396,7 @@ func (r *RouterNode) onLoad(p *sidecarPeer, m *Message, now time.Time) {
 	}
 	p.loadSeq = m.Seq
 	l := &m.Load
+	p.leaving = l.Leaving
 	// The other routers' in-flight work there. A sidecar without
 	// CapInflightOthers sums every report: take out this router's last one
 	// (exact unless the sum predates it).
@@ -582,7 +604,7 @@ func (r *RouterNode) tick() {
 			// case the sidecar was only slow (see onLoad).
 			p.hidden = true
 			p.behind = 0
-			r.log.Info().Str("replica", name).Msg("sidecar silent: replica offline")
+			r.log.Info().Str("replica", name).Msg("sidecar silent: replica routed by load while its engine answers")
 		}
 	}
 	r.ticks++

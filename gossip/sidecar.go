@@ -216,8 +216,9 @@ func (s *SidecarNode) Inflight() (requests, prefillTokens int) {
 // Stats returns the node's counters.
 func (s *SidecarNode) Stats() StatsSnapshot { return s.node.stats() }
 
-// Leave tells the routers this replica is going (an unhealthy load record),
-// announces departure to the cluster, waits up to timeout, and stops.
+// Leave tells the routers this replica is going (a leaving load record:
+// they take it out of routing), announces departure to the cluster, waits
+// up to timeout, and stops.
 func (s *SidecarNode) Leave(timeout time.Duration) error {
 	if !s.stopLoops() {
 		return nil // another call leaves (shutdown and a signal may race)
@@ -253,7 +254,7 @@ func (s *SidecarNode) loop() {
 	for {
 		select {
 		case <-s.stop:
-			s.sendLoad() // last word: routers see the final state at once
+			s.sendLoad(true) // last word: routers take the replica out at once
 			return
 		case ev := <-s.d.evq:
 			s.membership(ev)
@@ -263,10 +264,10 @@ func (s *SidecarNode) loop() {
 			s.flushFilter()
 		case <-loadTick.C:
 			s.flushFilter()
-			s.sendLoad()
+			s.sendLoad(false)
 		case <-s.kick:
 			s.flushFilter()
-			s.sendLoad()
+			s.sendLoad(false)
 		}
 	}
 }
@@ -424,14 +425,16 @@ func (s *SidecarNode) flushFilter() {
 	}
 }
 
-func (s *SidecarNode) sendLoad() {
+// sendLoad sends every router a load record; leaving marks the last one.
+func (s *SidecarNode) sendLoad(leaving bool) {
 	e := s.engine.Load()
 	now := time.Now()
 	s.mu.Lock()
 	s.loadSeq++
 	f := s.inflightLocked(now)
 	msg := Message{Kind: KindLoad, From: s.d.self, Seq: s.loadSeq, Load: Load{
-		Healthy:               e.Healthy,
+		Healthy:               e.Healthy && !leaving,
+		Leaving:               leaving,
 		Waiting:               e.Waiting,
 		Running:               e.Running,
 		KVUsage:               float32(min(max(e.KVUsage, 0), 1)),

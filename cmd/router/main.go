@@ -47,6 +47,7 @@ type options struct {
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout, shutdownDelay       time.Duration
+	orphanProbe, orphanForget         time.Duration
 	flags                             routerconfig.Flags
 	log                               logging.Options
 }
@@ -86,6 +87,8 @@ func parse(args []string) (*options, error) {
 	fs.StringVar(&o.tlsCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
 	fs.StringVar(&o.tlsKey, "tls-key", "", "PEM private key of --tls-cert")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
+	fs.DurationVar(&o.orphanProbe, "orphan-probe-interval", time.Second, "how often the router asks the engine of a replica whose sidecar failed for /health (it is routed by load while it answers)")
+	fs.DurationVar(&o.orphanForget, "orphan-forget-after", time.Minute, "forget a replica whose sidecar failed once its engine has not answered /health for this long")
 	fs.DurationVar(&o.shutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /ready with 503 but keep serving this long before draining, so load balancers stop sending first (k8s: a few readiness periods)")
 	fs.IntVar(&o.gcPercent, "gc-percent", 0, fmt.Sprintf("Go GC target (GOGC); 0: GOGC if set, else %d", gateway.DefaultGCPercent))
 	o.log.Register(fs)
@@ -123,7 +126,10 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	table := fleet.NewTable(fleet.TableConfig{})
+	if o.orphanProbe <= 0 || o.orphanForget <= 0 {
+		return fmt.Errorf("--orphan-probe-interval and --orphan-forget-after must be positive")
+	}
+	table := fleet.NewTable(fleet.TableConfig{ForgetOrphanAfter: o.orphanForget})
 	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, EngineAPIKey: o.engineAPIKey, Log: log}
 	cfg := base
 	if o.configPath != "" {
@@ -161,6 +167,7 @@ func run(args []string) error {
 			return err
 		}
 		go g.ReportInflight(100*time.Millisecond, drained)
+		go g.ProbeOrphans(o.orphanProbe, min(o.orphanProbe, 2*time.Second), ctx.Done())
 	}
 	go g.DiscoverStatic(10*time.Second, ctx.Done())
 	go g.ForgetDeparted(time.Minute, 10*time.Minute, ctx.Done())
