@@ -4,7 +4,6 @@ import (
 	"crypto/aes"
 	"crypto/cipher"
 	"encoding/binary"
-	"errors"
 	"hash/crc32"
 	"io"
 	"net"
@@ -35,15 +34,13 @@ import (
 // The wrapper parses memberlist's own framing (label header, AES-GCM,
 // checksum, message type; for streams the length and msgpack header),
 // pinned by go.mod; what it does not recognise goes to memberlist
-// unchanged, and a user message memberlist delivers itself (inside a
-// compound or compressed packet, which kvmesh members never send) is
-// dropped as unverified.
+// unchanged, and a user message memberlist then finds in it (inside a
+// compound or compressed packet, which kvmesh members never send) reaches
+// the delegate's NotifyMsg, which drops it as unverified.
 
 // memberlist's message types (its net.go) and limits.
 const (
-	mlCompoundMsg = 7
 	mlUserMsg     = 8
-	mlCompressMsg = 9
 	mlEncryptMsg  = 10
 	mlHasCrcMsg   = 12
 	mlHasLabelMsg = 244
@@ -164,50 +161,11 @@ func (t *senderTransport) claimPacket(p *memberlist.Packet) bool {
 	if len(buf) == 0 {
 		return false
 	}
-	switch buf[0] {
-	case mlUserMsg:
-		t.d.deliver(buf[1:], p.From, true)
-		return true
-	case mlCompressMsg:
-		// Never sent by kvmesh (compression is off): it could hide a user
-		// message from the check.
-		t.d.stats.Unverified.Add(1)
-		return true
-	case mlCompoundMsg:
-		if compoundCarriesUser(buf[1:]) {
-			t.d.stats.Unverified.Add(1)
-			return true
-		}
-	}
-	return false
-}
-
-// compoundCarriesUser reports whether a compound message holds a part that
-// memberlist would hand a delegate (or unpack further).
-func compoundCarriesUser(b []byte) bool {
-	if len(b) < 1 {
+	if buf[0] != mlUserMsg {
 		return false
 	}
-	n := int(b[0])
-	b = b[1:]
-	if len(b) < 2*n {
-		return false
-	}
-	lens, b := b[:2*n], b[2*n:]
-	for i := range n {
-		l := int(binary.BigEndian.Uint16(lens[2*i:]))
-		if len(b) < l {
-			return false // memberlist drops the truncated rest
-		}
-		if l > 0 {
-			switch b[0] {
-			case mlUserMsg, mlCompoundMsg, mlCompressMsg:
-				return true
-			}
-		}
-		b = b[l:]
-	}
-	return false
+	t.d.deliver(buf[1:], p.From, true)
+	return true
 }
 
 // open decrypts memberlist's AES-GCM encoding (version, nonce, sealed
@@ -229,15 +187,9 @@ func (t *senderTransport) open(b, ad []byte) []byte {
 func (t *senderTransport) stream(c net.Conn) {
 	_ = c.SetReadDeadline(time.Now().Add(t.timeout))
 	pk := &peekConn{Conn: c}
-	payload, err := t.peekUser(pk)
-	if err == nil {
+	if payload, ok := t.peekUser(pk); ok {
 		_ = c.Close()
 		t.d.deliver(payload, c.RemoteAddr(), false)
-		return
-	}
-	if errors.Is(err, errUnverifiable) {
-		t.d.stats.Unverified.Add(1)
-		_ = c.Close()
 		return
 	}
 	_ = c.SetReadDeadline(time.Time{})
@@ -249,77 +201,60 @@ func (t *senderTransport) stream(c net.Conn) {
 	}
 }
 
-var (
-	// errNotUser: the stream is memberlist's own (push/pull, ping) or one
-	// it will refuse; it gets the stream.
-	errNotUser = errors.New("gossip: not a user message stream")
-	// errUnverifiable: a user message in a form kvmesh never sends.
-	errUnverifiable = errors.New("gossip: user message the sender check cannot read")
-)
-
-// peekUser reads a user message from the stream, or fails with errNotUser
-// having read as little of a stream it leaves to memberlist as it can.
-func (t *senderTransport) peekUser(pk *peekConn) ([]byte, error) {
+// peekUser reads a user message from the stream; false when the stream is
+// memberlist's own (push/pull, ping), one it will refuse, or a user message
+// in a form kvmesh never sends.
+func (t *senderTransport) peekUser(pk *peekConn) ([]byte, bool) {
 	label := ""
 	b, err := pk.next(1)
 	if err != nil {
-		return nil, errNotUser
+		return nil, false
 	}
 	if b[0] == mlHasLabelMsg {
 		n, err := pk.next(1)
 		if err != nil || n[0] == 0 {
-			return nil, errNotUser
+			return nil, false
 		}
 		l, err := pk.next(int(n[0]))
 		if err != nil {
-			return nil, errNotUser
+			return nil, false
 		}
 		label = string(l)
 		if b, err = pk.next(1); err != nil {
-			return nil, errNotUser
+			return nil, false
 		}
 	}
 	if label != t.label {
-		return nil, errNotUser
+		return nil, false
 	}
 	if t.aead == nil {
 		if b[0] != mlUserMsg {
-			if b[0] == mlCompressMsg {
-				return nil, errUnverifiable
-			}
-			return nil, errNotUser
+			return nil, false
 		}
 		return readUserMsg(pk.next)
 	}
 	if b[0] != mlEncryptMsg {
-		return nil, errNotUser
+		return nil, false
 	}
 	hdr, err := pk.next(4)
 	if err != nil {
-		return nil, errNotUser
+		return nil, false
 	}
 	n := binary.BigEndian.Uint32(hdr)
 	if n > mlMaxStream {
-		return nil, errNotUser
+		return nil, false
 	}
 	sealed, err := pk.next(int(n))
 	if err != nil {
-		return nil, errNotUser
+		return nil, false
 	}
 	ad := append([]byte{mlEncryptMsg}, hdr...)
 	plain := t.open(sealed, append(ad, label...))
-	if len(plain) == 0 {
-		return nil, errNotUser
-	}
-	switch plain[0] {
-	case mlUserMsg:
-	case mlCompressMsg:
-		return nil, errUnverifiable
-	default:
-		return nil, errNotUser
+	if len(plain) == 0 || plain[0] != mlUserMsg {
+		return nil, false
 	}
 	rest := plain[1:]
-	payload, err := readUserMsg(func(n int) ([]byte, error) {
+	return readUserMsg(func(n int) ([]byte, error) {
 		if len(rest) < n {
 			return nil, io.ErrUnexpectedEOF
 		}
@@ -327,51 +262,43 @@ func (t *senderTransport) peekUser(pk *peekConn) ([]byte, error) {
 		rest = rest[n:]
 		return v, nil
 	})
-	if err != nil {
-		return nil, errUnverifiable
-	}
-	return payload, nil
 }
 
 // readUserMsg reads memberlist's user message header (msgpack
 // {"UserMsgLen": n}) and the n bytes it announces.
-func readUserMsg(next func(int) ([]byte, error)) ([]byte, error) {
+func readUserMsg(next func(int) ([]byte, error)) ([]byte, bool) {
 	const key = "UserMsgLen"
 	h, err := next(2 + len(key))
 	if err != nil || h[0] != 0x81 || h[1] != 0xa0|byte(len(key)) || string(h[2:]) != key {
-		return nil, errUnverifiable
+		return nil, false
 	}
-	t, err := next(1)
+	c, err := next(1)
 	if err != nil {
-		return nil, errUnverifiable
+		return nil, false
 	}
 	var n uint64
-	switch c := t[0]; {
-	case c <= 0x7f:
-		n = uint64(c)
-	case c >= 0xcc && c <= 0xd3: // uint8..uint64, int8..int64
-		size := 1 << ((c - 0xcc) % 4)
-		v, err := next(size)
-		if err != nil {
-			return nil, errUnverifiable
+	switch {
+	case c[0] <= 0x7f:
+		n = uint64(c[0])
+	case c[0] >= 0xcc && c[0] <= 0xd3: // uint8..uint64, int8..int64
+		v, err := next(1 << ((c[0] - 0xcc) % 4))
+		if err != nil || c[0] >= 0xd0 && v[0]&0x80 != 0 {
+			return nil, false
 		}
 		for _, x := range v {
 			n = n<<8 | uint64(x)
 		}
-		if c >= 0xd0 && v[0]&0x80 != 0 {
-			return nil, errUnverifiable // negative
-		}
 	default:
-		return nil, errUnverifiable
+		return nil, false
 	}
 	if n == 0 || n > maxPayload+1024 {
-		return nil, errUnverifiable
+		return nil, false
 	}
 	payload, err := next(int(n))
 	if err != nil {
-		return nil, errUnverifiable
+		return nil, false
 	}
-	return payload, nil
+	return payload, true
 }
 
 // peekConn records what is read from a stream until it is handed to

@@ -138,3 +138,16 @@ func TestMemberAddrsBindDatagramsByPortStreamsByIP(t *testing.T) {
 		t.Fatal("a member that left still binds")
 	}
 }
+
+// TestUncheckedUserMessagesAreDropped: with the sender check on, a user
+// message memberlist delivers itself (the check could not read it: inside
+// a compressed or compound packet) is dropped and counted.
+func TestUncheckedUserMessagesAreDropped(t *testing.T) {
+	d := newDelegate("router/r1", testLog())
+	d.checkSender = true
+	m := sampleMessages()[0]
+	d.NotifyMsg(m.Append(nil))
+	if len(d.inbox) != 0 || d.stats.Unverified.Load() != 1 {
+		t.Fatalf("inbox %d, unverified %d", len(d.inbox), d.stats.Unverified.Load())
+	}
+}
