@@ -138,10 +138,13 @@ func (c *Config) memberlistConfig(role Role, d *delegate) (*memberlist.Config, e
 		if err != nil {
 			return nil, err
 		}
-		if mc.Transport, err = newSenderTransport(nt, mc.BindAddr, d, mc.Label, c.Key, mc.TCPTimeout); err != nil {
+		st, err := newSenderTransport(nt, mc.BindAddr, d, mc.Label, c.Key, mc.TCPTimeout)
+		if err != nil {
 			_ = nt.Shutdown()
 			return nil, fmt.Errorf("gossip key: %w", err)
 		}
+		go st.read()
+		mc.Transport = st
 		d.checkSender = true
 	}
 	return mc, nil

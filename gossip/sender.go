@@ -85,7 +85,6 @@ func newSenderTransport(nt *memberlist.NetTransport, bindIP string, d *delegate,
 	if ip := net.ParseIP(bindIP); ip != nil && !ip.IsUnspecified() {
 		t.local = &net.TCPAddr{IP: ip}
 	}
-	go t.read()
 	return t, nil
 }
 
@@ -117,8 +116,8 @@ func (t *senderTransport) Shutdown() error {
 	return err
 }
 
-// read takes what the listeners receive: user messages it checks and
-// delivers itself, the rest it hands memberlist.
+// read takes what the listeners receive, until Shutdown: user messages it
+// checks and delivers itself, the rest it hands memberlist.
 func (t *senderTransport) read() {
 	packets, streams := t.NetTransport.PacketCh(), t.NetTransport.StreamCh()
 	for {
