@@ -191,6 +191,9 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_gossip_rejected_total", "packets rejected (wrong label or key, malformed)", true, func(s *Status) float64 {
 		return float64(s.Cluster.RejectedLabel + s.Cluster.RejectedDecrypt + s.Cluster.RejectedMalformed + s.Cluster.BadMessages)
 	}},
+	{"kvmesh_sidecar_gossip_unverified_sender_total", "messages dropped because they could not be from the member they name (forged, or unreadable by the sender check)", true, func(s *Status) float64 {
+		return float64(s.Cluster.ForgedSender + s.Cluster.Unverified)
+	}},
 }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
