@@ -175,7 +175,7 @@ func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 			continue
 		}
 		live++
-		if r.KVEvents && r.FilterGeneration == 0 {
+		if r.KVEvents && r.FilterGeneration == 0 && !r.Orphan { // an orphan's filter is not coming
 			waiting++
 		}
 	}

@@ -31,6 +31,9 @@ func TestOrphanIsRoutedByLoadUntilItsEngineDies(t *testing.T) {
 		}
 	}
 	r.g.probeOrphans(time.Second)
+	if res := r.get(t, "/ready"); res.status != 200 || !strings.Contains(res.body, `"awaiting_filters":0,"ejected_replicas":0,"live_replicas":2`) {
+		t.Fatalf("ready with the orphan live: %d %s", res.status, res.body)
+	}
 	if body := r.get(t, "/admin/replicas").body; !strings.Contains(body, `"name":"a"`) ||
 		!strings.Contains(body, `"online":true,"selected":true,"kv_events":true,"stale":true,"orphan":true`) {
 		t.Fatalf("admin view of the orphan: %s", body)
@@ -50,7 +53,7 @@ func TestOrphanIsRoutedByLoadUntilItsEngineDies(t *testing.T) {
 	if rep := r.table.Snapshot().Replicas[0]; rep.Name != "a" || rep.Online {
 		t.Fatalf("dead orphan after a probe: %+v", rep)
 	}
-	if res := r.get(t, "/ready"); res.status != 200 {
+	if res := r.get(t, "/ready"); res.status != 200 || !strings.Contains(res.body, `"live_replicas":1,`) {
 		t.Fatalf("ready with b live: %d %s", res.status, res.body)
 	}
 }
