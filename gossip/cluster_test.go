@@ -271,16 +271,24 @@ func TestKilledSidecarsReplicaIsAnOrphanWithinOneSecond(t *testing.T) {
 }
 
 // TestSidecarLeavingTakesItsReplicaOut: a sidecar that leaves on purpose
-// (a drain) takes its replica out of routing at once.
+// (a drain) takes its replica out of routing at once, even when the first
+// copy of its leaving record is lost.
 func TestSidecarLeavingTakesItsReplicaOut(t *testing.T) {
 	r, tb := startTestRouter(t, "r1")
 	s, _ := startTestSidecar(t, "a", r.Addr())
 	s.SetEngineLoad(EngineLoad{Healthy: true, Waiting: 3})
 	waitFor(t, 3*time.Second, "replica", func() bool { rep, _ := replica(tb, "a"); return rep.Online && rep.Load.Waiting == 3 })
+	var lost atomic.Int32
+	r.mu.Lock()
+	r.lose = func(m *Message) bool { return m.Kind == KindLoad && m.Load.Leaving && lost.CompareAndSwap(0, 1) }
+	r.mu.Unlock()
 	if err := s.Leave(time.Second); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, time.Second, "replica removed", func() bool { _, ok := replica(tb, "a"); return !ok })
+	if lost.Load() != 1 {
+		t.Fatal("no leaving record was lost")
+	}
 }
 
 func TestWrongKeyOrLabelIsRejectedAndCounted(t *testing.T) {

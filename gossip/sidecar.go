@@ -460,13 +460,25 @@ func (s *SidecarNode) sendLoad(leaving bool) {
 		msg.Epoch = st.Epoch
 		msg.Load.FilterGen, msg.Load.FilterSeq, msg.Load.FilterKeys = st.Generation, st.Seq, st.Keys
 	}
+	copies := 1
+	if leaving {
+		// A datagram: lost, the router would take the leave for a failure
+		// and keep routing to the draining engine while it answers.
+		// Copies share the sequence: the router reads one.
+		copies = leavingCopies
+	}
 	for _, t := range targets {
 		m := msg
 		m.Load.InflightRequests -= t.own.requests
 		m.Load.InflightPrefillTokens -= t.own.prefillTokens
-		_ = s.send(t.node, &m, false)
+		for range copies {
+			_ = s.send(t.node, &m, false)
+		}
 	}
 }
+
+// leavingCopies is how many times the leaving record goes to each router.
+const leavingCopies = 3
 
 // snapshotSender sends a router the current snapshot each time it is
 // wanted, one at a time (requests coalesce while one is in flight).
