@@ -19,6 +19,16 @@
 // engine counts them, and a key is resident while any counted medium and
 // group holds a block with it. For hybrid models (sliding-window groups)
 // that can overstate a hit; it never invents a prefix that no group holds.
+//
+// The set is bounded, since its events may come from anyone who reaches the
+// event socket: at most Options.MaxBlocks engine hashes (the engine's
+// capacity with slack) and KV-cache groups below Options.MaxGroups. A store
+// past either bound is refused and counted, never evicting what is held: a
+// refused block only makes routers predict a miss there (hit rate, not
+// correctness), while the blocks already held stay exact for the removals
+// that will name them. An honest engine never holds more blocks than its
+// capacity, so a full set means the engine (or whoever speaks for it)
+// misbehaves or removals were lost; Overfull says so until the next clear.
 package residentset
 
 import (
@@ -49,7 +59,21 @@ type Options struct {
 	// v0.14 sends alone. Routers seed an adapter's keys with its name, so
 	// without this map such blocks are keyed by the id and never match.
 	LoRANames map[int64]string
+	// MaxBlocks bounds the engine hashes held over every counted medium and
+	// group (duplicates of a held hash are reference-counted and take no
+	// more); a store past it is refused. 0 means no bound.
+	MaxBlocks int
+	// MaxGroups bounds group_idx: events of a group outside [0, MaxGroups)
+	// are refused, so an outsider cannot make every lookup of an unknown
+	// parent walk thousands of groups. 0 means DefaultMaxGroups.
+	MaxGroups int
 }
+
+// DefaultMaxGroups is far above the KV-cache groups of real hybrid models
+// (vLLM groups layers by attention type into groups of equal size: two for
+// alternating sliding windows, six for Gemma 3's 5:1, eight for 1:7 Mamba
+// hybrids).
+const DefaultMaxGroups = 64
 
 // Stats count what the set did with the events it was given.
 type Stats struct {
@@ -70,6 +94,11 @@ type Stats struct {
 	Clears             uint64 // AllBlocksCleared events
 	Resets             uint64 // Reset calls
 	Unknown            uint64 // events of a kind this package does not know (ignored)
+	// Blocks refused: stored past MaxBlocks (the set was full; later blocks
+	// of the same event are refused with the first), or stored or removed
+	// in a group outside [0, MaxGroups).
+	RefusedFull  uint64
+	RefusedGroup uint64
 }
 
 // tierID names one engine block namespace: the engine reference-counts
@@ -85,15 +114,23 @@ type Set struct {
 	media     []string
 	loraNames map[int64]string
 
-	tiers     map[tierID]*hashIndex // engine hash → key and stores not yet removed
+	tiers     map[tierID]*hashIndex // engine hash → key and stores not yet removed; no empty tier
 	keys      keyCounts             // kvmesh key → resident engine hashes naming it
 	blockSize int
 	stats     Stats
+
+	maxBlocks, maxGroups int
+	blocks               int  // engine hashes held, over every tier
+	overfull             bool // a store was refused as past MaxBlocks since the last clear
 }
 
 // New returns an empty set.
 func New(opts Options) *Set {
-	s := &Set{tiers: make(map[tierID]*hashIndex), loraNames: opts.LoRANames}
+	s := &Set{tiers: make(map[tierID]*hashIndex), loraNames: opts.LoRANames,
+		maxBlocks: opts.MaxBlocks, maxGroups: opts.MaxGroups}
+	if s.maxGroups <= 0 {
+		s.maxGroups = DefaultMaxGroups
+	}
 	for _, m := range opts.Media {
 		s.media = append(s.media, normMedium(m))
 	}
@@ -158,7 +195,22 @@ func (s *Set) Reset(obs Observer) {
 func (s *Set) clear(obs Observer) {
 	clear(s.tiers)
 	s.keys.reset()
+	s.blocks, s.overfull = 0, false
 	obs.Cleared()
+}
+
+// SetMaxBlocks changes the bound on engine hashes held (0: none), e.g. when
+// the engine reports its capacity. Lowering it below what is held drops
+// nothing: stores are refused until removals bring the set under it.
+func (s *Set) SetMaxBlocks(n int) { s.maxBlocks = n }
+
+// groupRefused counts, and reports, an event of a group outside the bound.
+func (s *Set) groupRefused(ev *kvevents.Event) bool {
+	if ev.GroupIdx >= 0 && ev.GroupIdx < s.maxGroups {
+		return false
+	}
+	s.stats.RefusedGroup += uint64(len(ev.BlockHashes))
+	return true
 }
 
 // seed is key_0 of a stored prefix that starts at the beginning: the LoRA
@@ -188,6 +240,9 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 		return
 	}
 	s.stats.StoredBlocks += n
+	if s.groupRefused(ev) {
+		return
+	}
 	if ev.BlockSize > 0 {
 		s.blockSize = ev.BlockSize
 	}
@@ -216,6 +271,7 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 	if t == nil {
 		t = new(hashIndex)
 		s.tiers[id] = t
+		defer s.dropIfEmpty(id, t) // the event may be refused
 	}
 	bs := ev.BlockSize
 	if bs <= 0 {
@@ -240,7 +296,11 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 				s.stats.Unkeyed += n - uint64(i)
 			}
 		}
-		s.add(t, h, key, tainted, obs)
+		if !s.add(t, h, key, tainted, obs) {
+			s.stats.RefusedFull += n - uint64(i)
+			s.overfull = true
+			return
+		}
 		parent = key
 	}
 }
@@ -264,7 +324,8 @@ func (s *Set) lookup(id tierID, h uint64) (key uint64, tainted, ok bool) {
 	return 0, false, false
 }
 
-func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) {
+// add stores h in t, or reports false when that needs a slot past MaxBlocks.
+func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) bool {
 	if old, refs := t.get(h); refs > 0 {
 		s.stats.Duplicates++
 		if old != key || (refs&taint != 0) != tainted {
@@ -274,16 +335,21 @@ func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) {
 			refs++
 		}
 		t.put(h, old, refs)
-		return
+		return true
 	}
+	if s.maxBlocks > 0 && s.blocks >= s.maxBlocks {
+		return false
+	}
+	s.blocks++
 	if tainted {
 		t.put(h, 0, 1|taint)
-		return
+		return true
 	}
 	t.put(h, key, 1)
 	if s.keys.inc(key) {
 		obs.Added(key)
 	}
+	return true
 }
 
 func (s *Set) remove(ev *kvevents.Event, obs Observer) {
@@ -294,7 +360,11 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 		return
 	}
 	s.stats.RemovedBlocks += n
-	t := s.tiers[tierID{medium, ev.GroupIdx}]
+	if s.groupRefused(ev) {
+		return
+	}
+	id := tierID{medium, ev.GroupIdx}
+	t := s.tiers[id]
 	for _, h := range ev.BlockHashes {
 		var key uint64
 		var refs uint32
@@ -308,15 +378,35 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 			t.put(h, key, refs-1)
 		default:
 			t.del(h)
+			s.blocks--
 			if refs&taint == 0 && s.keys.dec(key) {
 				obs.Removed(key)
 			}
 		}
 	}
+	if t != nil {
+		s.dropIfEmpty(id, t)
+	}
+}
+
+// dropIfEmpty forgets an empty tier: lookups of an unknown parent walk
+// every tier.
+func (s *Set) dropIfEmpty(id tierID, t *hashIndex) {
+	if t.len() == 0 {
+		delete(s.tiers, id)
+	}
 }
 
 // Len is the number of resident kvmesh keys.
 func (s *Set) Len() int { return s.keys.len() }
+
+// Blocks is the number of engine hashes held, over every counted medium and
+// group: what MaxBlocks bounds.
+func (s *Set) Blocks() int { return s.blocks }
+
+// Overfull reports whether a store was refused as past MaxBlocks since the
+// last clear or reset: the engine claimed more blocks than it can hold.
+func (s *Set) Overfull() bool { return s.overfull }
 
 // Orphans counts stored blocks whose parent was unknown, so they were never
 // keyed.
