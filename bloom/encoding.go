@@ -60,6 +60,31 @@ var (
 // SnapshotSize is the encoded size of a snapshot of an m-bit filter.
 func SnapshotSize(m uint) int { return snapshotHeaderLen + int(m/64)*8 }
 
+// MaxCapacity is the largest number of keys whose filter at fpRate (as
+// NewFilter sizes it) encodes as a snapshot of at most maxBytes; 0 when not
+// even one key's does.
+func MaxCapacity(fpRate float64, maxBytes int) int {
+	fits := func(c uint) bool {
+		blocks, _ := Params(c, fpRate)
+		return SnapshotSize(uint(blocks*blockBits)) <= maxBytes
+	}
+	if !fits(1) {
+		return 0
+	}
+	lo, hi := uint(1), uint(2)
+	for fits(hi) {
+		lo, hi = hi, hi*2
+	}
+	for hi-lo > 1 { // fits(lo), !fits(hi)
+		if mid := lo + (hi-lo)/2; fits(mid) {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return int(lo)
+}
+
 // DeltaSize is the encoded size of a delta of n keys.
 func DeltaSize(n int) int { return deltaHeaderLen + 8*n }
 

@@ -152,3 +152,20 @@ func FuzzDecodeDelta(f *testing.F) {
 		}
 	})
 }
+
+func TestMaxCapacityIsTheLargestThatFits(t *testing.T) {
+	for _, tc := range []struct {
+		fpr   float64
+		bytes int
+	}{{0.01, 20 << 20}, {0.001, 1 << 20}, {0.01, 4096}} {
+		c := MaxCapacity(tc.fpr, tc.bytes)
+		size := func(c int) int { return SnapshotSize(NewFilter(uint(c), tc.fpr).M()) }
+		if size(c) > tc.bytes || size(c+1) <= tc.bytes {
+			t.Fatalf("MaxCapacity(%v, %d) = %d: its snapshot takes %d, one more key's %d", tc.fpr, tc.bytes, c, size(c), size(c+1))
+		}
+		t.Logf("fpr %v, %d bytes: %d keys", tc.fpr, tc.bytes, c)
+	}
+	if MaxCapacity(0.01, 10) != 0 {
+		t.Fatal("a limit below one block fits keys")
+	}
+}

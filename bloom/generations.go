@@ -14,6 +14,10 @@ type GenerationConfig struct {
 	// capacity in blocks (default 65536). A rebuild grows the filter when
 	// more keys than that are resident.
 	Capacity int
+	// MaxKeys caps that growth (0: none): a rebuild never sizes a filter for
+	// more than max(Capacity, MaxKeys) keys, so that every snapshot fits the
+	// message that carries it (see MaxCapacity).
+	MaxKeys int
 	// FPRate is the target false-positive rate at Capacity (default 0.01).
 	FPRate float64
 	// RebuildRemovedFraction triggers a rebuild once the keys removed since
@@ -204,6 +208,9 @@ func (g *Generations) BeginRebuild() *RebuildJob {
 	capacity := g.cfg.Capacity
 	if g.live > capacity {
 		capacity = g.live + g.live/4
+		if g.cfg.MaxKeys > 0 {
+			capacity = max(min(capacity, g.cfg.MaxKeys), g.cfg.Capacity)
+		}
 	}
 	if uint(capacity) != g.sizedFor {
 		g.sizedFor = uint(capacity)

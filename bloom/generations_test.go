@@ -483,3 +483,16 @@ func TestRebuildJobAbandoned(t *testing.T) {
 		t.Fatal("the newest job was not installed")
 	}
 }
+
+func TestRebuildGrowthStopsAtMaxKeys(t *testing.T) {
+	g := NewGenerations(GenerationConfig{Capacity: 1000, MaxKeys: 1200}, 1, t0)
+	set := exactSet{}
+	for _, k := range randomKeys(9, 3000) {
+		g.Add(k)
+		set[k] = true
+	}
+	g.Rebuild(t0.Add(time.Second), set.keys)
+	if want := NewFilter(1200, 0.01).M(); g.Snapshot().M != want {
+		t.Fatalf("3000 live keys, MaxKeys 1200: m=%d, want %d (sized for 1200)", g.Snapshot().M, want)
+	}
+}

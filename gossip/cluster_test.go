@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -453,4 +454,25 @@ func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
 	if s.Stats().Resends == 0 {
 		t.Fatal("no delta resent")
 	}
+}
+
+// The largest filter MaxFilterPayload allows, from a sidecar with the
+// longest name, still reaches a router over the encrypted, labelled stream.
+func TestLargestFilterReachesRouter(t *testing.T) {
+	r, tb := startTestRouter(t, "r1")
+	name := strings.Repeat("n", 200)
+	capacity := bloom.MaxCapacity(0.01, MaxFilterPayload)
+	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: capacity}, 1, time.Now())
+	if size := bloom.SnapshotSize(g.Stats().M); size > MaxFilterPayload || size < MaxFilterPayload-1<<16 {
+		t.Fatalf("snapshot of %d bytes for capacity %d, limit %d", size, capacity, MaxFilterPayload)
+	}
+	s, err := StartSidecar(SidecarConfig{Config: baseConfig(name, r.Addr()), Models: []string{"m"}, EngineURL: "http://a",
+		Protocol: fleet.ProtocolVLLM, BlockSize: 16, Filter: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Leave(0) })
+	g.Add(11)
+	waitFor(t, 10*time.Second, "key of the largest filter at router", func() bool { return hasKey(tb, name, 11) })
+	t.Logf("capacity %d at fpr 0.01: snapshot of %d bytes delivered", capacity, bloom.SnapshotSize(g.Stats().M))
 }

@@ -44,6 +44,14 @@ const (
 	maxPayload = 20 << 20
 )
 
+// MaxFilterPayload is the largest filter encoding (bloom snapshot) a
+// sidecar can send: memberlist refuses a reliable message over 20 MiB, and
+// the message also holds its header (a sender name of up to 255 bytes) and
+// memberlist's stream framing and AES-GCM nonce and tag; 1 KiB covers them.
+// A bigger snapshot would be dropped by every router, so a sidecar refuses
+// at start a capacity whose filter would be bigger.
+const MaxFilterPayload = maxPayload - 1<<10
+
 // Load is a sidecar's load record.
 type Load struct {
 	Healthy bool // engine answers /health; false announces it offline
