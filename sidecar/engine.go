@@ -41,6 +41,10 @@ type EngineMetrics struct {
 	// BlockSize is the KV block size in the engine's cache configuration
 	// (vLLM's cache_config_info), 0 where the engine does not say.
 	BlockSize int
+	// CapacityBlocks is the engine's KV capacity in blocks (vLLM's
+	// num_gpu_blocks in cache_config_info; the largest of several ranks'),
+	// 0 where the engine does not say.
+	CapacityBlocks int
 }
 
 // ParseMetrics reads the load figures out of Prometheus text exposition for
@@ -71,6 +75,9 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 		case names.config:
 			if v, err := strconv.Atoi(labelValue(line, "block_size")); err == nil && v > 0 && v <= 1<<20 {
 				m.BlockSize = v
+			}
+			if v, err := strconv.Atoi(labelValue(line, "num_gpu_blocks")); err == nil && v > 0 && v <= math.MaxInt32 {
+				m.CapacityBlocks = max(m.CapacityBlocks, v)
 			}
 		case names.waiting:
 			m.Waiting = addCount(m.Waiting, value)

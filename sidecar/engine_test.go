@@ -32,7 +32,7 @@ func TestParseMetrics(t *testing.T) {
 	// Counts sum over engines; usage is the busiest engine's, preferring the current name.
 	// The block size is the block_size label's, not hash_block_size's nor
 	// text inside another label's value.
-	if want := (EngineMetrics{Waiting: 7, Running: 5, KVUsage: 0.5, BlockSize: 16}); got != want {
+	if want := (EngineMetrics{Waiting: 7, Running: 5, KVUsage: 0.5, BlockSize: 16, CapacityBlocks: 2048}); got != want {
 		t.Fatalf("got %+v, want %+v", got, want)
 	}
 	old := "vllm:num_requests_waiting 1\nvllm:num_requests_running 0\nvllm:gpu_cache_usage_perc 0.75 1700000000000\n"
@@ -65,6 +65,15 @@ sglang:token_usage{model_name="q",tp_rank="0"} 0.125
 		if err != nil || got.BlockSize != want {
 			t.Errorf("%s: block size %d (%v), want %d", line, got.BlockSize, err, want)
 		}
+	}
+	// Several ranks: each rank's own capacity (the largest); nonsense ignored.
+	ranks := "vllm:num_requests_waiting 0\n" +
+		`vllm:cache_config_info{engine="0",num_gpu_blocks="4096"} 1` + "\n" +
+		`vllm:cache_config_info{engine="1",num_gpu_blocks="8192"} 1` + "\n" +
+		`vllm:cache_config_info{engine="2",num_gpu_blocks="None"} 1` + "\n" +
+		`vllm:cache_config_info{engine="3",num_gpu_blocks="99999999999"} 1` + "\n"
+	if got, err := ParseMetrics([]byte(ranks), "vllm"); err != nil || got.CapacityBlocks != 8192 {
+		t.Fatalf("num_gpu_blocks over ranks: %+v %v, want 8192", got, err)
 	}
 	bad := "vllm:num_requests_waiting NaN\nvllm:num_requests_running -3\nvllm:kv_cache_usage_perc 7\n"
 	if got, err := ParseMetrics([]byte(bad), "vllm"); err != nil || got != (EngineMetrics{KVUsage: 1}) {

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -57,7 +58,20 @@ type Config struct {
 	ScrapeInterval time.Duration // health + metrics (default 200 ms)
 	ModelsInterval time.Duration // /v1/models refresh (default 30 s)
 	FilterFPR      float64       // target false-positive rate (default 0.01)
-	Capacity       int           // engine KV capacity in blocks (default 65536)
+	// Capacity is the engine's KV capacity in blocks (default 65536): it
+	// sizes the filter, and bounds the exact set until the engine reports
+	// its own (vLLM's num_gpu_blocks), which then rules. New refuses one
+	// whose filter is too big for gossip to carry (bloom.MaxCapacity).
+	Capacity int
+	// ResidentSlack is how far past the engine's capacity the exact set
+	// may grow, as a fraction of it (default 0.25), before it refuses
+	// stores: room for a capacity stated a little low, and for blocks an
+	// engine's connector reports without a medium that live on another
+	// tier. An honest engine never needs more.
+	ResidentSlack float64
+	// MaxKVGroups bounds the KV-cache groups (group_idx) followed (default
+	// residentset.DefaultMaxGroups).
+	MaxKVGroups int
 	// LoRANames names LoRA adapters by the numeric id vLLM before v0.14
 	// sends alone in its events (routers key adapters by name).
 	LoRANames map[int64]string
@@ -91,8 +105,12 @@ type Sidecar struct {
 	log    zerolog.Logger
 	client *http.Client
 	// modelsLog is log at most once a minute: while the engine refuses
-	// /v1/models it is asked every scrape interval.
-	modelsLog zerolog.Logger
+	// /v1/models it is asked every scrape interval. overfullLog too: an
+	// engine may fill the set again after every clear.
+	modelsLog, overfullLog zerolog.Logger
+	// maxFilterKeys is the largest filter gossip can carry at FilterFPR:
+	// rebuilds never grow a filter past it.
+	maxFilterKeys int
 
 	// mu guards the exact set and the filter: the event goroutine applies
 	// batches, the maintenance goroutine rebuilds.
@@ -107,12 +125,14 @@ type Sidecar struct {
 	node atomic.Pointer[gossip.SidecarNode]
 	sub  atomic.Pointer[kvevents.Subscriber]
 
-	healthy    atomic.Bool
-	metricsOK  atomic.Bool
-	load       atomic.Pointer[EngineMetrics]
-	models     atomic.Pointer[[]string]
-	blockSize  atomic.Int64
-	scrapeErrs atomic.Uint64
+	healthy   atomic.Bool
+	metricsOK atomic.Bool
+	// engineBlocks is the capacity the engine reports (0: not said).
+	engineBlocks atomic.Int64
+	load         atomic.Pointer[EngineMetrics]
+	models       atomic.Pointer[[]string]
+	blockSize    atomic.Int64
+	scrapeErrs   atomic.Uint64
 	// metricsReadNanos is how long the last /metrics read took.
 	metricsReadNanos atomic.Int64
 	rebuilds         atomic.Uint64
@@ -175,6 +195,12 @@ func (c *Config) withDefaults() error {
 	if c.Capacity <= 0 {
 		c.Capacity = 1 << 16
 	}
+	if c.ResidentSlack <= 0 {
+		c.ResidentSlack = 0.25
+	}
+	if c.MaxKVGroups <= 0 {
+		c.MaxKVGroups = residentset.DefaultMaxGroups
+	}
 	c.Gossip.Name = c.Name
 	c.Gossip.Logger = c.Logger.With().Str("part", "gossip").Logger()
 	return nil
@@ -185,13 +211,24 @@ func New(cfg Config) (*Sidecar, error) {
 	if err := cfg.withDefaults(); err != nil {
 		return nil, err
 	}
+	maxKeys := bloom.MaxCapacity(cfg.FilterFPR, gossip.MaxFilterPayload)
+	if cfg.Capacity > maxKeys {
+		blocks, _ := bloom.Params(uint(cfg.Capacity), cfg.FilterFPR)
+		return nil, fmt.Errorf("sidecar: --capacity %d needs a %.1f MiB filter at --filter-fpr %g, over the %.1f MiB a gossip message carries: "+
+			"no router would ever receive it; the largest --capacity at this rate is %d (a higher --filter-fpr allows more)",
+			cfg.Capacity, float64(bloom.SnapshotSize(uint(blocks)*512))/(1<<20), cfg.FilterFPR, float64(gossip.MaxFilterPayload)/(1<<20), maxKeys)
+	}
+	sampled := func() zerolog.Logger { return cfg.Logger.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}) }
 	s := &Sidecar{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		modelsLog: cfg.Logger.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}),
-		client:    &http.Client{Timeout: 2 * time.Second},
-		set:       residentset.New(residentset.Options{LoRANames: cfg.LoRANames}),
-		clearReq:  make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
+		cfg:           cfg,
+		log:           cfg.Logger,
+		modelsLog:     sampled(),
+		overfullLog:   sampled(),
+		maxFilterKeys: maxKeys,
+		client:        &http.Client{Timeout: 2 * time.Second},
+		set: residentset.New(residentset.Options{LoRANames: cfg.LoRANames,
+			MaxBlocks: withSlack(cfg.Capacity, cfg.ResidentSlack), MaxGroups: cfg.MaxKVGroups}),
+		clearReq: make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
 	}
 	s.gens = s.newGenerations(time.Now(), 1)
 	s.obs = observer{s.gens}
@@ -201,11 +238,18 @@ func New(cfg Config) (*Sidecar, error) {
 	return s, nil
 }
 
+// withSlack is the most blocks the exact set holds for an engine of
+// capacity blocks.
+func withSlack(capacity int, slack float64) int {
+	return capacity + int(math.Ceil(float64(capacity)*slack))
+}
+
 func (s *Sidecar) kvEvents() bool { return s.cfg.KVEvents != "" || s.cfg.KVEventsBind != "" }
 
 func (s *Sidecar) newGenerations(now time.Time, first uint64) *bloom.Generations {
 	return bloom.NewGenerations(bloom.GenerationConfig{
 		Capacity:        s.cfg.Capacity,
+		MaxKeys:         s.maxFilterKeys,
 		FPRate:          s.cfg.FilterFPR,
 		MaxDeltaKeys:    150, // one delta per ~1.3 KB datagram
 		FirstGeneration: first,
@@ -304,15 +348,33 @@ func (s *Sidecar) Run(ctx context.Context) error {
 	return runErr
 }
 
+// applyChunk is how many events HandleBatch applies per hold of the lock,
+// so that /status and rebuilds never wait for a whole outsized batch.
+const applyChunk = 1024
+
 // HandleBatch applies one batch of KV events (kvevents.Handler).
 func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 	s.mu.Lock()
+	wasOverfull := s.set.Overfull()
 	for i := range b.Events {
+		if i > 0 && i%applyChunk == 0 {
+			s.mu.Unlock()
+			s.mu.Lock()
+		}
 		s.set.Apply(&b.Events[i], s.obs)
 	}
 	s.setBlockSizeLocked(s.set.BlockSize())
 	rebuild := s.gens.NeedsRebuild(time.Now())
+	becameOverfull := s.set.Overfull() && !wasOverfull
+	var limit int
+	if becameOverfull {
+		limit = s.residentLimitLocked()
+	}
 	s.mu.Unlock()
+	if becameOverfull {
+		s.overfullLog.Warn().Int("resident_limit", limit).Int64("engine_capacity", s.engineBlocks.Load()).
+			Msg("engine claims more resident blocks than its capacity allows (events lost, or not the engine): further stores refused until it removes some")
+	}
 	if rebuild {
 		// Not here: event intake must not wait for a filter to be filled.
 		select {
@@ -501,6 +563,7 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 			s.load.Store(&m)
 			s.metricsOK.Store(true)
 			s.configuredBlockSize(m.BlockSize)
+			s.engineCapacity(m.CapacityBlocks)
 			return
 		}
 	}
@@ -508,6 +571,39 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 		s.log.Warn().Err(err).Msg("engine metrics unreadable")
 	}
 	s.scrapeErrs.Add(1)
+}
+
+// residentLimitLocked is the most blocks the exact set holds: the engine's
+// own capacity when it reports one, else --capacity, with slack (s.mu held).
+func (s *Sidecar) residentLimitLocked() int {
+	c := int(s.engineBlocks.Load())
+	if c <= 0 {
+		c = s.cfg.Capacity
+	}
+	return withSlack(c, s.cfg.ResidentSlack)
+}
+
+// engineCapacity bounds the exact set by the capacity the engine reports
+// (0: it does not say), and warns when filters are sized for less.
+func (s *Sidecar) engineCapacity(blocks int) {
+	if blocks <= 0 || s.engineBlocks.Swap(int64(blocks)) == int64(blocks) {
+		return
+	}
+	s.mu.Lock()
+	limit := s.residentLimitLocked()
+	s.set.SetMaxBlocks(limit)
+	s.mu.Unlock()
+	ev := s.log.Info()
+	msg := "engine capacity known: the exact set holds at most resident_limit blocks"
+	switch {
+	case blocks > s.maxFilterKeys:
+		ev = s.log.Warn()
+		msg = "engine holds more blocks than a filter gossip can carry at --filter-fpr: past max_filter_keys the false-positive rate rises above target"
+	case blocks > s.cfg.Capacity:
+		ev = s.log.Warn()
+		msg = "engine holds more blocks than --capacity: filters grow on rebuild to fit; set --capacity to the engine's to size them from the start"
+	}
+	ev.Int("engine_capacity", blocks).Int("capacity", s.cfg.Capacity).Int("resident_limit", limit).Int("max_filter_keys", s.maxFilterKeys).Msg(msg)
 }
 
 // configuredBlockSize takes the block size of the engine's configuration

@@ -34,6 +34,18 @@ type Status struct {
 	FilterBits      uint    `json:"filter_bits"`
 	FilterRebuilds  uint64  `json:"filter_rebuilds"`
 
+	// ResidentEngineBlocks are the engine hashes the exact set holds (over
+	// groups), bounded by ResidentLimit: EngineCapacity (or --capacity
+	// while the engine does not say) with slack. Stores past it are
+	// refused (RefusedFull) and flag the engine EngineOverfull until its
+	// next clear; RefusedGroup counts blocks of groups past --max-kv-groups.
+	ResidentEngineBlocks int    `json:"resident_engine_blocks"`
+	ResidentLimit        int    `json:"resident_limit"`
+	EngineCapacity       int    `json:"engine_capacity_blocks"`
+	EngineOverfull       bool   `json:"engine_overfull"`
+	RefusedFull          uint64 `json:"refused_blocks_full"`
+	RefusedGroup         uint64 `json:"refused_blocks_group"`
+
 	Waiting               int     `json:"waiting"`
 	Running               int     `json:"running"`
 	KVUsage               float64 `json:"kv_usage"`
@@ -95,7 +107,10 @@ func (s *Sidecar) Status() Status {
 	st.BlockSize = int(s.blockSize.Load()) // what routers key prompts with
 	st.ResidentBlocks = s.set.Len()
 	st.OrphanBlocks = s.set.Orphans()
-	st.EventsReceived = s.set.Stats().Events
+	ss := s.set.Stats()
+	st.EventsReceived, st.RefusedFull, st.RefusedGroup = ss.Events, ss.RefusedFull, ss.RefusedGroup
+	st.ResidentEngineBlocks, st.ResidentLimit, st.EngineOverfull = s.set.Blocks(), s.residentLimitLocked(), s.set.Overfull()
+	st.EngineCapacity = int(s.engineBlocks.Load())
 	st.EngineResets = s.resets
 	st.ResetReasons = append([]string(nil), s.reasons...)
 	gs := s.gens.Stats()
@@ -159,10 +174,18 @@ func b2f(b bool) float64 {
 	return 0
 }
 
+// refused is kvmesh_sidecar_refused_blocks_total, one series per reason.
+var refused = prometheus.NewDesc("kvmesh_sidecar_refused_blocks_total",
+	"blocks the exact set refused: full (stored past its limit) or group (group_idx past --max-kv-groups)", []string{"reason"}, nil)
+
 var sidecarSeries = []series{
 	{"kvmesh_sidecar_engine_healthy", "1 when the engine answers /health", false, func(s *Status) float64 { return b2f(s.EngineHealthy) }},
 	{"kvmesh_sidecar_resident_blocks", "exact resident block keys", false, func(s *Status) float64 { return float64(s.ResidentBlocks) }},
 	{"kvmesh_sidecar_orphan_blocks_total", "stored blocks whose parent was unknown", true, func(s *Status) float64 { return float64(s.OrphanBlocks) }},
+	{"kvmesh_sidecar_resident_engine_blocks", "engine block hashes the exact set holds (over KV-cache groups)", false, func(s *Status) float64 { return float64(s.ResidentEngineBlocks) }},
+	{"kvmesh_sidecar_resident_limit_blocks", "most engine blocks the exact set holds: the engine's capacity with slack", false, func(s *Status) float64 { return float64(s.ResidentLimit) }},
+	{"kvmesh_sidecar_engine_capacity_blocks", "KV capacity the engine reports (num_gpu_blocks); 0 when it does not", false, func(s *Status) float64 { return float64(s.EngineCapacity) }},
+	{"kvmesh_sidecar_engine_overfull", "1 when the engine's events claimed more resident blocks than its capacity with slack since its last clear (misbehaving engine or lost removals)", false, func(s *Status) float64 { return b2f(s.EngineOverfull) }},
 	{"kvmesh_sidecar_events_total", "KV events applied", true, func(s *Status) float64 { return float64(s.EventsReceived) }},
 	{"kvmesh_sidecar_event_batches_total", "KV event batches received", true, func(s *Status) float64 { return float64(s.BatchesReceived) }},
 	{"kvmesh_sidecar_event_gaps_total", "sequence gaps detected", true, func(s *Status) float64 { return float64(s.Gaps) }},
@@ -200,6 +223,7 @@ func (c collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, m := range sidecarSeries {
 		ch <- prometheus.NewDesc(m.name, m.help, nil, nil)
 	}
+	ch <- refused
 }
 
 func (c collector) Collect(ch chan<- prometheus.Metric) {
@@ -211,6 +235,8 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(m.name, m.help, nil, nil), t, m.value(&st))
 	}
+	ch <- prometheus.MustNewConstMetric(refused, prometheus.CounterValue, float64(st.RefusedFull), "full")
+	ch <- prometheus.MustNewConstMetric(refused, prometheus.CounterValue, float64(st.RefusedGroup), "group")
 }
 
 var _ kvevents.Handler = (*Sidecar)(nil)

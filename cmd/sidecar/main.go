@@ -21,6 +21,7 @@ import (
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/residentset"
 	"github.com/kvmesh/kvmesh/sidecar"
 )
 
@@ -59,7 +60,9 @@ func run(args []string) error {
 	fs.StringVar(&cfg.Protocol, "protocol", "vllm", "engine dialect for metrics: vllm or sglang")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", 200*time.Millisecond, "engine /health and /metrics interval")
 	fs.Float64Var(&cfg.FilterFPR, "filter-fpr", 0.01, "Bloom filter target false-positive rate")
-	fs.IntVar(&cfg.Capacity, "capacity", 65536, "engine KV capacity in blocks (sizes the filter)")
+	fs.IntVar(&cfg.Capacity, "capacity", 65536, "engine KV capacity in blocks: sizes the filter (refused if gossip cannot carry it) and bounds the exact set until the engine reports its num_gpu_blocks")
+	fs.Float64Var(&cfg.ResidentSlack, "resident-slack", 0.25, "fraction of the engine's capacity the exact set may hold beyond it before refusing stores")
+	fs.IntVar(&cfg.MaxKVGroups, "max-kv-groups", residentset.DefaultMaxGroups, "KV-cache groups (group_idx 0..N-1) followed; events of others are refused")
 	fs.StringVar(&loraIDs, "lora-ids", "", "NAME=ID,...: LoRA adapter names for the numeric ids vLLM before v0.14 sends alone")
 	logOpts.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {

@@ -10,7 +10,8 @@ func TestFlagErrors(t *testing.T) {
 		"--gossip-key=bm9wZQ==": "gossip key: 4 bytes",
 		"--protocol=tgi":        `--protocol "tgi"`,
 		"--kv-events=tcp://127.0.0.1:1 --kv-events-bind=tcp://127.0.0.1:2": "not both",
-		"--log-format=xml": "--log-format",
+		"--log-format=xml":    "--log-format",
+		"--capacity=18000000": "the largest --capacity at this rate is 16707069",
 	} {
 		err := run(strings.Fields(args))
 		if err == nil || !strings.Contains(err.Error(), want) {
