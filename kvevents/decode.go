@@ -1,5 +1,24 @@
 package kvevents
 
+import "unsafe"
+
+// MaxBatchEvents bounds the events of one batch: a larger one is a
+// *DecodeError before anything is allocated. Each event decodes into a
+// ~230-byte Event, so without it a 20 MB payload of 5-byte events took
+// 3.4 GB. It is far above what an engine step publishes: vLLM sends one
+// BlockStored per request and one BlockRemoved per evicted block (at most
+// max_num_batched_tokens/block_size a step), SGLang with page size 1 one
+// BlockStored per token (a 128k-token prefill in one step).
+const MaxBatchEvents = 1 << 18
+
+// maxRetainedBytes bounds the buffers a reused Batch keeps between
+// decodes. Steady batches hold a few KiB and reuse everything; after an
+// outlier (a huge prefill, or a flood) grows them past this, the next decode
+// drops them, so one outlier does not pin its memory for good.
+const maxRetainedBytes = 4 << 20
+
+const eventBytes = int(unsafe.Sizeof(Event{}))
+
 // DecodeBatch decodes one msgpack KVEventBatch payload into into, reusing
 // into.Events and the slices of the events it already holds, so a caller that
 // keeps one Batch decodes without allocating once the slices have grown.
@@ -11,8 +30,13 @@ package kvevents
 // and unknown keys are skipped, and an event with an unknown tag decodes as
 // KindUnknown with no fields. Known fields of the wrong type, truncated or
 // trailing bytes return a *DecodeError; the contents of into are then
-// unspecified but into stays safe to reuse.
+// unspecified but into stays safe to reuse. A batch of more than
+// MaxBatchEvents events is a *DecodeError.
 func DecodeBatch(payload []byte, into *Batch) error {
+	if into.held > maxRetainedBytes {
+		into.Events, into.held = nil, 0
+	}
+	defer into.countHeld()
 	r := reader{buf: payload, event: -1}
 	into.TS = 0
 	into.DPRank = -1
@@ -78,6 +102,19 @@ func DecodeBatch(payload []byte, into *Batch) error {
 	return nil
 }
 
+// countHeld sums what b's buffers hold, every slot's (a slot past len
+// keeps the slices of an earlier, longer batch).
+func (b *Batch) countHeld() {
+	all := b.Events[:cap(b.Events)]
+	n := len(all) * eventBytes
+	for i := range all {
+		ev := &all[i]
+		n += 8*cap(ev.BlockHashes) + 4*cap(ev.TokenIDs) + cap(ev.ExtraKeys) +
+			len(ev.Medium) + len(ev.LoRAName) + len(ev.SpecKind) + len(ev.CacheSalt)
+	}
+	b.held = n
+}
+
 func (r *reader) rank(into *Batch) error {
 	if r.skipNil() {
 		into.DPRank = -1
@@ -95,6 +132,9 @@ func (r *reader) events(into *Batch) error {
 	n, err := r.array()
 	if err != nil {
 		return err
+	}
+	if n > MaxBatchEvents {
+		return r.fail("%d events in one batch, more than the %d allowed", n, MaxBatchEvents)
 	}
 	for i := 0; i < n; i++ {
 		// Grow by one, reusing the slot (and its slices) if the backing

@@ -101,4 +101,8 @@ type Batch struct {
 	Events []Event
 	// DPRank is the data-parallel rank, -1 when the publisher sent none.
 	DPRank int
+
+	// held is the bytes the events' buffers hold for reuse, as of the last
+	// decode; the next drops them all when they pass maxRetainedBytes.
+	held int
 }

@@ -9,7 +9,8 @@ import (
 	"testing"
 )
 
-// FuzzDecodeBatch: decoding never panics, and whatever decodes survives a
+// FuzzDecodeBatch: decoding never panics, a Batch reused from an earlier
+// decode gives what a fresh one does, and whatever decodes survives a
 // re-encode in every format (up to what that format carries) unchanged.
 func FuzzDecodeBatch(f *testing.F) {
 	f.Add(exampleMapWire)
@@ -24,8 +25,13 @@ func FuzzDecodeBatch(f *testing.F) {
 	f.Add(wire(hx("83 a2"), "ts", hx("cb 4000000000000000"), hx("a6"), "events", hx("91 91 b0"), "AllBlocksCleared",
 		hx("ac"), "attn_dp_rank", hx("03")))
 	f.Fuzz(func(t *testing.T, payload []byte) {
-		var b Batch
-		if err := DecodeBatch(payload, &b); err != nil {
+		var b, reused Batch
+		err := DecodeBatch(payload, &b)
+		_ = DecodeBatch(exampleArrayWire, &reused)
+		if errAgain := DecodeBatch(payload, &reused); (err == nil) != (errAgain == nil) || err == nil && !batchEqual(&b, &reused) {
+			t.Fatalf("a reused batch decodes differently: %v / %v\n got %+v\nwant %+v", errAgain, err, reused, b)
+		}
+		if err != nil {
 			return
 		}
 		for _, fm := range []Format{FormatVLLMMap, FormatVLLMArray, FormatSGLang} {
