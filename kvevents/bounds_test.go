@@ -61,14 +61,14 @@ func TestOutlierBuffersAreDroppedOnTheNextDecode(t *testing.T) {
 	if err := DecodeBatch(bigWire, &b); err != nil || len(b.Events) != 20_000 {
 		t.Fatalf("outlier: %v", err)
 	}
-	if b.held <= maxRetainedBytes {
-		t.Fatalf("outlier holds %d bytes, want more than %d", b.held, maxRetainedBytes)
+	if !b.Outsized() {
+		t.Fatalf("outlier holds %d bytes, not outsized (limit %d)", b.held, maxRetainedBytes)
 	}
 	outlier := b.held
 	if err := DecodeBatch(smallWire, &b); err != nil || !batchEqual(&b, &small) {
 		t.Fatalf("after the outlier: %v %+v", err, b)
 	}
-	if cap(b.Events) > 4 || b.held > 1<<10 {
+	if cap(b.Events) > 4 || b.held > 1<<10 || b.Outsized() {
 		t.Fatalf("after the outlier: %d slots, %d bytes held (outlier held %d)", cap(b.Events), b.held, outlier)
 	}
 	t.Logf("outlier held %d KiB, the next batch %d B", outlier>>10, b.held)

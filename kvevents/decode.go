@@ -102,6 +102,11 @@ func DecodeBatch(payload []byte, into *Batch) error {
 	return nil
 }
 
+// Outsized reports whether an outlier grew b's buffers past what a reused
+// Batch keeps: the next decode drops them, and their memory is garbage from
+// then on.
+func (b *Batch) Outsized() bool { return b.held > maxRetainedBytes }
+
 // countHeld sums what b's buffers hold, every slot's (a slot past len
 // keeps the slices of an earlier, longer batch).
 func (b *Batch) countHeld() {

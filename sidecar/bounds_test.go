@@ -141,3 +141,29 @@ func TestStatusAnswersDuringAnOutsizedBatch(t *testing.T) {
 		}
 	}
 }
+
+// After an outsized batch, the next hands the buffers its decode dropped
+// back to the OS instead of leaving them to the runtime for minutes.
+func TestOutsizedBatchMemoryIsReleased(t *testing.T) {
+	s, err := New(Config{Name: "e1", EngineURL: "http://127.0.0.1:1", Capacity: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b kvevents.Batch
+	decodeAndHandle := func(seq uint64, src *kvevents.Batch) {
+		t.Helper()
+		if err := kvevents.DecodeBatch(kvevents.AppendBatch(nil, src, kvevents.FormatVLLMArray), &b); err != nil {
+			t.Fatal(err)
+		}
+		s.HandleBatch(seq, &b)
+	}
+	decodeAndHandle(1, rootsBatch(1, 50_000))
+	if !s.releaseNext {
+		t.Fatal("a 50k-event batch is not outsized")
+	}
+	decodeAndHandle(2, rootsBatch(1<<20, 1))
+	if s.releaseNext {
+		t.Fatal("a one-event batch is outsized")
+	}
+	waitFor(t, settle, "release", func() bool { return !s.releasing.Load() })
+}

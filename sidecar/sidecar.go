@@ -13,6 +13,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -140,6 +141,13 @@ type Sidecar struct {
 	rebuildReq       chan struct{}
 	keysBuf          []uint64   // the exact set copied for a rebuild; maintain goroutine only
 	announceMu       sync.Mutex // one metadata announcement at a time
+
+	// releaseNext is set when a batch was outsized: the decode of the next
+	// drops its buffers, and then they are handed back to the OS at once
+	// rather than at the runtime's next forced GC minutes later. Event
+	// goroutine only; releasing guards against overlapping releases.
+	releaseNext bool
+	releasing   atomic.Bool
 
 	httpSrv *http.Server
 	// accepts is the status listener, once listening.
@@ -371,6 +379,10 @@ func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 		limit = s.residentLimitLocked()
 	}
 	s.mu.Unlock()
+	if s.releaseNext && s.releasing.CompareAndSwap(false, true) {
+		go func() { debug.FreeOSMemory(); s.releasing.Store(false) }()
+	}
+	s.releaseNext = b.Outsized()
 	if becameOverfull {
 		s.overfullLog.Warn().Int("resident_limit", limit).Int64("engine_capacity", s.engineBlocks.Load()).
 			Msg("engine claims more resident blocks than its capacity allows (events lost, or not the engine): further stores refused until it removes some")
