@@ -228,6 +228,18 @@ func (m *model) keys() []uint64 {
 	return slices.Compact(out)
 }
 
+// tiersLen counts the entries of every tier, checking none is kept empty.
+func tiersLen(s *Set) int {
+	n := 0
+	for _, t := range s.tiers {
+		if t.len() == 0 {
+			return -1
+		}
+		n += t.len()
+	}
+	return n
+}
+
 // TestAgainstReferenceModel drives the set with random valid event streams
 // (multi-block stores chained on resident parents, duplicates, aliases,
 // removals, clears, orphans, other media) and compares it with the model
@@ -326,6 +338,15 @@ func TestAgainstReferenceModel(t *testing.T) {
 					s.Apply(&kvevents.Event{Kind: kvevents.KindAllBlocksCleared}, rec)
 				}
 				wantSet(t, s, rec, m.keys()...)
+				held := 0
+				for gh, n := range m.refs {
+					if n > 0 && gh[0] < 2 {
+						held++
+					}
+				}
+				if s.Blocks() != held || s.Blocks() != tiersLen(s) {
+					t.Fatalf("Blocks %d, tiers hold %d, model %d", s.Blocks(), tiersLen(s), held)
+				}
 			}
 			if s.Orphans() != orphans {
 				t.Fatalf("orphans %d, want %d", s.Orphans(), orphans)
