@@ -222,9 +222,10 @@ func New(cfg Config) (*Sidecar, error) {
 	maxKeys := bloom.MaxCapacity(cfg.FilterFPR, gossip.MaxFilterPayload)
 	if cfg.Capacity > maxKeys {
 		blocks, _ := bloom.Params(uint(cfg.Capacity), cfg.FilterFPR)
-		return nil, fmt.Errorf("sidecar: --capacity %d needs a %.1f MiB filter at --filter-fpr %g, over the %.1f MiB a gossip message carries: "+
+		size := bloom.SnapshotSize(uint(blocks) * 512)
+		return nil, fmt.Errorf("sidecar: --capacity %d needs a filter of %d bytes (%.1f MiB) at --filter-fpr %g, over the %d a gossip message carries: "+
 			"no router would ever receive it; the largest --capacity at this rate is %d (a higher --filter-fpr allows more)",
-			cfg.Capacity, float64(bloom.SnapshotSize(uint(blocks)*512))/(1<<20), cfg.FilterFPR, float64(gossip.MaxFilterPayload)/(1<<20), maxKeys)
+			cfg.Capacity, size, float64(size)/(1<<20), cfg.FilterFPR, gossip.MaxFilterPayload, maxKeys)
 	}
 	sampled := func() zerolog.Logger { return cfg.Logger.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}) }
 	s := &Sidecar{
