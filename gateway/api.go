@@ -273,13 +273,18 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 // serveClear clears route records, here and cluster-wide.
 func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 	s := g.Settings()
-	if s.AdminToken != "" {
+	switch {
+	case s.AdminToken != "":
 		got := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
 		want := []byte("Bearer " + s.AdminToken)
 		if subtle.ConstantTimeCompare(got, want) != 1 {
-			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required"})
+			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required: send Authorization: Bearer <the router's --admin-token>"})
 			return
 		}
+	case !s.AdminOpen:
+		g.fail(ctx, &requestError{status: 403, typ: "permission_error",
+			msg: "route clearing is disabled: start the router with --admin-token (KVMESH_ADMIN_TOKEN) and send it as a bearer token, or with --admin-open (KVMESH_ADMIN_OPEN) to let anyone who reaches this port clear"})
+		return
 	}
 	var req struct {
 		Replicas []string `json:"replicas"`

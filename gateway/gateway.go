@@ -59,8 +59,14 @@ type Settings struct {
 	// APIKeys, when not empty, are the bearer tokens clients must present;
 	// the client's Authorization is then not forwarded.
 	APIKeys map[string]bool
-	// AdminToken guards /admin/routes/clear when set.
+	// AdminToken guards /admin/routes/clear when set. Without one the
+	// endpoint is refused unless AdminOpen: anyone reaching the port could
+	// otherwise cut every router's prefix hits (five clears a second took
+	// them from 40/40 to 4/40).
 	AdminToken string
+	// AdminOpen serves /admin/routes/clear to anyone when no AdminToken is
+	// set (--admin-open: a port only trusted clients reach).
+	AdminOpen bool
 	// EngineAPIKey, when set, is sent as a bearer token to every replica,
 	// discovered or static, in place of the client's Authorization: the
 	// key engines were started with (vllm serve --api-key). Fallback
@@ -308,6 +314,8 @@ func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
 	switch re.status {
 	case 401:
 		label = "unauthorized"
+	case 403:
+		label = "forbidden"
 	case 404:
 		label = "unknown_model"
 	case 503:

@@ -1038,3 +1038,28 @@ func TestWrongMethodIs405AndUnknownPath404(t *testing.T) {
 		t.Errorf("GET of an unknown path: %d %s", res.status, res.body)
 	}
 }
+
+// TestRouteClearNeedsTokenOrOptOut: with neither --admin-token nor
+// --admin-open, anyone reaching the port could cut every prefix hit
+// (five clears a second took them from 40/40 to 4/40); the clear is refused
+// with how to enable it.
+func TestRouteClearNeedsTokenOrOptOut(t *testing.T) {
+	closed := newRouter(t, Settings{}, 1<<20)
+	res := closed.post(t, "/admin/routes/clear", `{}`)
+	if res.status != 403 || !strings.Contains(res.body, "--admin-token") || !strings.Contains(res.body, "--admin-open") {
+		t.Fatalf("clear with no token set: %d %s, want 403 naming --admin-token and --admin-open", res.status, res.body)
+	}
+	if m := closed.get(t, "/metrics").body; !strings.Contains(m, `kvmesh_router_errors_total{type="forbidden"} 1`) {
+		t.Error("the refused clear is not counted as errors_total{type=\"forbidden\"}")
+	}
+	if res := newRouter(t, Settings{AdminOpen: true}, 1<<20).post(t, "/admin/routes/clear", `{}`); res.status != 200 || res.body != `{"cleared":"all"}` {
+		t.Fatalf("clear with --admin-open: %d %s", res.status, res.body)
+	}
+	guarded := newRouter(t, Settings{AdminToken: "s3cret", AdminOpen: true}, 1<<20)
+	if res := guarded.post(t, "/admin/routes/clear", `{}`, "Authorization", "Bearer wrong"); res.status != 401 {
+		t.Fatalf("a wrong token: %d %s, want 401 (the token wins over --admin-open)", res.status, res.body)
+	}
+	if res := guarded.post(t, "/admin/routes/clear", `{}`, "Authorization", "Bearer s3cret"); res.status != 200 {
+		t.Fatalf("the right token: %d %s", res.status, res.body)
+	}
+}

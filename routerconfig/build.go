@@ -22,8 +22,10 @@ import (
 // speculative records and degradation count survive a reload).
 type Builder struct {
 	Table *fleet.Table
-	// AdminToken comes from the flag only (never from a watched file).
+	// AdminToken and AdminOpen come from flags only (never from a watched
+	// file): see gateway.Settings.
 	AdminToken string
+	AdminOpen  bool
 	// EngineAPIKey is the engines' API key given by flag (the file can only
 	// name an environment variable holding one: engine_api_key_env).
 	EngineAPIKey string
@@ -66,6 +68,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		MaxAttempts:     c.MaxAttempts,
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
 		AdminToken:      b.AdminToken,
+		AdminOpen:       b.AdminOpen,
 		Models:          map[string]gateway.Model{},
 		Upstream: proxy.Options{
 			DialTimeout: c.Upstream.DialTimeout, FirstByteTimeout: c.Upstream.FirstByteTimeout,

@@ -43,7 +43,7 @@ type options struct {
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
 	engineAPIKey                      string
-	gossipTrustSender                 bool
+	gossipTrustSender, adminOpen      bool
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout, shutdownDelay       time.Duration
@@ -73,6 +73,7 @@ func parse(args []string) (*options, error) {
 	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
 	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change")
 	fs.StringVar(&o.adminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
+	fs.BoolVar(&o.adminOpen, "admin-open", false, "serve /admin/routes/clear to anyone who reaches --listen, without --admin-token (else it is refused)")
 	fs.StringVar(&o.engineAPIKey, "engine-api-key", "", "API key the engines were started with (vllm serve --api-key), sent to every replica instead of the client's Authorization; prefer the env variable")
 	fs.IntVar(&o.maxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
 	fs.Var(&o.flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
@@ -97,6 +98,9 @@ func parse(args []string) (*options, error) {
 	}
 	if o.maxBodyBytes <= 0 {
 		return nil, fmt.Errorf("--max-body-bytes must be positive")
+	}
+	if o.adminOpen && o.adminToken != "" {
+		return nil, fmt.Errorf("--admin-open and --admin-token exclude each other: the token would guard the clear anyway")
 	}
 	if (o.tlsCert == "") != (o.tlsKey == "") {
 		return nil, fmt.Errorf("--tls-cert and --tls-key go together")
@@ -130,7 +134,7 @@ func run(args []string) error {
 		return fmt.Errorf("--orphan-probe-interval and --orphan-forget-after must be positive")
 	}
 	table := fleet.NewTable(fleet.TableConfig{ForgetOrphanAfter: o.orphanForget})
-	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, EngineAPIKey: o.engineAPIKey, Log: log}
+	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, AdminOpen: o.adminOpen, EngineAPIKey: o.engineAPIKey, Log: log}
 	cfg := base
 	if o.configPath != "" {
 		file, err := routerconfig.Load(o.configPath)
