@@ -146,12 +146,55 @@ func Parse(data []byte) (*Config, error) {
 	return &c, nil
 }
 
-// Load reads and parses the file at path.
-func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
+// DefaultMaxBytes bounds the config file: a router's YAML is a few KB (tens
+// of thousands of API keys still fit), while decoding costs about six times
+// the file in memory (300 MB took 1.8 GB and 20 s), so a wrong file named by
+// --config must not be read at all.
+const DefaultMaxBytes = 4 << 20
+
+// ErrTooLarge marks a config file over the size limit.
+var ErrTooLarge = errors.New("config file over --config-max-bytes")
+
+// ReadFile returns the content of the file at path, refusing one that is
+// not a regular file (a FIFO would block the read, a device never end) or is
+// over maxBytes, before reading it.
+func ReadFile(path string, maxBytes int64) ([]byte, error) {
+	st, err := os.Stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("config: %s is not a regular file", path)
+	}
+	if st.Size() > maxBytes {
+		return nil, fmt.Errorf("config: %s is %d bytes, over the limit of %d: %w", path, st.Size(), maxBytes, ErrTooLarge)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	defer f.Close()
+	// It may have grown since the stat.
+	data, err := io.ReadAll(io.LimitReader(f, maxBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	if int64(len(data)) > maxBytes {
+		return nil, fmt.Errorf("config: %s is over the limit of %d bytes: %w", path, maxBytes, ErrTooLarge)
+	}
+	return data, nil
+}
+
+// Load reads and parses the file at path once it has settled (ReadSettled).
+func Load(path string, maxBytes int64, settle time.Duration) (*Config, error) {
+	data, err := ReadSettled(path, maxBytes, settle)
+	if err != nil {
+		return nil, err
+	}
+	return parseFile(path, data)
+}
+
+func parseFile(path string, data []byte) (*Config, error) {
 	c, err := Parse(data)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)

@@ -227,8 +227,8 @@ func TestReloadUnderLoadDropsNothing(t *testing.T) {
 	b := &Builder{Table: table}
 	base := &Config{}
 	var reloads atomic.Int64
-	r := &Reloader{Base: base, Path: path, Builder: b, Log: zerolog.Nop()}
-	cfg, err := Load(path)
+	r := &Reloader{Base: base, Path: path, Builder: b, Log: zerolog.Nop(), Settle: 10 * time.Millisecond}
+	cfg, err := Load(path, DefaultMaxBytes, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestReloadUnderLoadDropsNothing(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	if err := Watch(ctx, path, 10*time.Millisecond, func() { _ = r.Reload(); reloads.Add(1) }); err != nil {
+	if err := r.Watch(ctx, func() { reloads.Add(1) }); err != nil {
 		t.Fatal(err)
 	}
 	url := serve(t, r.Gateway.Server(1<<20))
@@ -291,7 +291,7 @@ func TestReloadUnderLoadDropsNothing(t *testing.T) {
 
 func TestExampleConfigIsValid(t *testing.T) {
 	t.Setenv("BACKUP_API_KEY", "k")
-	c, err := Load("example.yaml")
+	c, err := Load("example.yaml", DefaultMaxBytes, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

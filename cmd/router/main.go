@@ -44,6 +44,8 @@ type options struct {
 	gossipKey, configPath, adminToken string
 	engineAPIKey                      string
 	gossipTrustSender, adminOpen      bool
+	configMaxBytes                    int64
+	configSettle                      time.Duration
 	pprofListen, tlsCert, tlsKey      string
 	maxBodyBytes, gcPercent           int
 	drainTimeout, shutdownDelay       time.Duration
@@ -71,7 +73,9 @@ func parse(args []string) (*options, error) {
 	fs.BoolVar(&o.gossipTrustSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
 	fs.StringVar(&o.flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
 	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
-	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change")
+	fs.StringVar(&o.configPath, "config", "", "YAML config file, reloaded on change; replace it by rename (write beside, then mv)")
+	fs.Int64Var(&o.configMaxBytes, "config-max-bytes", routerconfig.DefaultMaxBytes, "largest --config file read; a larger one is refused unread")
+	fs.DurationVar(&o.configSettle, "config-settle", routerconfig.DefaultSettle, "how long a changed --config file must stay the same before it is applied (a file written in place passes through halves that parse)")
 	fs.StringVar(&o.adminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
 	fs.BoolVar(&o.adminOpen, "admin-open", false, "serve /admin/routes/clear to anyone who reaches --listen, without --admin-token (else it is refused)")
 	fs.StringVar(&o.engineAPIKey, "engine-api-key", "", "API key the engines were started with (vllm serve --api-key), sent to every replica instead of the client's Authorization; prefer the env variable")
@@ -98,6 +102,9 @@ func parse(args []string) (*options, error) {
 	}
 	if o.maxBodyBytes <= 0 {
 		return nil, fmt.Errorf("--max-body-bytes must be positive")
+	}
+	if o.configMaxBytes <= 0 || o.configSettle <= 0 {
+		return nil, fmt.Errorf("--config-max-bytes and --config-settle must be positive")
 	}
 	if o.adminOpen && o.adminToken != "" {
 		return nil, fmt.Errorf("--admin-open and --admin-token exclude each other: the token would guard the clear anyway")
@@ -137,7 +144,7 @@ func run(args []string) error {
 	builder := &routerconfig.Builder{Table: table, AdminToken: o.adminToken, AdminOpen: o.adminOpen, EngineAPIKey: o.engineAPIKey, Log: log}
 	cfg := base
 	if o.configPath != "" {
-		file, err := routerconfig.Load(o.configPath)
+		file, err := routerconfig.Load(o.configPath, o.configMaxBytes, o.configSettle)
 		if err != nil {
 			return err
 		}
@@ -148,7 +155,11 @@ func run(args []string) error {
 		return err
 	}
 	g := gateway.New(table, nil, settings, log)
-	reloader := &routerconfig.Reloader{Base: base, Path: o.configPath, Builder: builder, Gateway: g, Log: log}
+	reloader := &routerconfig.Reloader{Base: base, Path: o.configPath, Builder: builder, Gateway: g, Log: log,
+		MaxBytes: o.configMaxBytes, Settle: o.configSettle}
+	if err := g.RegisterMetrics(reloader); err != nil {
+		return err
+	}
 	if err := builder.Apply(g, cfg); err != nil {
 		return err
 	}
@@ -176,12 +187,7 @@ func run(args []string) error {
 	go g.DiscoverStatic(10*time.Second, ctx.Done())
 	go g.ForgetDeparted(time.Minute, 10*time.Minute, ctx.Done())
 	if o.configPath != "" {
-		reload := func() {
-			if reloader.Reload() == nil {
-				go g.RefreshStaticModels()
-			}
-		}
-		if err := routerconfig.Watch(ctx, o.configPath, 200*time.Millisecond, reload); err != nil {
+		if err := reloader.Watch(ctx, func() { go g.RefreshStaticModels() }); err != nil {
 			log.Warn().Err(err).Msg("config file not watched: changes need a restart")
 		}
 	}
