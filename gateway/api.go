@@ -278,7 +278,7 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 		got := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
 		want := []byte("Bearer " + s.AdminToken)
 		if subtle.ConstantTimeCompare(got, want) != 1 {
-			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required: send Authorization: Bearer <the router's --admin-token>"})
+			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required: send Authorization: Bearer followed by the router's --admin-token"})
 			return
 		}
 	case !s.AdminOpen:
