@@ -49,7 +49,18 @@ IMAGE     ?= kvmesh:dev
 COMPOSE_FILES := -f docker-compose.yml $(if $(KVMESH_TOKENIZER_DIR),-f deploy/docker/compose.tokenizer.yml)
 COMPOSE_ENV   := $(if $(KVMESH_TOKENIZER_DIR),KVMESH_TOKENIZER_SPEC=/tokenizer)
 
-.PHONY: images up down e2e
+.PHONY: images up down e2e help
+
+help:
+	@echo "make up       build bin/ and the kvmesh:dev image (offline), start the demo, wait for both routers"
+	@echo "              (KVMESH_ROUTER1_PUBLISH / KVMESH_ROUTER2_PUBLISH move their host ports; a failed"
+	@echo "              start is taken down again, KVMESH_UP_KEEP=1 keeps it)"
+	@echo "make down     stop the demo"
+	@echo "make images   the image only, FROM scratch from bin/ (no network)"
+	@echo "make build    static binaries in bin/"
+	@echo "make test     what CI runs: build, vet, gofmt, go test -race ./..., short fuzz runs, e2e"
+	@echo "make e2e      the docker end-to-end tests"
+	@echo "docker compose up -d   the demo without Go or make: builds the image from source (network needed)"
 
 # One FROM-scratch image holding the cluster's binaries (loadtest stays out:
 # it runs on the host); the context is bin/ only, so the build needs no
@@ -60,13 +71,12 @@ images:
 	$(GO) build -trimpath -ldflags='$(LDFLAGS)' -o bin/ $(addprefix ./cmd/,$(IMAGE_BINARIES))
 	docker build -q -f deploy/docker/Dockerfile -t $(IMAGE) bin
 
-# Start the demo and wait (bounded) until both routers are ready.
+# Start the demo from that image (compose --no-build: nothing is built from
+# source or pulled), wait (bounded) until both routers are ready on the ports
+# they really publish, and take a partial stack down again if that fails
+# (deploy/docker/up says how).
 up: images
-	$(COMPOSE_ENV) KVMESH_IMAGE=$(IMAGE) $(COMPOSE) $(COMPOSE_FILES) up -d --remove-orphans
-	@for i in $$(seq 1 60); do \
-	  bin/healthcheck http://127.0.0.1:8080/ready 2>/dev/null && bin/healthcheck http://127.0.0.1:8081/ready 2>/dev/null && \
-	  { echo "kvmesh is up: routers on http://127.0.0.1:8080 and http://127.0.0.1:8081"; exit 0; }; sleep 1; \
-	done; echo "routers not ready after 60 s; see: $(COMPOSE) logs" >&2; exit 1
+	$(COMPOSE_ENV) KVMESH_IMAGE=$(IMAGE) COMPOSE="$(COMPOSE)" COMPOSE_FILES="$(COMPOSE_FILES)" deploy/docker/up
 
 down:
 	$(COMPOSE) $(COMPOSE_FILES) down --remove-orphans --timeout 5
