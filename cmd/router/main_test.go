@@ -31,6 +31,9 @@ func TestHelpListsContractFlagsAndEnv(t *testing.T) {
 	if err := exec.Command(routerBinary(t), "--policy", "fastest").Run(); err == nil {
 		t.Error("unknown policy accepted")
 	}
+	if out, err := exec.Command(routerBinary(t), "--version").Output(); err != nil || !strings.HasPrefix(string(out), "router ") {
+		t.Errorf("--version: %q, %v; want \"router <build>\" and exit 0", out, err)
+	}
 }
 
 // TestSIGTERMDrainsInflightStream: a stream in flight when SIGTERM arrives
