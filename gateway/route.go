@@ -305,8 +305,8 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	}
 
 	ex.tokens(p, ms)
+	ex.req.PromptTokens, ex.req.PromptContinues = ex.promptTokens, ex.mediaPrefix
 	ex.match(snap)
-	ex.req.PromptTokens = ex.promptTokens
 	ex.req.Keys = ex.keys
 	s.Policy.Route(&ex.req, ex.cands, &ex.d)
 	if timed {
@@ -519,7 +519,7 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 				otherSize = true
 				continue
 			}
-			ex.cands[i].MatchedTokens = min(ex.matchAll[ex.snapIdx[i]]*bs, ex.promptTokens)
+			ex.cands[i].MatchedTokens = ex.cacheable(ex.matchAll[ex.snapIdx[i]], bs)
 		}
 		if otherSize {
 			ex.matchOtherSizes(snap, ids, bs)
@@ -544,6 +544,14 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 	}
 }
 
+// cacheable is what a replica whose filter holds blocks leading blocks of
+// the prompt (of bs tokens) will serve from its cache: every policy, the
+// cost model's uncached prefill and X-Kvmesh-Cached-Tokens read it, so all
+// of them predict what the engine will report.
+func (ex *exchange) cacheable(blocks, bs int) int {
+	return min(blocks*bs, ex.req.MaxCachedTokens(bs))
+}
+
 // matchOtherSizes handles replicas whose engines use another block size
 // (rare: a mixed fleet): their keys are computed for their size.
 func (ex *exchange) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
@@ -555,6 +563,6 @@ func (ex *exchange) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int
 		}
 		keys = blockkey.Append(keys[:0], ex.seed, ids, r.BlockSize)
 		snap.MatchPrefix(keys, ex.matchAll)
-		ex.cands[i].MatchedTokens = min(ex.matchAll[ex.snapIdx[i]]*r.BlockSize, ex.promptTokens)
+		ex.cands[i].MatchedTokens = ex.cacheable(ex.matchAll[ex.snapIdx[i]], r.BlockSize)
 	}
 }

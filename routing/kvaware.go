@@ -325,7 +325,7 @@ func (p *kvaware) speculativeMatches(req *Request, cands []Candidate, matched []
 				break
 			}
 		}
-		matched[i] = max(matched[i], j*bs)
+		matched[i] = max(matched[i], min(j*bs, req.MaxCachedTokens(bs)))
 	}
 }
 

@@ -38,7 +38,9 @@ type Candidate struct {
 	// Static is true for an upstream without a sidecar.
 	Static bool
 	// MatchedTokens is how many leading prompt tokens its filter holds
-	// (matched blocks × block size); ignored unless PrefixAware.
+	// (matched blocks × block size), at most Request.MaxCachedTokens (the
+	// caller caps it: it knows the replica's block size); ignored unless
+	// PrefixAware.
 	MatchedTokens int
 
 	Waiting int // requests queued at the engine
@@ -57,6 +59,10 @@ type Request struct {
 	// costs are learned per model.
 	Model        string
 	PromptTokens int
+	// PromptContinues is set when the engine's prompt goes on past the
+	// PromptTokens the router counted (a chat's text before its media):
+	// every full block of them can then hit.
+	PromptContinues bool
 	// Keys are the prompt's chained block keys (for speculative records).
 	Keys []uint64
 	// BlockSize is the token count behind each key.
@@ -86,6 +92,33 @@ type Decision struct {
 	PredictedTTFT, Queue time.Duration
 	// Reason is a short constant account of the choice, for debug logs.
 	Reason string
+}
+
+// CacheableTokens is the most of a promptTokens-long prompt that an engine
+// with blockSize-token blocks serves from its prefix cache, and so the most
+// any prediction may claim. vLLM must compute at least the last prompt token
+// to get its logits, and reuses the cache in whole blocks only: its KV cache
+// manager looks for a hit within the first num_tokens-1 tokens
+// (vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks:
+// max_cache_hit_length = request.num_tokens - 1; read at vLLM main 003df29,
+// the rule of the v0.14.0 the deployment pins). A prompt ending on a block
+// boundary therefore never hits its last block: a 48-token repeat with
+// 16-token blocks gets 32 cached, not 48.
+func CacheableTokens(promptTokens, blockSize int) int {
+	if promptTokens <= 0 || blockSize <= 0 {
+		return 0
+	}
+	return (promptTokens - 1) / blockSize * blockSize
+}
+
+// MaxCachedTokens is the most of req an engine with blockSize-token blocks
+// can serve from its cache: CacheableTokens, or all of PromptTokens' full
+// blocks when the prompt continues past them.
+func (req *Request) MaxCachedTokens(blockSize int) int {
+	if req.PromptContinues && blockSize > 0 {
+		return req.PromptTokens / blockSize * blockSize
+	}
+	return CacheableTokens(req.PromptTokens, blockSize)
 }
 
 // Policy chooses a replica. Implementations are safe for concurrent use.

@@ -288,7 +288,7 @@ func TestSpeculativeRecordsStayBounded(t *testing.T) {
 		t.Fatalf("%d speculative records kept, bound is 1000", n)
 	}
 	// The newest records survive rotation.
-	d := dispatch(t, p, &Request{PromptTokens: 48, Keys: []uint64{4991, 4992, 4993}, BlockSize: 16, Now: t0}, fleetOf(2))
+	d := dispatch(t, p, &Request{PromptTokens: 49, Keys: []uint64{4991, 4992, 4993}, BlockSize: 16, Now: t0}, fleetOf(2))
 	if d.PredictedCachedTokens != 48 {
 		t.Fatalf("newest record lost: predicted %d", d.PredictedCachedTokens)
 	}
@@ -558,5 +558,39 @@ func BenchmarkKVAwareRouteCold50(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		p.Route(req, cands, &d)
+	}
+}
+
+// TestExactRepeatPredictsAsTheEngineCounts: a speculative record covering
+// every block of a prompt predicts what vLLM will serve from its cache, which
+// never includes the last prompt token (engine.TestRepeatHitsAllFullBlocksButTheLastToken
+// holds enginesim to the same rule).
+func TestExactRepeatPredictsAsTheEngineCounts(t *testing.T) {
+	const bs = 16
+	for _, c := range []struct{ n, want int }{
+		{bs - 1, 0}, {bs, 0}, {bs + 1, bs}, {2 * bs, bs}, {3 * bs, 2 * bs}, {3*bs + 1, 3 * bs},
+	} {
+		if got := CacheableTokens(c.n, bs); got != c.want {
+			t.Errorf("CacheableTokens(%d, %d) = %d, want %d", c.n, bs, got, c.want)
+		}
+		p := mustPolicy(t, "kvaware")
+		keys := make([]uint64, c.n/bs)
+		for i := range keys {
+			keys[i] = uint64(c.n*100 + i + 1)
+		}
+		req := &Request{PromptTokens: c.n, Keys: keys, BlockSize: bs, AffinityKey: 5, Now: t0}
+		dispatch(t, p, req, fleetOf(3))
+		if d := route(t, p, req, fleetOf(3)); d.PredictedCachedTokens != c.want {
+			t.Errorf("%d-token repeat predicted %d cached, the engine caches %d", c.n, d.PredictedCachedTokens, c.want)
+		}
+	}
+	// The text before a chat's media: the engine's prompt goes on, so the
+	// last of these blocks can hit too.
+	media := &Request{PromptTokens: 3 * bs, PromptContinues: true}
+	if got := media.MaxCachedTokens(bs); got != 3*bs {
+		t.Errorf("a prompt continuing past %d tokens may hit %d, want %d", 3*bs, got, 3*bs)
+	}
+	if CacheableTokens(0, bs) != 0 || CacheableTokens(10, 0) != 0 {
+		t.Error("an empty prompt or an unknown block size must predict nothing")
 	}
 }
