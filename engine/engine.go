@@ -105,6 +105,9 @@ type Stats struct {
 	GenerationTokens uint64
 	Steps            uint64
 	FinishedRequests uint64
+	// AbortedRequests were dropped by Abort before their end (a client
+	// gone), as vLLM counts finished_reason="abort".
+	AbortedRequests uint64
 }
 
 // Errors returned by Add.
@@ -223,6 +226,7 @@ func (e *Engine) Abort(id uint64) bool {
 	}
 	e.release(s)
 	delete(e.seqs, id)
+	e.stats.AbortedRequests++
 	return true
 }
 

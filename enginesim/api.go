@@ -13,6 +13,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/hangup"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -296,6 +297,14 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, c, &rs) })
 }
 
+// abort tells the engine to drop c, whose client is gone.
+func (s *Server) abort(c *call) {
+	select {
+	case s.loop.abort <- c.req.ID:
+	case <-s.stopped:
+	}
+}
+
 // wait blocks until the call has news or the engine stopped.
 func (s *Server) wait(c *call) {
 	select {
@@ -304,10 +313,28 @@ func (s *Server) wait(c *call) {
 	}
 }
 
+// clientPoll is how often a non-streamed request checks that its client is
+// still there: a client gone is noticed (and its request aborted, as vLLM
+// does) within this, at one poll(2) per waiting request per tick.
+const clientPoll = 100 * time.Millisecond
+
 func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
 	var toks []uint32
+	// A non-streamed answer writes nothing until its end, so only looking
+	// at the socket tells that its client left.
+	poll := time.NewTicker(clientPoll)
+	defer poll.Stop()
 	for {
-		s.wait(c)
+		select {
+		case <-c.notify:
+		case <-s.stopped:
+		case <-poll.C:
+			if hangup.Gone(ctx.Conn()) {
+				s.abort(c)
+				return
+			}
+			continue
+		}
 		var done bool
 		var err error
 		toks, rs.cached, done, err = c.take(toks[:0], 0)
@@ -335,12 +362,6 @@ func (s *Server) stream(w *bufio.Writer, c *call, rs *response) {
 		buf  []byte
 		sent int
 	)
-	abort := func() {
-		select {
-		case s.loop.abort <- c.req.ID:
-		case <-s.stopped:
-		}
-	}
 	for {
 		s.wait(c)
 		var done bool
@@ -383,12 +404,12 @@ func (s *Server) stream(w *bufio.Writer, c *call, rs *response) {
 		}
 		if len(buf) > 0 {
 			if _, err := w.Write(buf); err != nil {
-				abort()
+				s.abort(c)
 				return
 			}
 			// A failed flush is the only sign of a client gone.
 			if err := w.Flush(); err != nil {
-				abort()
+				s.abort(c)
 				return
 			}
 		}

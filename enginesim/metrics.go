@@ -105,6 +105,8 @@ func (m *metrics) appendText(b []byte) []byte {
 	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", float64(st.GenerationTokens))
 	b = append(b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\nvllm:request_success_total{"+m.label+`,finished_reason="length"} `...)
 	b = strconv.AppendUint(b, st.FinishedRequests, 10)
+	b = append(b, "\nvllm:request_success_total{"+m.label+`,finished_reason="abort"} `...)
+	b = strconv.AppendUint(b, st.AbortedRequests, 10)
 	b = append(b, '\n')
 	b = m.appendHistogram(b, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds (simulated).", &m.ttft)
 	b = m.appendHistogram(b, "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds (simulated).", &m.e2e)

@@ -354,15 +354,22 @@ func TestEndpointsSpeakVLLM(t *testing.T) {
 	}
 }
 
-func TestClientDisconnectAbortsStream(t *testing.T) {
-	cfg := engine.Config{BlockSize: 16, KVBlocks: 256, MaxNumSeqs: 8, MaxNumBatchedTokens: 2048, MaxModelLen: 2048, Cost: engine.DefaultCost}
-	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
-	conn, err := net.Dial("tcp", ts.addr)
+// rawPost sends a completion request over a connection of its own, which
+// the test closes to play a client that leaves.
+func rawPost(t *testing.T, addr, body string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	body := `{"prompt":"` + words("d", 100) + `","max_tokens":1500,"stream":true}`
 	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	return conn
+}
+
+func TestClientDisconnectAbortsStream(t *testing.T) {
+	cfg := engine.Config{BlockSize: 16, KVBlocks: 256, MaxNumSeqs: 8, MaxNumBatchedTokens: 2048, MaxModelLen: 2048, Cost: engine.DefaultCost}
+	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
+	conn := rawPost(t, ts.addr, `{"prompt":"`+words("d", 100)+`","max_tokens":1500,"stream":true}`)
 	r := bufio.NewReader(conn)
 	for {
 		line, err := r.ReadString('\n')
@@ -390,6 +397,45 @@ func TestClientDisconnectAbortsStream(t *testing.T) {
 			t.Fatalf("3 s after disconnect: %+v, want the request aborted and its blocks freed", st)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestClientDisconnectAbortsNonStreamed: a non-streamed request writes
+// nothing until its end, yet a client that leaves it is noticed and the
+// request aborted within a second, counted as vLLM counts it.
+func TestClientDisconnectAbortsNonStreamed(t *testing.T) {
+	cfg := engine.Config{BlockSize: 16, KVBlocks: 256, MaxNumSeqs: 8, MaxNumBatchedTokens: 2048, MaxModelLen: 2048, Cost: engine.DefaultCost}
+	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
+	conn := rawPost(t, ts.addr, `{"prompt":"`+words("n", 100)+`","max_tokens":1500}`)
+	deadline := time.Now().Add(3 * time.Second)
+	for ts.srv.metrics.stats().GenerationTokens == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("request not generating: %+v", ts.srv.metrics.stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if st := ts.srv.metrics.stats(); st.Running != 1 {
+		t.Fatalf("while generating: %+v, want one running request", st)
+	}
+	conn.Close()
+	left := time.Now()
+	for {
+		st := ts.srv.metrics.stats()
+		if st.Running == 0 && st.UsedBlocks == 0 {
+			if st.GenerationTokens >= 1500 || st.AbortedRequests != 1 {
+				t.Fatalf("request not aborted: %+v", st)
+			}
+			break
+		}
+		if time.Since(left) > time.Second {
+			t.Fatalf("1 s after disconnect: %+v, want the request aborted and its blocks freed", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("running=0 %v after the client left", time.Since(left).Round(time.Millisecond))
+	_, m := ts.do(t, "GET", "/metrics", nil)
+	if want := `vllm:request_success_total{engine="0",model_name="sim",finished_reason="abort"} 1`; !strings.Contains(string(m), want) {
+		t.Errorf("metrics lack %q:\n%s", want, m)
 	}
 }
 

@@ -3,9 +3,9 @@ package gateway
 import (
 	"net"
 	"sync"
-	"syscall"
 	"time"
 
+	"github.com/kvmesh/kvmesh/hangup"
 	"github.com/kvmesh/kvmesh/proxy"
 )
 
@@ -66,30 +66,11 @@ func (w *clientWatch) loop() {
 		}
 		now := time.Now()
 		for a, c := range w.m {
-			if now.Sub(c.since) >= watchAfter && clientGone(c.conn) {
+			if now.Sub(c.since) >= watchAfter && hangup.Gone(c.conn) {
 				a.Now()
 				delete(w.m, a)
 			}
 		}
 		w.mu.Unlock()
 	}
-}
-
-// clientGone reports whether the peer of conn hung up, without consuming
-// anything. Over TLS the raw socket is what is looked at.
-func clientGone(conn net.Conn) bool {
-	if tc, ok := conn.(interface{ NetConn() net.Conn }); ok { // *tls.Conn
-		conn = tc.NetConn()
-	}
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
-		return false
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	gone := false
-	_ = rc.Control(func(fd uintptr) { gone = peerClosed(int(fd)) })
-	return gone
 }

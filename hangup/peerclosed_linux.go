@@ -1,4 +1,4 @@
-package gateway
+package hangup
 
 import "golang.org/x/sys/unix"
 
