@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
+	"net"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -294,7 +295,10 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 	// false): stream_options: {} asks for the usage chunk there.
 	rs.includeUsage = r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, true)
 	ctx.SetContentType("text/event-stream; charset=utf-8")
-	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, c, &rs) })
+	// The writer runs after the handler returned, ctx no longer its to use;
+	// the connection stays open until the writer is done.
+	conn := ctx.Conn()
+	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, conn, c, &rs) })
 }
 
 // abort tells the engine to drop c, whose client is gone.
@@ -305,35 +309,38 @@ func (s *Server) abort(c *call) {
 	}
 }
 
-// wait blocks until the call has news or the engine stopped.
-func (s *Server) wait(c *call) {
-	select {
-	case <-c.notify:
-	case <-s.stopped:
-	}
-}
-
-// clientPoll is how often a non-streamed request checks that its client is
-// still there: a client gone is noticed (and its request aborted, as vLLM
-// does) within this, at one poll(2) per waiting request per tick.
+// clientPoll is how often a request waiting on the engine checks that its
+// client is still there: a client gone is noticed (and its request aborted,
+// as vLLM does) within this, at one poll(2) per waiting request per tick.
 const clientPoll = 100 * time.Millisecond
 
-func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
-	var toks []uint32
-	// A non-streamed answer writes nothing until its end, so only looking
-	// at the socket tells that its client left.
-	poll := time.NewTicker(clientPoll)
-	defer poll.Stop()
+// await blocks until c has news or the engine stopped (true), or until its
+// client left (false, c aborted). A non-streamed answer writes nothing until
+// its end and a stream nothing while queued or in prefill, and fasthttp
+// tells of a client gone only at a failed write: the socket is looked at.
+func (s *Server) await(c *call, conn net.Conn, poll *time.Ticker) bool {
 	for {
 		select {
 		case <-c.notify:
+			return true
 		case <-s.stopped:
+			return true
 		case <-poll.C:
-			if hangup.Gone(ctx.Conn()) {
+			if hangup.Gone(conn) {
 				s.abort(c)
-				return
+				return false
 			}
-			continue
+		}
+	}
+}
+
+func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
+	var toks []uint32
+	poll := time.NewTicker(clientPoll)
+	defer poll.Stop()
+	for {
+		if !s.await(c, ctx.Conn(), poll) {
+			return
 		}
 		var done bool
 		var err error
@@ -356,14 +363,18 @@ func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
 	ctx.SetBody(rs.full(make([]byte, 0, 512+len(toks)*8), toks))
 }
 
-func (s *Server) stream(w *bufio.Writer, c *call, rs *response) {
+func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
 	var (
 		toks []uint32
 		buf  []byte
 		sent int
 	)
+	poll := time.NewTicker(clientPoll)
+	defer poll.Stop()
 	for {
-		s.wait(c)
+		if !s.await(c, conn, poll) {
+			return
+		}
 		var done bool
 		var err error
 		toks, rs.cached, done, err = c.take(toks[:0], sent)

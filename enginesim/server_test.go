@@ -439,6 +439,31 @@ func TestClientDisconnectAbortsNonStreamed(t *testing.T) {
 	}
 }
 
+// TestClientDisconnectAbortsQueuedStream: a stream still queued has written
+// nothing, yet its client leaving takes it off the queue within a second.
+func TestClientDisconnectAbortsQueuedStream(t *testing.T) {
+	cfg := engine.Config{BlockSize: 16, KVBlocks: 256, MaxNumSeqs: 1, MaxNumBatchedTokens: 2048, MaxModelLen: 2048, Cost: engine.DefaultCost}
+	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
+	busy := rawPost(t, ts.addr, `{"prompt":"`+words("b", 100)+`","max_tokens":1500}`)
+	defer busy.Close()
+	queued := rawPost(t, ts.addr, `{"prompt":"`+words("q", 100)+`","max_tokens":1500,"stream":true}`)
+	deadline := time.Now().Add(3 * time.Second)
+	for st := ts.srv.metrics.stats(); st.Running != 1 || st.Waiting != 1; st = ts.srv.metrics.stats() {
+		if time.Now().After(deadline) {
+			t.Fatalf("want one running and one queued: %+v", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	queued.Close()
+	left := time.Now()
+	for st := ts.srv.metrics.stats(); st.Waiting != 0 || st.AbortedRequests != 1; st = ts.srv.metrics.stats() {
+		if time.Since(left) > time.Second {
+			t.Fatalf("1 s after the queued stream's client left: %+v, want it aborted", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // wireRecorder is an event sink that sends every batch through the msgpack
 // codec and replays the decoded events into a resident multiset.
 type wireRecorder struct {
