@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -270,7 +273,20 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 	writeJSON(ctx, out)
 }
 
-// serveClear clears route records, here and cluster-wide.
+// unknownReplicas returns the names in names that snap does not list.
+func unknownReplicas(snap *fleet.Snapshot, names []string) []string {
+	var unknown []string
+	for _, n := range names {
+		if !slices.ContainsFunc(snap.Replicas, func(r fleet.Replica) bool { return r.Name == n }) {
+			unknown = append(unknown, strconv.Quote(n))
+		}
+	}
+	return unknown
+}
+
+// serveClear clears route records, here and cluster-wide. Naming a replica
+// the table does not hold is a 404 rather than a silent no-op: a typo would
+// otherwise look like a clear that happened.
 func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 	s := g.Settings()
 	switch {
@@ -296,6 +312,11 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	names := req.Replicas
+	if unknown := unknownReplicas(g.table.Snapshot(), names); len(unknown) > 0 {
+		g.fail(ctx, &requestError{status: 404, typ: "not_found_error",
+			msg: fmt.Sprintf("no replica named %s in this router's table (GET /admin/replicas lists them); nothing was cleared", strings.Join(unknown, ", "))})
+		return
+	}
 	if g.cluster != nil {
 		g.cluster.ClearRoutes(names)
 	} else {

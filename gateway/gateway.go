@@ -13,6 +13,7 @@ package gateway
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -134,6 +135,8 @@ type Gateway struct {
 	table   *fleet.Table
 	cluster Clusterer
 	log     zerolog.Logger
+	// maxBody is the body limit Server was given, named in the 413.
+	maxBody int
 	// stopping is set once shutdown began (Stopping).
 	stopping atomic.Bool
 	authLog  zerolog.Logger // log, at most one line a minute: replicas refusing the router
@@ -296,7 +299,8 @@ func passedThrough(path []byte) bool {
 func (g *Gateway) ErrorHandler(ctx *fasthttp.RequestCtx, err error) {
 	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
 		g.metrics.errors.WithLabelValues("too_large").Inc()
-		proxy.WriteError(ctx, fasthttp.StatusRequestEntityTooLarge, "invalid_request_error", "request body over the size limit")
+		proxy.WriteError(ctx, fasthttp.StatusRequestEntityTooLarge, "invalid_request_error",
+			fmt.Sprintf("request body over the router's limit of %d bytes (--max-body-bytes)", g.maxBody))
 		ctx.SetConnectionClose()
 		return
 	}
@@ -372,6 +376,7 @@ func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
 // streams: no write timeout (it would cap a whole stream), request bodies
 // up to maxBody bytes, 16 KiB of headers.
 func (g *Gateway) Server(maxBody int) *fasthttp.Server {
+	g.maxBody = maxBody // for the 413's message; set before anything is served
 	return &fasthttp.Server{
 		Handler:                      g.Handler,
 		ErrorHandler:                 g.ErrorHandler,

@@ -136,6 +136,9 @@ func TestBadInputGetsOpenAIErrors(t *testing.T) {
 		if c.status == 503 && res.header["retry-after"] == "" {
 			t.Errorf("%s: no Retry-After", c.name)
 		}
+		if c.status == 413 && !strings.Contains(e.Error.Message, "--max-body-bytes") {
+			t.Errorf("%s: %q does not name the limit's flag", c.name, e.Error.Message)
+		}
 	}
 	// The router is still healthy after all that.
 	if res := r.post(t, "/v1/chat/completions", chatBody); res.status != 200 {
@@ -1061,5 +1064,14 @@ func TestRouteClearNeedsTokenOrOptOut(t *testing.T) {
 	}
 	if res := guarded.post(t, "/admin/routes/clear", `{}`, "Authorization", "Bearer s3cret"); res.status != 200 {
 		t.Fatalf("the right token: %d %s", res.status, res.body)
+	}
+	// A name the table does not hold is a typo, not a clear that happened.
+	guarded.table.AddStatic("e1", "http://127.0.0.1:1", []string{"sim"})
+	res = guarded.post(t, "/admin/routes/clear", `{"replicas":["e1","e9"]}`, "Authorization", "Bearer s3cret")
+	if res.status != 404 || !strings.Contains(res.body, `\"e9\"`) || strings.Contains(res.body, `\"e1\"`) {
+		t.Fatalf("clear naming an unknown replica: %d %s, want 404 naming e9 alone", res.status, res.body)
+	}
+	if res := guarded.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || res.body != `{"cleared":["e1"]}` {
+		t.Fatalf("clear naming a known replica: %d %s", res.status, res.body)
 	}
 }
