@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"net"
+	"reflect"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -64,6 +66,43 @@ type requestError struct {
 
 func (e *requestError) Error() string { return e.msg }
 
+// jsonErrorText says what is wrong with a request field in the client's
+// terms: encoding/json names Go types ("Go struct field apiRequest.max_tokens
+// of type int"), which mean nothing to a client.
+func jsonErrorText(err error) string {
+	var te *json.UnmarshalTypeError
+	switch {
+	case !errors.As(err, &te):
+		return err.Error()
+	case te.Field == "":
+		return fmt.Sprintf("expected %s, not %s", jsonKind(te.Type), te.Value)
+	}
+	return fmt.Sprintf("%s must be %s, not %s", te.Field, jsonKind(te.Type), te.Value)
+}
+
+// jsonKind names the JSON value a Go type is decoded from.
+func jsonKind(t reflect.Type) string {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "an integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.String:
+		return "a string"
+	case reflect.Slice, reflect.Array:
+		return "a list"
+	case reflect.Map, reflect.Struct:
+		return "an object"
+	}
+	return "a different JSON value"
+}
+
 func invalid(format string, args ...any) *requestError {
 	return &requestError{code: fasthttp.StatusBadRequest, typ: "BadRequestError", msg: fmt.Sprintf(format, args...)}
 }
@@ -95,7 +134,7 @@ func (s *Server) parseRequest(body []byte) (*apiRequest, *requestError) {
 	}
 	var r apiRequest
 	if err := json.Unmarshal(body, &r); err != nil {
-		return nil, invalid("invalid request: %v", err)
+		return nil, invalid("invalid request: %s", jsonErrorText(err))
 	}
 	if r.Model != nil && *r.Model != s.cfg.Model {
 		return nil, &requestError{code: fasthttp.StatusNotFound, typ: "NotFoundError", msg: fmt.Sprintf("The model `%s` does not exist.", *r.Model)}
@@ -175,7 +214,7 @@ func (s *Server) promptTokens(r *apiRequest, chat bool) ([]uint32, *requestError
 	case '[':
 		var ids []uint32
 		if err := json.Unmarshal(raw, &ids); err != nil {
-			return nil, invalid("prompt: token ids must be integers in [0, 2^32): %v", err)
+			return nil, invalid("prompt: token ids must be integers in [0, 2^32): %s", jsonErrorText(err))
 		}
 		// encoding/json leaves a null element at 0; vLLM's validation
 		// refuses it. In a list that decoded as numbers, "null" can only

@@ -260,6 +260,13 @@ func TestBadInputGetsVLLMStyleErrors(t *testing.T) {
 		if c.code == 400 && e.Error.Type != "BadRequestError" {
 			t.Fatalf("%s %.200q: error type %q", c.path, c.body, e.Error.Type)
 		}
+		if strings.Contains(e.Error.Message, "Go ") || strings.Contains(e.Error.Message, "apiRequest") {
+			t.Errorf("%s %.200q: %q names Go types", c.path, c.body, e.Error.Message)
+		}
+	}
+	// A field of the wrong type is named as the client wrote it.
+	if _, body := ts.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":"8"}`)); !strings.Contains(string(body), "max_tokens must be an integer, not string") {
+		t.Errorf("max_tokens as a string: %s", body)
 	}
 	// stream_options is tested for its truth: {} passes without a stream.
 	if code, body := ts.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":2,"stream_options":{}}`)); code != 200 {

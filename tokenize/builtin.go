@@ -111,7 +111,8 @@ func contentTextWith(unmarshal func([]byte, any) error, raw json.RawMessage) (st
 		Text string `json:"text"`
 	}
 	if err := unmarshal(raw, &parts); err != nil {
-		return "", fmt.Errorf("tokenize: content must be a string or a list of parts: %w", err)
+		// err names Go types; the client needs the shape it should send.
+		return "", errors.New(`tokenize: content must be a string or a list of parts such as {"type":"text","text":"..."}`)
 	}
 	var sb strings.Builder
 	for _, p := range parts {
