@@ -153,8 +153,11 @@ func run(args []string) error {
 		}
 	}
 	fmt.Printf("\nlogs and per-request records: %s (total %s)\n", o.out, time.Since(begin).Round(time.Second))
-	if o.smoke && failed {
-		return errors.New("smoke run had errors")
+	if o.smoke {
+		fmt.Println("smoke: a plumbing check (every process starts, routes and answers); its figures are no benchmark: run a --scenario for those")
+		if failed {
+			return errors.New("smoke run had errors")
+		}
 	}
 	return nil
 }
