@@ -65,9 +65,10 @@ type built struct {
 }
 
 var (
-	routerBuild = &built{pkg: ".", name: "router"}
-	bareBuild   = &built{pkg: "./testdata/bareproxy", name: "bareproxy"}
-	gnetBuild   = &built{pkg: "./testdata/gnetproxy", name: "gnetproxy"}
+	routerBuild  = &built{pkg: ".", name: "router"}
+	sidecarBuild = &built{pkg: "../sidecar", name: "sidecar"}
+	bareBuild    = &built{pkg: "./testdata/bareproxy", name: "bareproxy"}
+	gnetBuild    = &built{pkg: "./testdata/gnetproxy", name: "gnetproxy"}
 )
 
 // binary builds b once for this test binary (static, as deployed).
@@ -103,7 +104,7 @@ func routerBinary(tb testing.TB) string {
 // TestMain removes the binaries built for the tests.
 func TestMain(m *testing.M) {
 	code := m.Run()
-	for _, b := range []*built{routerBuild, bareBuild, gnetBuild} {
+	for _, b := range []*built{routerBuild, sidecarBuild, bareBuild, gnetBuild} {
 		if b.path != "" {
 			_ = os.RemoveAll(filepath.Dir(b.path))
 		}

@@ -42,6 +42,7 @@ type options struct {
 	listen, name                      string
 	gossipBind, gossipAdvertise, join string
 	gossipKey, configPath, adminToken string
+	gossipLabel                       string
 	engineAPIKey                      string
 	gossipTrustSender, adminOpen      bool
 	configMaxBytes                    int64
@@ -70,6 +71,7 @@ func parse(args []string) (*options, error) {
 	fs.StringVar(&o.gossipAdvertise, "gossip-advertise", "", "gossip host:port others reach this router at")
 	fs.StringVar(&o.join, "join", "", "comma list of gossip host:port to join")
 	fs.StringVar(&o.gossipKey, "gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip")
+	fs.StringVar(&o.gossipLabel, "gossip-label", gossip.DefaultLabel, "cluster label, the same on every sidecar and router of one cluster; members with another label are rejected")
 	fs.BoolVar(&o.gossipTrustSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
 	fs.StringVar(&o.flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
 	fs.Var(&o.flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
@@ -282,7 +284,7 @@ func startGossip(o *options, table *fleet.Table, g *gateway.Gateway, log zerolog
 	}
 	return gossip.StartRouter(gossip.RouterConfig{
 		Config: gossip.Config{
-			Name: name, BindAddr: bind, AdvertiseAddr: o.gossipAdvertise, Join: join, Key: key,
+			Name: name, BindAddr: bind, AdvertiseAddr: o.gossipAdvertise, Join: join, Key: key, Label: o.gossipLabel,
 			TrustClaimedSender: o.gossipTrustSender,
 			Logger:             log.With().Str("component", "gossip").Logger(),
 		},

@@ -196,6 +196,44 @@ func TestGossipRouterStartsAndLeaves(t *testing.T) {
 	}
 }
 
+// TestGossipLabelKeepsClustersApart: a sidecar started with --gossip-label
+// prod joins a router started with the same label and is refused by one
+// left at the default, which counts the rejection.
+func TestGossipLabelKeepsClustersApart(t *testing.T) {
+	const key = "MDEyMzQ1Njc4OWFiY2RlZg=="
+	prodAPI, prodGossip, defaultAPI, defaultGossip := freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
+	start(t, nil, routerBinary(t), "--listen", prodAPI, "--gossip-bind", prodGossip, "--name", "r-prod",
+		"--gossip-key", key, "--gossip-label", "prod", "--log-level", "warn")
+	start(t, nil, routerBinary(t), "--listen", defaultAPI, "--gossip-bind", defaultGossip, "--name", "r-default",
+		"--gossip-key", key, "--log-level", "error")
+	waitListening(t, prodAPI)
+	waitListening(t, defaultAPI)
+	start(t, nil, sidecarBuild.binary(t), "--name", "replica-prod", "--engine", "http://"+freeAddr(t),
+		"--kv-events", "tcp://"+freeAddr(t), "--listen", freeAddr(t), "--gossip-bind", freeAddr(t),
+		"--join", prodGossip+","+defaultGossip, "--gossip-key", key, "--gossip-label", "prod", "--log-level", "error")
+	get := func(addr, path string) string {
+		_, body, _ := fasthttp.GetTimeout(nil, "http://"+addr+path, 2*time.Second)
+		return string(body)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for !strings.Contains(get(prodAPI, "/admin/replicas"), `"replica-prod"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the prod router never listed the prod sidecar: %s", get(prodAPI, "/admin/replicas"))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for !strings.Contains(get(defaultAPI, "/metrics"), `kvmesh_router_gossip_rejected_total{reason="label"} `) ||
+		strings.Contains(get(defaultAPI, "/metrics"), `kvmesh_router_gossip_rejected_total{reason="label"} 0`) {
+		if time.Now().After(deadline) {
+			t.Fatal("the default-label router counted no rejected label")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if reps := get(defaultAPI, "/admin/replicas"); strings.Contains(reps, "replica-prod") {
+		t.Fatalf("the default-label router took a prod member: %s", reps)
+	}
+}
+
 // TestServesHTTPSWithRenewedCertificate: with --tls-cert/--tls-key the
 // router speaks HTTPS only, and a certificate renewed in place is served
 // to new connections without a restart.
