@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -285,15 +286,22 @@ func dropUnforwarded(h *fasthttp.RequestHeader, authorization bool) {
 		n-- // Authorization is last
 	}
 	var present uint32
-	for k := range h.All() {
+	var named [][]byte
+	for k, v := range h.All() {
 		for i, name := range unforwardedBytes[:n] {
 			if bytes.EqualFold(k, name) {
 				present |= 1 << i
 			}
 		}
+		if bytes.EqualFold(k, unforwardedBytes[0]) {
+			named = connectionNamed(named, v)
+		}
 	}
 	if h.ConnectionClose() {
 		present |= 1 // fasthttp keeps "Connection: close" as a flag
+	}
+	for _, name := range named {
+		h.DelBytes(name)
 	}
 	for i, name := range unforwarded[:n] {
 		if present&(1<<i) != 0 {
@@ -301,6 +309,24 @@ func dropUnforwarded(h *fasthttp.RequestHeader, authorization bool) {
 		}
 	}
 }
+
+// connectionNamed appends to named copies of the header names a Connection
+// value lists: they are hop-by-hop too and must not be forwarded (RFC 9110
+// §7.6.1). Kept are the headers the engine needs to read the request at all
+// (Content-Length, Host, Content-Type), which no hop may take away, and the
+// options fasthttp handles itself (close, keep-alive).
+func connectionNamed(named [][]byte, value []byte) [][]byte {
+	for tok := range bytes.SplitSeq(value, []byte(",")) {
+		tok = bytes.TrimSpace(tok)
+		if len(tok) == 0 || slices.ContainsFunc(connectionKept, func(k []byte) bool { return bytes.EqualFold(tok, k) }) {
+			continue
+		}
+		named = append(named, bytes.Clone(tok))
+	}
+	return named
+}
+
+var connectionKept = [][]byte{[]byte("close"), []byte("keep-alive"), []byte("Content-Length"), []byte("Host"), []byte("Content-Type")}
 
 var unforwardedBytes = func() [][]byte {
 	out := make([][]byte, len(unforwarded))

@@ -499,7 +499,8 @@ func TestForwardDropsHopByHopHeaders(t *testing.T) {
 	body := `{"model":"m","prompt":"hi"}`
 	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"+
 		"Keep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\n"+
-		"Trailer: X-T\r\nUpgrade: h2c\r\nAccept-Encoding: gzip\r\nX-Tenant: acme\r\nOpenAI-Organization: org-1\r\nX-Kvmesh-Request: 7\r\nConnection: close\r\n\r\n%s", len(body), body)
+		"Trailer: X-T\r\nUpgrade: h2c\r\nAccept-Encoding: gzip\r\nX-Tenant: acme\r\nOpenAI-Organization: org-1\r\nX-Kvmesh-Request: 7\r\n"+
+		"X-Hop: 1\r\nX-Other-Hop: 2\r\nConnection: close, X-Hop\r\nConnection: x-other-hop, Content-Length\r\n\r\n%s", len(body), body)
 	resp := fasthttp.AcquireResponse()
 	if err := resp.Read(bufio.NewReader(conn)); err != nil {
 		t.Fatal(err)
@@ -508,12 +509,14 @@ func TestForwardDropsHopByHopHeaders(t *testing.T) {
 		t.Fatalf("status %d", resp.StatusCode())
 	}
 	got := strings.ToLower(<-seen)
-	for _, h := range []string{"keep-alive:", "proxy-authorization:", "proxy-connection:", "te:", "trailer:", "upgrade:", "accept-encoding:", "connection:", "x-kvmesh-request:"} {
+	// Headers the client's Connection names are hop-by-hop too (RFC 9110
+	// §7.6.1), except the framing ones the router sets for its own request.
+	for _, h := range []string{"keep-alive:", "proxy-authorization:", "proxy-connection:", "te:", "trailer:", "upgrade:", "accept-encoding:", "connection:", "x-kvmesh-request:", "x-hop:", "x-other-hop:"} {
 		if strings.Contains(got, "\n"+h) || strings.HasPrefix(got, h) {
 			t.Errorf("engine received %q:\n%s", h, got)
 		}
 	}
-	for _, h := range []string{"x-tenant: acme", "openai-organization: org-1", "content-type: application/json"} {
+	for _, h := range []string{"x-tenant: acme", "openai-organization: org-1", "content-type: application/json", fmt.Sprintf("content-length: %d", len(body))} {
 		if !strings.Contains(got, h) {
 			t.Errorf("engine did not receive %q:\n%s", h, got)
 		}
