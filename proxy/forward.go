@@ -100,7 +100,7 @@ type Result struct {
 // Forwarder tries targets in order and relays the first usable answer.
 type Forwarder struct {
 	Log zerolog.Logger
-	// MaxErrorBody bounds how much of a non-streamed answer is buffered
+	// MaxBody bounds how much of a non-streamed answer is buffered
 	// (default 64 MiB).
 	MaxBody int
 	// OnPanic, when set, is told of a panic recovered while relaying a
