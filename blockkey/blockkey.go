@@ -69,3 +69,16 @@ func Append(dst []uint64, seed uint64, tokens []uint32, blockSize int) []uint64 
 	}
 	return dst
 }
+
+// Remix is splitmix64's finalizer: a second, independent-looking hash of a
+// 64-bit key, for the structures that index keys (Bloom probes, hash-table
+// slots). Keys may be engine hashes of any quality; remixed, their bits are
+// uniform.
+func Remix(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	x ^= x >> 31
+	return x
+}

@@ -28,6 +28,8 @@ import (
 	"math"
 	"math/bits"
 	"sync/atomic"
+
+	"github.com/kvmesh/kvmesh/blockkey"
 )
 
 // MaxK bounds the number of probes per key; NewFilter never exceeds it.
@@ -254,14 +256,14 @@ func NewProbe(key uint64) Probe {
 
 // init computes the first k positions (k may be 0) and, if maskK > 0, the
 // per-word masks of the first maskK positions. Position i is bits 9(i%7)..
-// of mix64(key + (i/7)·φ): 7 slices of 9 bits per remix.
+// of blockkey.Remix(key + (i/7)·φ): 7 slices of 9 bits per remix.
 func (p *Probe) init(key uint64, k, maskK uint) {
 	p.h = key
-	g, left, round := mix64(key), 7, uint64(0)
+	g, left, round := blockkey.Remix(key), 7, uint64(0)
 	for i := range k {
 		if left == 0 {
 			round++
-			g, left = mix64(key+round*0x9e3779b97f4a7c15), 7
+			g, left = blockkey.Remix(key+round*0x9e3779b97f4a7c15), 7
 		}
 		p.pos[i] = uint16(g & (blockBits - 1))
 		g >>= 9
@@ -272,26 +274,16 @@ func (p *Probe) init(key uint64, k, maskK uint) {
 		return
 	}
 	p.masks = [blockWords]uint64{}
-	g, left, round = mix64(key), 7, 0
+	g, left, round = blockkey.Remix(key), 7, 0
 	for range maskK {
 		if left == 0 {
 			round++
-			g, left = mix64(key+round*0x9e3779b97f4a7c15), 7
+			g, left = blockkey.Remix(key+round*0x9e3779b97f4a7c15), 7
 		}
 		p.masks[(g>>6)&7] |= 1 << (g & 63)
 		g >>= 9
 		left--
 	}
-}
-
-// mix64 is splitmix64's finalizer: a second, independent-looking hash of key.
-func mix64(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	x ^= x >> 31
-	return x
 }
 
 // MatchPrefix sets matched[i] to the number of leading keys that filters[i]

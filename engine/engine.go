@@ -519,9 +519,4 @@ func nilExtraKeys(n int) []byte {
 }
 
 // mix is splitmix64 of seed+i: cheap, deterministic output tokens.
-func mix(seed, i uint64) uint64 {
-	z := seed + (i+1)*0x9e3779b97f4a7c15
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
-	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
-	return z ^ (z >> 31)
-}
+func mix(seed, i uint64) uint64 { return blockkey.Remix(seed + (i+1)*0x9e3779b97f4a7c15) }

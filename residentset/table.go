@@ -3,6 +3,8 @@ package residentset
 import (
 	"math/bits"
 	"slices"
+
+	"github.com/kvmesh/kvmesh/blockkey"
 )
 
 // The two indexes of a Set are open-addressing hash tables with linear
@@ -18,18 +20,8 @@ const (
 // home is the slot where a probe for h starts: a remix of h scaled to n
 // slots (keys may be engine hashes of any quality).
 func home(h uint64, n int) int {
-	hi, _ := bits.Mul64(mix64(h), uint64(n))
+	hi, _ := bits.Mul64(blockkey.Remix(h), uint64(n))
 	return int(hi)
-}
-
-// mix64 is splitmix64's finalizer.
-func mix64(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	x ^= x >> 31
-	return x
 }
 
 func grownSize(n int) int { return max(minSlots, n+n/2) }
