@@ -211,9 +211,8 @@ func BenchmarkDecision(b *testing.B) {
 // BenchmarkPageFault prices what BenchmarkDecision's faults/op costs on this
 // host: the first write to a fresh page. Decisions fault when the heap grows
 // into new memory (and a GC cycle's mark phase makes a run of them do so),
-// so where a fault is dear a decision's p99 moves with it: 11 µs a page on
-// the 2-core VM of the fourth session, where p99 rose well above p50 while
-// the p50 barely moved.
+// so where a fault is dear a decision's p99 moves with it (on a 2-core VM
+// with 11 µs a page, p99 rose well above p50 while p50 barely moved).
 func BenchmarkPageFault(b *testing.B) {
 	d, err := touchFreshPages(b.N) // one op, one page
 	if err != nil {

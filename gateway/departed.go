@@ -7,11 +7,11 @@ import (
 )
 
 // What the router keeps per replica name — in-flight counts, a connection
-// pool, per-replica metric series — outlives the replica: the table drops
-// a replica that left, but these were never removed. Where replicas come
-// and go under new names (a Kubernetes rollout makes new pods), they grew
-// with every rollout. ForgetDeparted removes them once a replica has been
-// gone a while and nothing of it is in flight.
+// pool, per-replica metric series — is not the table's, so the table
+// dropping a replica that left does not free it. Where replicas come and go
+// under new names (a Kubernetes rollout makes new pods), it would grow with
+// every rollout. ForgetDeparted removes it once a replica has been gone a
+// while and nothing of it is in flight.
 
 // ForgetDeparted forgets replicas absent from the table for at least
 // after, checking every interval, until stop closes.
