@@ -154,6 +154,9 @@ func boundedHome(order []int, cands []Candidate, bound float64) int {
 	return 0
 }
 
+// mix is murmur3's fmix64. It is not blockkey.Remix on purpose: it places
+// cold prefixes, and changing it would move every prefix's home between two
+// router versions running side by side during an upgrade.
 func mix(x uint64) uint64 {
 	x ^= x >> 33
 	x *= 0xff51afd7ed558ccd
