@@ -277,7 +277,7 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 func unknownReplicas(snap *fleet.Snapshot, names []string) []string {
 	var unknown []string
 	for _, n := range names {
-		if !slices.ContainsFunc(snap.Replicas, func(r fleet.Replica) bool { return r.Name == n }) {
+		if snap.Find(n) < 0 {
 			unknown = append(unknown, strconv.Quote(n))
 		}
 	}

@@ -544,8 +544,8 @@ func (ex *exchange) match(snap *fleet.Snapshot) {
 	}
 }
 
-// cacheable is what a replica whose filter holds blocks leading blocks of
-// the prompt (of bs tokens) will serve from its cache: every policy, the
+// cacheable is what a replica whose filter holds the prompt's first blocks
+// blocks (of bs tokens each) will serve from its cache: every policy, the
 // cost model's uncached prefill and X-Kvmesh-Cached-Tokens read it, so all
 // of them predict what the engine will report.
 func (ex *exchange) cacheable(blocks, bs int) int {
