@@ -132,7 +132,9 @@ func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Worklo
 
 	client := NewClient(cfg.Model)
 	defer client.HTTP.CloseIdleConnections()
+	cpu0 := cl.RouterCPU()
 	out := Replay(ctx, client, w, ReplayOptions{Targets: cl.Routers, TimeScale: cfg.TimeScale, Drain: cfg.Drain})
+	routerCPU := cl.RouterCPU() - cpu0
 	for i := range out.Records {
 		out.Records[i].Policy = policy
 	}
@@ -155,11 +157,15 @@ func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Worklo
 	}
 	sum := report.Summarize(out.Records, cfg.TimeScale, degradations)
 	sum.MaxSendLagMs = float64(out.MaxLag) / float64(time.Millisecond)
+	if n := len(out.Records); n > 0 {
+		sum.RouterCPUPerRequestUs = float64(routerCPU) / float64(time.Microsecond) / float64(n)
+	}
 	ev := log.Info()
 	if out.MaxLag > 100*time.Millisecond {
 		ev = log.Warn().Str("note", "load generator fell behind schedule: CPU-starved")
 	}
-	ev.Dur("wall", out.Wall).Dur("max_send_lag", out.MaxLag).Float64("ttft_p90_ms", sum.TTFT.P90).Int("errors", sum.Errors).Msg("policy done")
+	ev.Dur("wall", out.Wall).Dur("max_send_lag", out.MaxLag).Float64("ttft_p90_ms", sum.TTFT.P90).Int("errors", sum.Errors).
+		Dur("router_cpu", routerCPU).Msg("policy done")
 	var ttft []float64
 	for _, r := range out.Records {
 		if r.OK() {

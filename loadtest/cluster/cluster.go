@@ -322,6 +322,22 @@ func (c *Cluster) exitedEarly() error {
 // Exited returns an error naming any process that is no longer running.
 func (c *Cluster) Exited() error { return c.exitedEarly() }
 
+// RouterCPU returns the CPU time the routers have used so far, summed:
+// what sizes a router fleet (CPU per request routed).
+func (c *Cluster) RouterCPU() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var total time.Duration
+	for _, p := range c.procs {
+		if strings.HasPrefix(p.Name, "router-") {
+			if d, ok := p.CPU(); ok {
+				total += d
+			}
+		}
+	}
+	return total
+}
+
 // Pids lists the process ids (= process group ids) of the fleet.
 func (c *Cluster) Pids() []int {
 	c.mu.Lock()

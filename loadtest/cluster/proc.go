@@ -59,6 +59,26 @@ func StartProc(name, bin string, args, env []string, logPath string) (*Proc, err
 // Pid returns the child's pid, which is also its process group id.
 func (p *Proc) Pid() int { return p.cmd.Process.Pid }
 
+// userHZ is the unit of /proc's CPU times: fixed at 100 for user space
+// whatever the kernel's own tick (proc(5)).
+const userHZ = 100
+
+// CPU returns the CPU time (user + system, all threads) the process has
+// used so far; false once it is gone.
+func (p *Proc) CPU() (time.Duration, bool) {
+	f := statFields(p.Pid())
+	// After the command name: state is field 3 of proc(5), utime 14, stime 15.
+	if len(f) < 13 {
+		return 0, false
+	}
+	utime, err1 := strconv.ParseInt(f[11], 10, 64)
+	stime, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, false
+	}
+	return time.Duration(utime+stime) * time.Second / userHZ, true
+}
+
 // Exited reports whether the process has ended, and how.
 func (p *Proc) Exited() (bool, error) {
 	select {

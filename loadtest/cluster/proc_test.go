@@ -105,3 +105,23 @@ func TestLeftoversFindsMarkedProcesses(t *testing.T) {
 		t.Fatalf("still found %v", left)
 	}
 }
+
+func TestCPUCountsWhatTheProcessBurned(t *testing.T) {
+	p, err := StartProc("spin", "/bin/sh", []string{"-c", "while :; do :; done"}, nil, filepath.Join(t.TempDir(), "p.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Stop(time.Second)
+	start := time.Now()
+	time.Sleep(600 * time.Millisecond)
+	cpu, ok := p.CPU()
+	wall := time.Since(start)
+	// A busy loop on a shared 2-core machine gets at least a third of one.
+	if !ok || cpu < 200*time.Millisecond || cpu > wall+50*time.Millisecond {
+		t.Fatalf("CPU %v (ok %v) over %v of wall", cpu, ok, wall)
+	}
+	p.Stop(time.Second)
+	if _, ok := p.CPU(); ok {
+		t.Fatal("CPU of a reaped process")
+	}
+}

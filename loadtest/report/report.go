@@ -64,6 +64,10 @@ type Summary struct {
 	// MaxSendLagMs is the worst lateness of a send behind schedule, in
 	// wall ms: large values mean the load generator was CPU-starved.
 	MaxSendLagMs float64 `json:"max_send_lag_ms"`
+	// RouterCPUPerRequestUs is the routers' CPU time over the replay
+	// (user + system, every router summed) per request sent: what sizes
+	// a router fleet. 0 when not measured.
+	RouterCPUPerRequestUs float64 `json:"router_cpu_us_per_request,omitempty"`
 }
 
 // Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
@@ -182,12 +186,12 @@ func (r Report) WriteTable(w io.Writer) error {
 		100*float64(r.DemandBlocks)/float64(max(1, r.KVBlocks*r.Replicas)), float64(r.DemandBlocks)/float64(max(1, r.KVBlocks)))
 	fmt.Fprintln(w, "TTFT in simulated-equivalent ms (wall / time-scale); rates per simulated second")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tp50\tp90\tp99\tmean\treq/s\tout tok/s\terrors\thit pred\thit actual\tdegrad\t")
+	fmt.Fprintln(tw, "policy\tp50\tp90\tp99\tmean\treq/s\tout tok/s\terrors\thit pred\thit actual\tdegrad\trouter CPU µs/req\t")
 	for _, name := range r.Order {
 		s := r.Policies[name]
-		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f\t%.0f\t%.2f\t%.0f\t%d\t%.1f%%\t%.1f%%\t%d\t\n",
+		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f\t%.0f\t%.2f\t%.0f\t%d\t%.1f%%\t%.1f%%\t%d\t%.0f\t\n",
 			name, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.TTFT.Mean, s.ThroughputRPS, s.OutputTokensPerS,
-			s.Errors, 100*s.HitRatePredicted, 100*s.HitRateActual, s.Degradations)
+			s.Errors, 100*s.HitRatePredicted, 100*s.HitRateActual, s.Degradations, s.RouterCPUPerRequestUs)
 	}
 	return tw.Flush()
 }

@@ -107,14 +107,15 @@ func TestJSONShapeIsTheContract(t *testing.T) {
 func TestTableHasOneRowPerPolicy(t *testing.T) {
 	r := Report{Scenario: "hot", Replicas: 4, Routers: 1, TimeScale: 1, KVBlocks: 100, DemandBlocks: 280,
 		Order:    []string{"least-loaded", "kvaware"},
-		Policies: map[string]Summary{"least-loaded": {TTFT: Percentiles{P90: 1234}}, "kvaware": {TTFT: Percentiles{P90: 56}, Errors: 3}}}
+		Policies: map[string]Summary{"least-loaded": {TTFT: Percentiles{P90: 1234}}, "kvaware": {TTFT: Percentiles{P90: 56}, Errors: 3, RouterCPUPerRequestUs: 87.4}}}
 	var buf bytes.Buffer
 	if err := r.WriteTable(&buf); err != nil {
 		t.Fatal(err)
 	}
 	out := buf.String()
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	if len(lines) != 5 || !strings.Contains(lines[3], "least-loaded") || !strings.Contains(lines[3], "1234") || !strings.Contains(lines[4], "kvaware") {
+	if len(lines) != 5 || !strings.Contains(lines[3], "least-loaded") || !strings.Contains(lines[3], "1234") || !strings.Contains(lines[4], "kvaware") ||
+		!strings.HasSuffix(strings.TrimSpace(lines[4]), " 87") || !strings.Contains(lines[2], "router CPU µs/req") {
 		t.Fatalf("table:\n%s", out)
 	}
 	if !strings.Contains(lines[0], "70% of fleet") || !strings.Contains(lines[0], "2.8× one replica") {
