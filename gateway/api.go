@@ -236,10 +236,7 @@ type replicaView struct {
 func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 	snap := g.table.Snapshot()
 	now := g.now()
-	degraded := false
-	if d, ok := g.Settings().Policy.(degrader); ok {
-		degraded = d.Degraded()
-	}
+	degraded := g.routingDegraded()
 	out := make([]replicaView, 0, len(snap.Replicas))
 	for i := range snap.Replicas {
 		r := &snap.Replicas[i]

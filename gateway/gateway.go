@@ -198,7 +198,7 @@ func (g *Gateway) SetCluster(c Clusterer) { g.cluster = c }
 // ClearRecords drops the policy's own route records for names (all when
 // empty); gossip calls it when another router cleared routes.
 func (g *Gateway) ClearRecords(names []string) {
-	if c, ok := g.Settings().Policy.(interface{ ClearRecords([]string) }); ok {
+	if c, ok := g.Settings().Policy.(routing.Clearer); ok {
 		c.ClearRecords(names)
 	}
 }

@@ -881,9 +881,9 @@ type kvawareLike interface {
 	routing.Policy
 	routing.Recorder
 	routing.Learner
-	degrader
-	costModeler
-	ClearRecords([]string)
+	routing.Degrader
+	routing.CostModeler
+	routing.Clearer
 }
 
 type learned struct {

@@ -37,11 +37,6 @@ type metrics struct {
 	retiredDegradations uint64
 }
 
-type degrader interface {
-	Degradations() uint64
-	Degraded() bool
-}
-
 func newMetrics(g *Gateway) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry()}
 	f := promauto{m.reg}
@@ -72,7 +67,7 @@ func newMetrics(g *Gateway) *metrics {
 			m.mu.Lock()
 			n := m.retiredDegradations
 			m.mu.Unlock()
-			if d, ok := g.Settings().Policy.(degrader); ok {
+			if d, ok := g.Settings().Policy.(routing.Degrader); ok {
 				n += d.Degradations()
 			}
 			return float64(n)
@@ -80,7 +75,7 @@ func newMetrics(g *Gateway) *metrics {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvmesh_router_degraded", Help: "1 while the kvaware policy has any model in least-load mode.",
 		}, func() float64 {
-			if d, ok := g.Settings().Policy.(degrader); ok && d.Degraded() {
+			if g.routingDegraded() {
 				return 1
 			}
 			return 0
@@ -163,8 +158,15 @@ func (m *metrics) forget(replica string) {
 	m.ejections.DeleteLabelValues(replica)
 }
 
+// routingDegraded reports whether the policy in force routes some model by
+// load alone for imbalance.
+func (g *Gateway) routingDegraded() bool {
+	d, ok := g.Settings().Policy.(routing.Degrader)
+	return ok && d.Degraded()
+}
+
 func (m *metrics) retirePolicy(p routing.Policy) {
-	if d, ok := p.(degrader); ok {
+	if d, ok := p.(routing.Degrader); ok {
 		m.mu.Lock()
 		m.retiredDegradations += d.Degradations()
 		m.mu.Unlock()
@@ -216,11 +218,6 @@ var (
 		[]string{"model"}, nil)
 )
 
-// costModeler is a policy that calibrates its cost model (kvaware).
-type costModeler interface {
-	CostModels(yield func(model string, k costfit.Coefficients, observations float64))
-}
-
 // costCollector exports the calibrated cost models.
 type costCollector struct{ g *Gateway }
 
@@ -230,7 +227,7 @@ func (c costCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c costCollector) Collect(ch chan<- prometheus.Metric) {
-	p, ok := c.g.Settings().Policy.(costModeler)
+	p, ok := c.g.Settings().Policy.(routing.CostModeler)
 	if !ok {
 		return
 	}

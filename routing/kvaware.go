@@ -64,6 +64,17 @@ type specRecord struct {
 	expires int64 // UnixNano
 }
 
+// The optional contracts kvaware offers: the gateway finds them by type
+// assertion, so a renamed method must fail here rather than silently drop a
+// metric or a clear.
+var (
+	_ Recorder    = (*kvaware)(nil)
+	_ Learner     = (*kvaware)(nil)
+	_ Clearer     = (*kvaware)(nil)
+	_ Degrader    = (*kvaware)(nil)
+	_ CostModeler = (*kvaware)(nil)
+)
+
 func newKVAware(cfg Config) *kvaware {
 	return &kvaware{cfg: cfg, spec: newSpecRecords(cfg.SpeculativeTTL, cfg.SpeculativeMaxKeys), degraded: map[string]struct{}{}}
 }

@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/kvmesh/kvmesh/costfit"
 )
 
 // Mode says why a replica was picked; it is reported as X-Kvmesh-Mode.
@@ -151,6 +153,31 @@ type Learner interface {
 	// Learn: req, routed to candidate c (as it stood at the decision), had
 	// its first token after ttft, with cachedTokens of its prompt cached.
 	Learn(req *Request, c *Candidate, cachedTokens int, ttft time.Duration)
+}
+
+// A Clearer forgets its route records (kvaware's speculative records) on
+// request: an operator's clear, or another router's, after a model update or
+// a canary switch made them wrong.
+type Clearer interface {
+	// ClearRecords forgets the records for the named replicas (all when
+	// names is empty).
+	ClearRecords(names []string)
+}
+
+// A Degrader can fall back to routing by load alone when a model's replicas
+// are too unevenly loaded (kvaware); the router exports that state.
+type Degrader interface {
+	// Degradations counts switches into least-load mode, of every model.
+	Degradations() uint64
+	// Degraded reports whether any model is in least-load mode now.
+	Degraded() bool
+}
+
+// A CostModeler exposes the cost models a Learner fitted, for export.
+type CostModeler interface {
+	// CostModels calls yield with each model's fitted coefficients and the
+	// weight of the observations behind them.
+	CostModels(yield func(model string, k costfit.Coefficients, observations float64))
 }
 
 // Names lists the policies New accepts.

@@ -131,9 +131,7 @@ func TestCalibrationLearnsWhatARunningSequenceCosts(t *testing.T) {
 		t.Fatal("another model's decisions moved with llama's costs")
 	}
 	var got []string
-	p.(interface {
-		CostModels(func(string, costfit.Coefficients, float64))
-	}).CostModels(func(model string, k costfit.Coefficients, n float64) {
+	p.(CostModeler).CostModels(func(model string, k costfit.Coefficients, n float64) {
 		got = append(got, fmt.Sprintf("%s %v %v %.0f", model, k.PerToken.Round(time.Microsecond), k.PerRunning.Round(100*time.Microsecond), n))
 	})
 	// 2,000 observations weigh 1,264 after forgetting (1 − 1/2000 each).
@@ -158,9 +156,7 @@ func TestWithoutCalibrationDecisionsKeepTheConfiguredCosts(t *testing.T) {
 		t.Fatalf("the fit steered a decision with calibration off: %+v, then %+v", before, after)
 	}
 	n := 0
-	p.(interface {
-		CostModels(func(string, costfit.Coefficients, float64))
-	}).CostModels(func(_ string, k costfit.Coefficients, _ float64) {
+	p.(CostModeler).CostModels(func(_ string, k costfit.Coefficients, _ float64) {
 		n++
 		if k.PerRunning <= 1500*time.Microsecond {
 			t.Errorf("the fit should still follow the observations: %+v", k)
@@ -316,7 +312,7 @@ func TestClearRecordsForgetsSpeculation(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
 	req := &Request{PromptTokens: 40, Keys: []uint64{1, 2}, BlockSize: 16, Now: t0}
 	first := dispatch(t, p, req, fleetOf(3))
-	p.(interface{ ClearRecords([]string) }).ClearRecords([]string{fmt.Sprintf("r%d", first.Pick)})
+	p.(Clearer).ClearRecords([]string{fmt.Sprintf("r%d", first.Pick)})
 	if d := dispatch(t, p, req, fleetOf(3)); d.PredictedCachedTokens != 0 {
 		t.Fatal("cleared records still predicted a hit")
 	}
@@ -354,10 +350,7 @@ func TestRecordsFollowTheDispatch(t *testing.T) {
 
 func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
-	deg := p.(interface {
-		Degradations() uint64
-		Degraded() bool
-	})
+	deg := p.(Degrader)
 	cands := fleetOf(4)
 	cands[0].MatchedTokens = 8000
 	cands[0].PendingPrefillTokens = 400000 // 12 s of queue on one replica
@@ -384,10 +377,7 @@ func TestImbalanceSwitchesToLeastLoadAndBack(t *testing.T) {
 // model's balanced fleet would end it, nor routes that model by load.
 func TestImbalanceIsJudgedPerModel(t *testing.T) {
 	p := mustPolicy(t, "kvaware")
-	deg := p.(interface {
-		Degradations() uint64
-		Degraded() bool
-	})
+	deg := p.(Degrader)
 	a := fleetOf(3)
 	a[0].PendingPrefillTokens = 400000 // 12 s of queue against none: past imbalance_enter
 	b := fleetOf(3)
