@@ -5,7 +5,7 @@
 // way vLLM's V1 scheduler does (running sequences first, then the waiting
 // queue, under a token budget with chunked prefill and a cap on running
 // sequences; a sequence that cannot get a block preempts the newest running
-// one), prices it with a CostProfile, advances every scheduled sequence, and
+// one, or under priority scheduling the lowest-priority one), prices it with a CostProfile, advances every scheduled sequence, and
 // returns the step's simulated duration, the tokens produced and the KV-cache
 // events vLLM would publish for it. Time is whatever the caller makes of
 // those durations, which keeps every behaviour here deterministic and
@@ -15,6 +15,8 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"sort"
 	"time"
 
 	"github.com/kvmesh/kvmesh/blockkey"
@@ -28,7 +30,12 @@ type Config struct {
 	MaxNumSeqs          int // cap on running sequences (vLLM --max-num-seqs)
 	MaxNumBatchedTokens int // token budget per step (vLLM --max-num-batched-tokens)
 	MaxModelLen         int // prompt plus output tokens (vLLM --max-model-len)
-	Cost                CostProfile
+	// PriorityScheduling orders the waiting queue by each request's
+	// Priority, then arrival, and preempts the lowest-priority running
+	// request first (vLLM --scheduling-policy priority); off, requests are
+	// served first come, first served and a non-zero Priority is refused.
+	PriorityScheduling bool
+	Cost               CostProfile
 	// HashSeed starts every block hash chain. The default deliberately
 	// differs from kvmesh's key seed: consumers must treat engine hashes as
 	// opaque, as they must with vLLM.
@@ -48,6 +55,9 @@ type Request struct {
 	MaxTokens int
 	// OutputSeed picks the deterministic output tokens.
 	OutputSeed uint64
+	// Priority: lower is served earlier (vLLM's request priority, 0 by
+	// default); only with Config.PriorityScheduling.
+	Priority int
 }
 
 // FinishReason tells why a sequence stopped.
@@ -116,6 +126,9 @@ var (
 	ErrTooLong     = errors.New("engine: prompt plus max_tokens exceeds max model length")
 	ErrBadMaxToken = errors.New("engine: max_tokens must be at least 1")
 	ErrDuplicateID = errors.New("engine: request id already in use")
+	// ErrPriority: a non-zero priority without priority scheduling, which
+	// vLLM refuses too.
+	ErrPriority = errors.New("engine: priority scheduling is not enabled")
 )
 
 type seqState uint8
@@ -131,6 +144,8 @@ type seq struct {
 	promptLen   int
 	maxTokens   int
 	outputSeed  uint64
+	priority    int
+	arrival     uint64 // order of Add, vLLM's arrival_time
 	state       seqState
 	computed    int     // tokens whose KV is in blocks
 	blocks      []int32 // block table
@@ -152,6 +167,7 @@ type Engine struct {
 	events  []kvevents.Event
 	outputs []Output
 	stats   Stats
+	arrived uint64 // requests added
 }
 
 // New checks cfg and returns an idle engine.
@@ -193,6 +209,8 @@ func (e *Engine) Add(r Request) error {
 		return ErrBadMaxToken
 	case len(r.Prompt)+r.MaxTokens > e.cfg.MaxModelLen:
 		return ErrTooLong
+	case r.Priority != 0 && !e.cfg.PriorityScheduling:
+		return ErrPriority
 	}
 	if _, dup := e.seqs[r.ID]; dup {
 		return ErrDuplicateID
@@ -203,12 +221,34 @@ func (e *Engine) Add(r Request) error {
 		promptLen:  len(r.Prompt),
 		maxTokens:  r.MaxTokens,
 		outputSeed: r.OutputSeed,
+		priority:   r.Priority,
+		arrival:    e.arrived,
 		cachedToks: -1,
 	}
+	e.arrived++
 	s.hashes = blockkey.Append(make([]uint64, 0, cap(s.tokens)/e.cfg.BlockSize), e.cfg.HashSeed, s.tokens, e.cfg.BlockSize)
 	e.seqs[r.ID] = s
-	e.waiting = append(e.waiting, s)
+	e.enqueue(s)
 	return nil
+}
+
+// before reports whether a is served before b under priority scheduling:
+// vLLM's (priority, arrival_time) order.
+func before(a, b *seq) bool {
+	if a.priority != b.priority {
+		return a.priority < b.priority
+	}
+	return a.arrival < b.arrival
+}
+
+// enqueue adds a new request to the waiting queue: at the back, or under
+// priority scheduling in (priority, arrival) order.
+func (e *Engine) enqueue(s *seq) {
+	i := len(e.waiting)
+	if e.cfg.PriorityScheduling {
+		i = sort.Search(len(e.waiting), func(j int) bool { return before(s, e.waiting[j]) })
+	}
+	e.waiting = slices.Insert(e.waiting, i, s)
 }
 
 // Abort drops a request wherever it is and frees its blocks. The blocks it
@@ -320,10 +360,26 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 		s := e.running[i]
 		n := min(len(s.tokens)-s.computed, budget)
 		for !e.allocate(s, n) {
-			// Preempt the newest running sequence (vLLM's recompute
-			// preemption): it goes back to the front of the queue.
-			victim := e.running[len(e.running)-1]
-			e.running = e.running[:len(e.running)-1]
+			// Recompute preemption: the newest running sequence, or under
+			// priority scheduling the lowest-priority one, goes back to
+			// the waiting queue; if it was scheduled this step already,
+			// its tokens return to the budget.
+			v := len(e.running) - 1
+			if e.cfg.PriorityScheduling {
+				for j := range e.running {
+					if before(e.running[v], e.running[j]) {
+						v = j
+					}
+				}
+			}
+			victim := e.running[v]
+			e.running = slices.Delete(e.running, v, v+1)
+			if v < i {
+				i--
+				k := slices.Index(scheduled, victim)
+				budget += victim.scheduledAt
+				scheduled = slices.Delete(scheduled, k, k+1)
+			}
 			e.preempt(victim)
 			preempted = true
 			if victim == s {
@@ -334,9 +390,11 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 		if n == 0 {
 			break
 		}
-		e.account(s, n, work)
 		budget -= n
 		scheduled = append(scheduled, s)
+	}
+	for _, s := range scheduled {
+		e.account(s, s.scheduledAt, work)
 	}
 	if preempted {
 		return scheduled
@@ -447,13 +505,17 @@ func (e *Engine) allocate(s *seq, n int) bool {
 	return true
 }
 
+// preempt sends a running sequence back to wait: to the front of the queue,
+// or under priority scheduling to its (priority, arrival) place.
 func (e *Engine) preempt(s *seq) {
 	e.release(s)
 	s.state = stateWaiting
 	e.stats.Preemptions++
-	e.waiting = append(e.waiting, nil)
-	copy(e.waiting[1:], e.waiting)
-	e.waiting[0] = s
+	if e.cfg.PriorityScheduling {
+		e.enqueue(s)
+		return
+	}
+	e.waiting = slices.Insert(e.waiting, 0, s)
 }
 
 // account adds s's scheduled tokens to the step's work.

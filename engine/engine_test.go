@@ -341,8 +341,13 @@ func TestEventsReproduceResidentSet(t *testing.T) {
 }
 
 func TestRandomWorkloadKeepsInvariants(t *testing.T) {
+	t.Run("fcfs", func(t *testing.T) { randomWorkload(t, false) })
+	t.Run("priority", func(t *testing.T) { randomWorkload(t, true) })
+}
+
+func randomWorkload(t *testing.T, priority bool) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	e, err := New(Config{BlockSize: 4, KVBlocks: 40, MaxNumSeqs: 6, MaxNumBatchedTokens: 24, MaxModelLen: 64, Cost: DefaultCost})
+	e, err := New(Config{BlockSize: 4, KVBlocks: 40, MaxNumSeqs: 6, MaxNumBatchedTokens: 24, MaxModelLen: 64, Cost: DefaultCost, PriorityScheduling: priority})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -366,7 +371,11 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 			}
 			prompts = append(prompts, p)
 			maxTokens := 1 + rng.IntN(14)
-			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: maxTokens, OutputSeed: seed}); err != nil {
+			prio := 0
+			if priority {
+				prio = rng.IntN(3) - 1
+			}
+			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: maxTokens, OutputSeed: seed, Priority: prio}); err != nil {
 				t.Fatal(err)
 			}
 			live[next] = maxTokens
@@ -522,25 +531,144 @@ func FuzzParseCostProfile(f *testing.F) {
 }
 
 // BenchmarkStepDecodeBatch64 is one decode step of 64 running sequences
-// (200-token prompts, growing): the engine loop's CPU per step. The cache
-// holds 4M tokens, room for 50,000 steps without preemption.
+// (200-token prompts, growing): the engine loop's CPU per step. A batch
+// decodes 20,000 tokens; the next one starts, off the clock, when it ends.
 func BenchmarkStepDecodeBatch64(b *testing.B) {
 	e, err := New(Config{BlockSize: 16, KVBlocks: 1 << 18, MaxNumSeqs: 256, MaxNumBatchedTokens: 1 << 16, MaxModelLen: 1 << 16, Cost: DefaultCost})
 	if err != nil {
 		b.Fatal(err)
 	}
-	for id := range uint64(64) {
-		if err := e.Add(Request{ID: id, Prompt: seqTokens(int(id)*1000, 200), MaxTokens: 60000, OutputSeed: id}); err != nil {
-			b.Fatal(err)
+	const maxTokens = 20000
+	batch := func(round uint64) {
+		for i := range uint64(64) {
+			id := round*64 + i
+			if err := e.Add(Request{ID: id, Prompt: seqTokens(int(id)*1000, 200), MaxTokens: maxTokens, OutputSeed: id}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		e.Step(0) // prefill
+	}
+	batch(0)
+	b.ReportAllocs()
+	step, round := 0, uint64(0)
+	for b.Loop() {
+		if step++; step == maxTokens {
+			b.StopTimer()
+			for e.HasWork() {
+				e.Step(0)
+			}
+			round++
+			batch(round)
+			step = 1
+			b.StartTimer()
+		}
+		if res := e.Step(0); len(res.Outputs) != 64 {
+			b.Fatalf("step %d: %d outputs, want 64 (%+v)", step, len(res.Outputs), e.Stats())
 		}
 	}
-	e.Step(0) // prefill
-	b.ReportAllocs()
-	i := 0
-	for b.Loop() {
-		i++
-		if res := e.Step(0); len(res.Outputs) != 64 {
-			b.Fatalf("step %d: %d outputs, want 64 (%+v)", i, len(res.Outputs), e.Stats())
+}
+
+func priorityEngine(t *testing.T, kvBlocks, maxSeqs int, priority bool) *Engine {
+	t.Helper()
+	e, err := New(Config{
+		BlockSize: 4, KVBlocks: kvBlocks, MaxNumSeqs: maxSeqs, MaxNumBatchedTokens: 8192,
+		MaxModelLen: 4 * kvBlocks, Cost: DefaultCost, PriorityScheduling: priority,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// firstTokens steps e until idle and returns request ids in the order their
+// first tokens came out.
+func firstTokens(t *testing.T, e *Engine) []uint64 {
+	t.Helper()
+	var order []uint64
+	for step := 0; e.HasWork(); step++ {
+		if step > 10000 {
+			t.Fatal("engine never went idle")
+		}
+		for _, o := range e.Step(0).Outputs {
+			if o.First {
+				order = append(order, o.ID)
+			}
+		}
+	}
+	return order
+}
+
+func TestPriorityNeedsPriorityScheduling(t *testing.T) {
+	e := priorityEngine(t, 64, 4, false)
+	if err := e.Add(Request{ID: 1, Prompt: seqTokens(0, 8), MaxTokens: 1, Priority: 1}); err != ErrPriority {
+		t.Fatalf("priority 1 without priority scheduling: %v", err)
+	}
+	if err := e.Add(Request{ID: 1, Prompt: seqTokens(0, 8), MaxTokens: 1}); err != nil {
+		t.Fatalf("priority 0: %v", err)
+	}
+}
+
+// One running sequence at a time: the waiting queue is served by priority,
+// then arrival; without priority scheduling, by arrival alone.
+func TestWaitingQueueByPriorityThenArrival(t *testing.T) {
+	for _, tc := range []struct {
+		priority bool
+		want     []uint64
+	}{{true, []uint64{2, 4, 3, 1}}, {false, []uint64{1, 2, 3, 4}}} {
+		e := priorityEngine(t, 64, 1, tc.priority)
+		for i, p := range []int{2, 0, 1, 0} {
+			if !tc.priority {
+				p = 0
+			}
+			if err := e.Add(Request{ID: uint64(i + 1), Prompt: seqTokens(100*i, 8), MaxTokens: 2, Priority: p}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got := firstTokens(t, e); !slices.Equal(got, tc.want) {
+			t.Fatalf("priority scheduling %v: first tokens in order %v, want %v", tc.priority, got, tc.want)
+		}
+	}
+}
+
+// When a running sequence needs a block and none is free, FCFS preempts the
+// newest running sequence; priority scheduling preempts the lowest-priority
+// one, however old, and its place in the queue is by priority too.
+func TestPreemptionVictimFollowsThePolicy(t *testing.T) {
+	for _, tc := range []struct {
+		priority bool
+		victim   uint64
+	}{{true, 1}, {false, 2}} {
+		// 6 blocks of 4 tokens; two 8-token prompts take 2 blocks each plus
+		// a block each for decoding; the third decode block is short.
+		// Request 1, low priority, runs first; request 2 joins it a step
+		// later, so request 2 is the newer of the two.
+		e := priorityEngine(t, 6, 4, tc.priority)
+		prio := map[uint64]int{1: 5, 2: 0}
+		for _, id := range []uint64{1, 2} {
+			p := prio[id]
+			if !tc.priority {
+				p = 0
+			}
+			if err := e.Add(Request{ID: id, Prompt: seqTokens(int(100*id), 8), MaxTokens: 12, Priority: p}); err != nil {
+				t.Fatal(err)
+			}
+			e.Step(0)
+		}
+		var preemptedFirst uint64
+		for step := 0; e.HasWork() && step < 1000; step++ {
+			e.Step(0)
+			if e.Stats().Preemptions > 0 && preemptedFirst == 0 {
+				if len(e.waiting) != 1 {
+					t.Fatalf("%d waiting after the first preemption", len(e.waiting))
+				}
+				preemptedFirst = e.waiting[0].id
+			}
+		}
+		if preemptedFirst != tc.victim {
+			t.Fatalf("priority scheduling %v: request %d preempted first, want %d", tc.priority, preemptedFirst, tc.victim)
+		}
+		if e.Stats().UsedBlocks != 0 {
+			t.Fatal("blocks left in use")
 		}
 	}
 }

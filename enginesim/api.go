@@ -37,6 +37,9 @@ type apiRequest struct {
 	ContinueFinalMessage *bool           `json:"continue_final_message"`
 	Tools                json.RawMessage `json:"tools"`
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	// Priority is vLLM's request priority: lower is served earlier, under
+	// --scheduling-policy priority only.
+	Priority *int `json:"priority"`
 }
 
 type streamOptions struct {
@@ -315,8 +318,16 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeRequestError(ctx, rerr)
 		return
 	}
+	priority := 0
+	if r.Priority != nil {
+		priority = *r.Priority
+	}
+	if priority != 0 && !s.cfg.Engine.PriorityScheduling {
+		badRequest(ctx, fmt.Sprintf("Got priority %d but Priority scheduling is not enabled.", priority))
+		return
+	}
 	id := s.nextID.Add(1)
-	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids)})
+	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority})
 	c.stream = stream
 	select {
 	case s.loop.submit <- c:

@@ -815,3 +815,44 @@ func TestStreamOptionsIncludeUsageDefaultsToTrue(t *testing.T) {
 		}
 	}
 }
+
+// Under --scheduling-policy priority a queued request with a lower priority
+// value goes first; without it, a non-zero priority is refused as vLLM does.
+func TestPriorityScheduling(t *testing.T) {
+	off := startServer(t, Config{})
+	code, body := off.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":1,"priority":1}`))
+	if code != 400 || !strings.Contains(string(body), "Got priority 1 but Priority scheduling is not enabled.") {
+		t.Fatalf("priority without priority scheduling: %d %s", code, body)
+	}
+	if code, body := off.do(t, "POST", "/v1/completions", []byte(`{"prompt":"hi","max_tokens":1,"priority":0}`)); code != 200 {
+		t.Fatalf("priority 0: %d %s", code, body)
+	}
+
+	cfg := engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 1, MaxNumBatchedTokens: 8192, MaxModelLen: 8192,
+		Cost: engine.DefaultCost, PriorityScheduling: true}
+	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
+	var mu sync.Mutex
+	var done []string
+	var wg sync.WaitGroup
+	send := func(name, body string) {
+		defer wg.Done()
+		if code, b := ts.do(t, "POST", "/v1/completions", []byte(body)); code != 200 {
+			t.Errorf("%s: %d %s", name, code, b)
+		}
+		mu.Lock()
+		done = append(done, name)
+		mu.Unlock()
+	}
+	wg.Add(3)
+	// busy holds the one running slot for 40 steps (≥ 200 ms); low and
+	// high queue behind it, low first.
+	go send("busy", `{"prompt":"busy","max_tokens":40}`)
+	time.Sleep(50 * time.Millisecond)
+	go send("low", `{"prompt":"low","max_tokens":1,"priority":5}`)
+	time.Sleep(30 * time.Millisecond)
+	go send("high", `{"prompt":"high","max_tokens":1,"priority":-1}`)
+	wg.Wait()
+	if got := strings.Join(done, " "); got != "busy high low" {
+		t.Fatalf("finished in order %s, want busy high low", got)
+	}
+}

@@ -45,6 +45,7 @@ type options struct {
 	costProfile                  string
 	blockSize, kvBlocks          int
 	maxNumSeqs, maxBatchedTokens int
+	schedulingPolicy             string
 	maxModelLen                  int
 	kvMaxMessageBytes            int64
 	kvHandshakeTimeout           time.Duration
@@ -70,6 +71,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&o.kvHandshakeTimeout, "kv-events-handshake-timeout", kvevents.DefaultHandshakeTimeout, "time a KV-events connection has to complete its ZMTP handshake")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "real seconds per simulated second: 1 real time, 0.1 ten times faster, 0 no delay")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 256, "maximum running sequences per step")
+	fs.StringVar(&o.schedulingPolicy, "scheduling-policy", "fcfs", "fcfs, or priority: the waiting queue by each request's priority field (lower first), then arrival, and the lowest-priority request preempted first, as vllm serve --scheduling-policy priority")
 	fs.IntVar(&o.maxBatchedTokens, "max-num-batched-tokens", 8192, "token budget per step (longer prefills are chunked)")
 	fs.IntVar(&o.maxModelLen, "max-model-len", 32768, "maximum prompt plus output tokens")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
@@ -79,6 +81,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.schedulingPolicy != "fcfs" && o.schedulingPolicy != "priority" {
+		return fmt.Errorf("--scheduling-policy %q: want fcfs or priority", o.schedulingPolicy)
 	}
 	log, err := o.log.Logger(nil, "enginesim")
 	if err != nil {
@@ -105,7 +110,7 @@ func run(ctx context.Context, args []string) error {
 		Engine: engine.Config{
 			BlockSize: o.blockSize, KVBlocks: o.kvBlocks,
 			MaxNumSeqs: o.maxNumSeqs, MaxNumBatchedTokens: o.maxBatchedTokens,
-			MaxModelLen: o.maxModelLen, Cost: cost,
+			MaxModelLen: o.maxModelLen, Cost: cost, PriorityScheduling: o.schedulingPolicy == "priority",
 		},
 		TimeScale: o.timeScale,
 		Events:    sink(pub),
