@@ -179,23 +179,27 @@ type band[T any] struct {
 	// the band empties, as start-time fair queuing's virtual time does at
 	// the end of a busy period.
 	maxFinish float64
-	active  flowHeap[T] // flows holding tickets, by their head's start tag
-	n       int
-	cost    int64
-	weights float64 // sum of the active flows' weights
+	active    indexed[*flow[T]] // flows holding tickets, by their head's start tag
+	n         int
+	cost      int64
+	weights   float64 // sum of the active flows' weights
 }
 
 // Queue is the held requests of one pool of replicas (one model).
 type Queue[T any] struct {
 	cfg       Config
 	bands     [bands]band[T]
-	deadlines deadlineHeap[T]
+	deadlines indexed[*Ticket[T]] // every ticket held, by deadline
 	n         int
 }
 
 // New returns an empty queue.
 func New[T any](cfg Config) *Queue[T] {
 	q := &Queue[T]{cfg: cfg}
+	q.deadlines = indexed[*Ticket[T]]{less: byDeadline[T], at: func(t *Ticket[T], i int) { t.deadlineAt = i }}
+	for i := range q.bands {
+		q.bands[i].active = indexed[*flow[T]]{less: byHeadStart[T], at: func(f *flow[T], i int) { f.heapAt = i }}
+	}
 	q.Reconfigure(cfg)
 	return q
 }
@@ -312,7 +316,7 @@ func (q *Queue[T]) Push(t *Ticket[T], now time.Time) (evicted *Ticket[T], err er
 func (q *Queue[T]) lowestNewest(p Priority) *Ticket[T] {
 	for i := bands - 1; i > p; i-- {
 		var newest *Ticket[T]
-		for _, f := range q.bands[i].active {
+		for _, f := range q.bands[i].active.items {
 			if newest == nil || f.tail.Queued.After(newest.Queued) {
 				newest = f.tail
 			}
@@ -327,8 +331,8 @@ func (q *Queue[T]) lowestNewest(p Priority) *Ticket[T] {
 // Peek returns the ticket Pop would hand out, or nil when none is held.
 func (q *Queue[T]) Peek() *Ticket[T] {
 	for i := range q.bands {
-		if b := &q.bands[i]; len(b.active) > 0 {
-			return b.active[0].head
+		if b := &q.bands[i]; b.active.Len() > 0 {
+			return b.active.items[0].head
 		}
 	}
 	return nil
@@ -336,8 +340,8 @@ func (q *Queue[T]) Peek() *Ticket[T] {
 
 // PeekBand returns the ticket of band p that leaves next, or nil.
 func (q *Queue[T]) PeekBand(p Priority) *Ticket[T] {
-	if b := &q.bands[p]; len(b.active) > 0 {
-		return b.active[0].head
+	if b := &q.bands[p]; b.active.Len() > 0 {
+		return b.active.items[0].head
 	}
 	return nil
 }
@@ -372,10 +376,10 @@ func (q *Queue[T]) Remove(t *Ticket[T]) bool {
 // NextDeadline is the earliest deadline held, for the caller's timer; zero
 // when nothing is held.
 func (q *Queue[T]) NextDeadline() time.Time {
-	if len(q.deadlines) == 0 {
+	if q.deadlines.Len() == 0 {
 		return time.Time{}
 	}
-	return q.deadlines[0].Deadline
+	return q.deadlines.items[0].Deadline
 }
 
 // Expire takes out every ticket whose deadline is not after now, appending
@@ -386,7 +390,7 @@ func (q *Queue[T]) NextDeadline() time.Time {
 // left: tickets of one flow expiring together are judged alike.
 func (q *Queue[T]) Expire(now time.Time, out []*Ticket[T]) []*Ticket[T] {
 	first := len(out)
-	for len(q.deadlines) > 0 && !q.deadlines[0].Deadline.After(now) {
+	for q.deadlines.Len() > 0 && !q.deadlines.items[0].Deadline.After(now) {
 		t := heap.Pop(&q.deadlines).(*Ticket[T])
 		f, b := t.flow, t.flow.band
 		t.Reason = Saturated
@@ -456,59 +460,48 @@ func (b *band[T]) sweep() {
 			delete(b.flows, name)
 		}
 	}
-	b.idle = len(b.flows) - len(b.active)
+	b.idle = len(b.flows) - b.active.Len()
 	b.sweepAt = 2*b.idle + 16
 }
 
-// flowHeap orders a band's active flows by their head's start tag, ties by
-// arrival, so equal tags leave first come, first served.
-type flowHeap[T any] []*flow[T]
+// indexed is a binary heap that tells each element its index, so an
+// element can leave from the middle (a client gone, a flow emptied).
+type indexed[E any] struct {
+	items []E
+	less  func(a, b E) bool
+	at    func(e E, i int) // records e's index; -1 once out
+}
 
-func (h flowHeap[T]) Len() int { return len(h) }
-func (h flowHeap[T]) Less(i, j int) bool {
-	a, b := h[i].head, h[j].head
-	if a.start != b.start {
-		return a.start < b.start
+func (h *indexed[E]) Len() int           { return len(h.items) }
+func (h *indexed[E]) Less(i, j int) bool { return h.less(h.items[i], h.items[j]) }
+func (h *indexed[E]) Swap(i, j int) {
+	h.items[i], h.items[j] = h.items[j], h.items[i]
+	h.at(h.items[i], i)
+	h.at(h.items[j], j)
+}
+func (h *indexed[E]) Push(x any) {
+	e := x.(E)
+	h.at(e, len(h.items))
+	h.items = append(h.items, e)
+}
+func (h *indexed[E]) Pop() any {
+	n := len(h.items) - 1
+	e := h.items[n]
+	var zero E
+	h.items[n] = zero
+	h.items = h.items[:n]
+	h.at(e, -1)
+	return e
+}
+
+// byHeadStart orders a band's active flows by their head's start tag, ties
+// by arrival, so equal tags leave first come, first served.
+func byHeadStart[T any](a, b *flow[T]) bool {
+	x, y := a.head, b.head
+	if x.start != y.start {
+		return x.start < y.start
 	}
-	return a.Queued.Before(b.Queued)
-}
-func (h flowHeap[T]) Swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].heapAt, h[j].heapAt = i, j
-}
-func (h *flowHeap[T]) Push(x any) {
-	f := x.(*flow[T])
-	f.heapAt = len(*h)
-	*h = append(*h, f)
-}
-func (h *flowHeap[T]) Pop() any {
-	old := *h
-	f := old[len(old)-1]
-	old[len(old)-1] = nil
-	*h = old[:len(old)-1]
-	f.heapAt = -1
-	return f
+	return x.Queued.Before(y.Queued)
 }
 
-// deadlineHeap orders every held ticket by deadline.
-type deadlineHeap[T any] []*Ticket[T]
-
-func (h deadlineHeap[T]) Len() int           { return len(h) }
-func (h deadlineHeap[T]) Less(i, j int) bool { return h[i].Deadline.Before(h[j].Deadline) }
-func (h deadlineHeap[T]) Swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].deadlineAt, h[j].deadlineAt = i, j
-}
-func (h *deadlineHeap[T]) Push(x any) {
-	t := x.(*Ticket[T])
-	t.deadlineAt = len(*h)
-	*h = append(*h, t)
-}
-func (h *deadlineHeap[T]) Pop() any {
-	old := *h
-	t := old[len(old)-1]
-	old[len(old)-1] = nil
-	*h = old[:len(old)-1]
-	t.deadlineAt = -1
-	return t
-}
+func byDeadline[T any](a, b *Ticket[T]) bool { return a.Deadline.Before(b.Deadline) }
