@@ -309,16 +309,16 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 // true for a known hash without a key.
 func (s *Set) lookup(id tierID, h uint64) (key uint64, tainted, ok bool) {
 	if t := s.tiers[id]; t != nil {
-		if key, refs := t.get(h); refs > 0 {
-			return key, refs&taint != 0, true
+		if e, ok := t.get(h); ok {
+			return e.key(), e.refs&taint != 0, true
 		}
 	}
 	for other, t := range s.tiers {
 		if other == id {
 			continue
 		}
-		if key, refs := t.get(h); refs > 0 {
-			return key, refs&taint != 0, true
+		if e, ok := t.get(h); ok {
+			return e.key(), e.refs&taint != 0, true
 		}
 	}
 	return 0, false, false
@@ -326,15 +326,15 @@ func (s *Set) lookup(id tierID, h uint64) (key uint64, tainted, ok bool) {
 
 // add stores h in t, or reports false when that needs a slot past MaxBlocks.
 func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) bool {
-	if old, refs := t.get(h); refs > 0 {
+	if e, ok := t.get(h); ok {
 		s.stats.Duplicates++
-		if old != key || (refs&taint != 0) != tainted {
+		if e.key() != key || (e.refs&taint != 0) != tainted {
 			s.stats.Conflicts++ // keep the first: its removal must match
 		}
-		if refs&^taint < taint-1 {
-			refs++
+		if e.refs&^taint < taint-1 {
+			e.refs++
 		}
-		t.put(h, old, refs)
+		t.put(h, e)
 		return true
 	}
 	if s.maxBlocks > 0 && s.blocks >= s.maxBlocks {
@@ -342,10 +342,10 @@ func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) bool 
 	}
 	s.blocks++
 	if tainted {
-		t.put(h, 0, 1|taint)
+		t.put(h, entry(0, 1|taint))
 		return true
 	}
-	t.put(h, key, 1)
+	t.put(h, entry(key, 1))
 	if s.keys.inc(key) {
 		obs.Added(key)
 	}
@@ -366,21 +366,22 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 	id := tierID{medium, ev.GroupIdx}
 	t := s.tiers[id]
 	for _, h := range ev.BlockHashes {
-		var key uint64
-		var refs uint32
+		var e hashEntry
+		ok := false
 		if t != nil {
-			key, refs = t.get(h)
+			e, ok = t.get(h)
 		}
 		switch {
-		case refs == 0:
+		case !ok:
 			s.stats.UnknownRemovals++
-		case refs&^taint > 1:
-			t.put(h, key, refs-1)
+		case e.refs&^taint > 1:
+			e.refs--
+			t.put(h, e)
 		default:
 			t.del(h)
 			s.blocks--
-			if refs&taint == 0 && s.keys.dec(key) {
-				obs.Removed(key)
+			if e.refs&taint == 0 && s.keys.dec(e.key()) {
+				obs.Removed(e.key())
 			}
 		}
 	}

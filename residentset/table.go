@@ -7,280 +7,161 @@ import (
 	"github.com/kvmesh/kvmesh/blockkey"
 )
 
-// The two indexes of a Set are open-addressing hash tables with linear
-// probing and backward-shift deletion (no tombstones, so an engine's endless
-// store/evict churn never degrades them, and slots are 16 and 8 bytes). A
-// slot whose key is 0 is empty; the key 0 itself lives beside the slots.
+// table is the one hash table behind a Set's indexes: open addressing with
+// linear probing and backward-shift deletion (no tombstones, so an engine's
+// endless store/evict churn never degrades it). Keys are probed in a dense
+// slice of their own, 8 bytes a slot; values sit in a parallel slice read
+// only on a hit, so a set of keys (V = struct{}) costs nothing more. A slot
+// whose key is 0 is empty; the key 0 itself lives beside the slots.
+type table[V any] struct {
+	keys []uint64
+	vals []V
+	n    int // occupied slots
+	// the entry for key 0
+	hasZero bool
+	zero    V
+}
 
 const (
 	maxLoadNum, maxLoadDen = 4, 5 // grow past 80 % full
 	minSlots               = 64
 )
 
-// home is the slot where a probe for h starts: a remix of h scaled to n
+// home is the slot where a probe for k starts: a remix of k scaled to n
 // slots (keys may be engine hashes of any quality).
-func home(h uint64, n int) int {
-	hi, _ := bits.Mul64(blockkey.Remix(h), uint64(n))
+func home(k uint64, n int) int {
+	hi, _ := bits.Mul64(blockkey.Remix(k), uint64(n))
 	return int(hi)
 }
 
-func grownSize(n int) int { return max(minSlots, n+n/2) }
-
-// hashSlot maps an engine hash to its kvmesh key.
-type hashSlot struct{ hash, key uint64 }
-
-// hashIndex maps engine hash → (kvmesh key, reference count).
-type hashIndex struct {
-	slots []hashSlot
-	refs  []uint32 // parallel to slots; read only on a hit
-	n     int      // occupied slots
-	// the entry for engine hash 0, which cannot live in a slot
-	zeroKey  uint64
-	zeroRefs uint32
-}
-
-func (t *hashIndex) len() int {
-	if t.zeroRefs > 0 {
-		return t.n + 1
-	}
-	return t.n
-}
-
-// find returns the slot of h, or -1.
-func (t *hashIndex) find(h uint64) int {
-	if len(t.slots) == 0 {
-		return -1
-	}
-	i := home(h, len(t.slots))
-	for {
-		switch t.slots[i].hash {
-		case h:
-			return i
-		case 0:
-			return -1
-		}
-		if i++; i == len(t.slots) {
-			i = 0
-		}
-	}
-}
-
-// get returns h's key and reference count (0 when absent).
-func (t *hashIndex) get(h uint64) (key uint64, refs uint32) {
-	if h == 0 {
-		return t.zeroKey, t.zeroRefs
-	}
-	if i := t.find(h); i >= 0 {
-		return t.slots[i].key, t.refs[i]
-	}
-	return 0, 0
-}
-
-// put sets h's entry; refs must be > 0.
-func (t *hashIndex) put(h, key uint64, refs uint32) {
-	if h == 0 {
-		t.zeroKey, t.zeroRefs = key, refs
-		return
-	}
-	if i := t.find(h); i >= 0 {
-		t.slots[i].key, t.refs[i] = key, refs
-		return
-	}
-	if (t.n+1)*maxLoadDen > len(t.slots)*maxLoadNum {
-		t.grow()
-	}
-	t.insert(h, key, refs)
-}
-
-func (t *hashIndex) insert(h, key uint64, refs uint32) {
-	i := home(h, len(t.slots))
-	for t.slots[i].hash != 0 {
-		if i++; i == len(t.slots) {
-			i = 0
-		}
-	}
-	t.slots[i], t.refs[i] = hashSlot{h, key}, refs
-	t.n++
-}
-
-func (t *hashIndex) grow() {
-	old, oldRefs := t.slots, t.refs
-	size := grownSize(len(old))
-	t.slots, t.refs, t.n = make([]hashSlot, size), make([]uint32, size), 0
-	for i, s := range old {
-		if s.hash != 0 {
-			t.insert(s.hash, s.key, oldRefs[i])
-		}
-	}
-}
-
-// del removes h, which must be present.
-func (t *hashIndex) del(h uint64) {
-	if h == 0 {
-		t.zeroKey, t.zeroRefs = 0, 0
-		return
-	}
-	i := t.find(h)
-	if i < 0 {
-		return
-	}
-	// Backward shift: move later entries of the cluster into the hole
-	// unless their home lies cyclically in (hole, their slot].
-	n := len(t.slots)
-	j := i
-	for {
-		if j++; j == n {
-			j = 0
-		}
-		s := t.slots[j]
-		if s.hash == 0 {
-			break
-		}
-		k := home(s.hash, n)
-		if i <= j && i < k && k <= j || i > j && (i < k || k <= j) {
-			continue
-		}
-		t.slots[i], t.refs[i] = s, t.refs[j]
-		i = j
-	}
-	t.slots[i], t.refs[i] = hashSlot{}, 0
-	t.n--
-}
-
-func (t *hashIndex) reset() { *t = hashIndex{} }
-
-// keyCounts is the set of resident kvmesh keys, each with the number of
-// resident engine hashes naming it. Almost every key has one; the few with
-// more keep their count in a small map, so a slot is just the key.
-type keyCounts struct {
-	slots   []uint64
-	n       int
-	hasZero bool
-	extra   map[uint64]uint32 // count-1 of keys named by more than one hash
-}
-
-func (t *keyCounts) len() int {
+func (t *table[V]) len() int {
 	if t.hasZero {
 		return t.n + 1
 	}
 	return t.n
 }
 
-func (t *keyCounts) find(k uint64) int {
-	if len(t.slots) == 0 {
+// find returns the slot of k (not 0), or -1.
+func (t *table[V]) find(k uint64) int {
+	if len(t.keys) == 0 {
 		return -1
 	}
-	i := home(k, len(t.slots))
+	i := home(k, len(t.keys))
 	for {
-		switch t.slots[i] {
+		switch t.keys[i] {
 		case k:
 			return i
 		case 0:
 			return -1
 		}
-		if i++; i == len(t.slots) {
+		if i++; i == len(t.keys) {
 			i = 0
 		}
 	}
 }
 
-func (t *keyCounts) contains(k uint64) bool {
+// get returns k's value and whether k is present.
+func (t *table[V]) get(k uint64) (v V, ok bool) {
+	if k == 0 {
+		return t.zero, t.hasZero
+	}
+	if i := t.find(k); i >= 0 {
+		return t.vals[i], true
+	}
+	return v, false
+}
+
+func (t *table[V]) contains(k uint64) bool {
 	if k == 0 {
 		return t.hasZero
 	}
 	return t.find(k) >= 0
 }
 
-// inc counts one more hash naming k and reports whether k is new.
-func (t *keyCounts) inc(k uint64) (added bool) {
-	if t.contains(k) {
-		if t.extra == nil {
-			t.extra = make(map[uint64]uint32)
-		}
-		t.extra[k]++
+// put sets k's value and reports whether it added k.
+func (t *table[V]) put(k uint64, v V) (added bool) {
+	if k == 0 {
+		added = !t.hasZero
+		t.zero, t.hasZero = v, true
+		return added
+	}
+	if i := t.find(k); i >= 0 {
+		t.vals[i] = v
 		return false
 	}
-	if k == 0 {
-		t.hasZero = true
-		return true
+	if (t.n+1)*maxLoadDen > len(t.keys)*maxLoadNum {
+		t.grow()
 	}
-	if (t.n+1)*maxLoadDen > len(t.slots)*maxLoadNum {
-		old := t.slots
-		t.slots, t.n = make([]uint64, grownSize(len(old))), 0
-		for _, s := range old {
-			if s != 0 {
-				t.insert(s)
-			}
-		}
-	}
-	t.insert(k)
+	t.insert(k, v)
 	return true
 }
 
-func (t *keyCounts) insert(k uint64) {
-	i := home(k, len(t.slots))
-	for t.slots[i] != 0 {
-		if i++; i == len(t.slots) {
+// insert adds k, which is absent and not 0, where there is room.
+func (t *table[V]) insert(k uint64, v V) {
+	i := home(k, len(t.keys))
+	for t.keys[i] != 0 {
+		if i++; i == len(t.keys) {
 			i = 0
 		}
 	}
-	t.slots[i] = k
+	t.keys[i], t.vals[i] = k, v
 	t.n++
 }
 
-// dec counts one hash fewer naming k and reports whether k left the set.
-func (t *keyCounts) dec(k uint64) (removed bool) {
-	if c, ok := t.extra[k]; ok {
-		if c > 1 {
-			t.extra[k] = c - 1
-		} else {
-			delete(t.extra, k)
+func (t *table[V]) grow() {
+	oldKeys, oldVals := t.keys, t.vals
+	size := max(minSlots, len(oldKeys)+len(oldKeys)/2)
+	t.keys, t.vals, t.n = make([]uint64, size), make([]V, size), 0
+	for i, k := range oldKeys {
+		if k != 0 {
+			t.insert(k, oldVals[i])
 		}
-		return false
 	}
+}
+
+// del removes k and reports whether it was present.
+func (t *table[V]) del(k uint64) bool {
+	var none V
 	if k == 0 {
-		t.hasZero = false
-		return true
+		was := t.hasZero
+		t.zero, t.hasZero = none, false
+		return was
 	}
 	i := t.find(k)
 	if i < 0 {
 		return false
 	}
-	n := len(t.slots)
+	// Backward shift: move later entries of the cluster into the hole
+	// unless their home lies cyclically in (hole, their slot].
+	n := len(t.keys)
 	j := i
 	for {
 		if j++; j == n {
 			j = 0
 		}
-		s := t.slots[j]
-		if s == 0 {
+		kj := t.keys[j]
+		if kj == 0 {
 			break
 		}
-		h := home(s, n)
+		h := home(kj, n)
 		if i <= j && i < h && h <= j || i > j && (i < h || h <= j) {
 			continue
 		}
-		t.slots[i] = s
+		t.keys[i], t.vals[i] = kj, t.vals[j]
 		i = j
 	}
-	t.slots[i] = 0
+	t.keys[i], t.vals[i] = 0, none
 	t.n--
 	return true
 }
 
-func (t *keyCounts) count(k uint64) uint32 {
-	if !t.contains(k) {
-		return 0
-	}
-	return 1 + t.extra[k]
-}
-
-func (t *keyCounts) appendTo(dst []uint64) []uint64 {
+// appendKeys appends every key to dst, in slot order.
+func (t *table[V]) appendKeys(dst []uint64) []uint64 {
 	dst = slices.Grow(dst, t.len())
 	if t.hasZero {
 		dst = append(dst, 0)
 	}
-	for _, k := range t.slots {
+	for _, k := range t.keys {
 		if k != 0 {
 			dst = append(dst, k)
 		}
@@ -288,4 +169,65 @@ func (t *keyCounts) appendTo(dst []uint64) []uint64 {
 	return dst
 }
 
-func (t *keyCounts) reset() { *t = keyCounts{} }
+// hashEntry is what a tier holds for one engine hash: the kvmesh key it
+// names and the stores not yet removed (with the taint bit). The key is kept
+// in halves so that the entry is 4-byte aligned, 12 bytes rather than 16: a
+// tier's slot, most of a resident block's memory, is then 20 bytes, not 24.
+type hashEntry struct {
+	keyLo, keyHi uint32
+	refs         uint32
+}
+
+func entry(key uint64, refs uint32) hashEntry {
+	return hashEntry{uint32(key), uint32(key >> 32), refs}
+}
+
+func (e hashEntry) key() uint64 { return uint64(e.keyHi)<<32 | uint64(e.keyLo) }
+
+// hashIndex maps engine hash → (kvmesh key, reference count), for one tier.
+type hashIndex = table[hashEntry]
+
+// keyCounts is the set of resident kvmesh keys, each with the number of
+// resident engine hashes naming it. Almost every key has one; the few with
+// more keep their count in a small map, so a slot is just the key.
+type keyCounts struct {
+	set   table[struct{}]
+	extra map[uint64]uint32 // count-1 of keys named by more than one hash
+}
+
+func (c *keyCounts) len() int                       { return c.set.len() }
+func (c *keyCounts) contains(k uint64) bool         { return c.set.contains(k) }
+func (c *keyCounts) appendTo(dst []uint64) []uint64 { return c.set.appendKeys(dst) }
+func (c *keyCounts) reset()                         { *c = keyCounts{} }
+
+// inc counts one more hash naming k and reports whether k is new.
+func (c *keyCounts) inc(k uint64) (added bool) {
+	if c.set.put(k, struct{}{}) {
+		return true
+	}
+	if c.extra == nil {
+		c.extra = make(map[uint64]uint32)
+	}
+	c.extra[k]++
+	return false
+}
+
+// dec counts one hash fewer naming k and reports whether k left the set.
+func (c *keyCounts) dec(k uint64) (removed bool) {
+	if n, ok := c.extra[k]; ok {
+		if n > 1 {
+			c.extra[k] = n - 1
+		} else {
+			delete(c.extra, k)
+		}
+		return false
+	}
+	return c.set.del(k)
+}
+
+func (c *keyCounts) count(k uint64) uint32 {
+	if !c.set.contains(k) {
+		return 0
+	}
+	return 1 + c.extra[k]
+}

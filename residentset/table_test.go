@@ -3,6 +3,7 @@ package residentset
 import (
 	"math/rand/v2"
 	"testing"
+	"unsafe"
 )
 
 // The tables against Go maps under churn: values from a small range so
@@ -19,17 +20,18 @@ func TestTablesMatchMaps(t *testing.T) {
 			v = r.Uint64() // and some from the whole range
 		}
 		if r.IntN(2) == 0 {
-			hi.put(v, v*3, uint32(v%5+1))
+			hi.put(v, entry(v*3, uint32(v%5+1)))
 			wantHI[v] = [2]uint64{v * 3, v%5 + 1}
 			if added := kc.inc(v); added != (wantKC[v] == 0) {
 				t.Fatalf("step %d: inc(%d) added=%v with count %d", step, v, added, wantKC[v])
 			}
 			wantKC[v]++
 		} else {
-			if _, ok := wantHI[v]; ok {
-				hi.del(v)
-				delete(wantHI, v)
+			_, want := wantHI[v]
+			if removed := hi.del(v); removed != want {
+				t.Fatalf("step %d: del(%d) removed=%v, present %v", step, v, removed, want)
 			}
+			delete(wantHI, v)
 			if wantKC[v] > 0 {
 				if removed := kc.dec(v); removed != (wantKC[v] == 1) {
 					t.Fatalf("step %d: dec(%d) removed=%v with count %d", step, v, removed, wantKC[v])
@@ -44,8 +46,8 @@ func TestTablesMatchMaps(t *testing.T) {
 				t.Fatalf("step %d: lens %d/%d, want %d/%d", step, hi.len(), kc.len(), len(wantHI), len(wantKC))
 			}
 			for k, w := range wantHI {
-				if key, refs := hi.get(k); key != w[0] || uint64(refs) != w[1] {
-					t.Fatalf("step %d: get(%d) = %d,%d want %v", step, k, key, refs, w)
+				if e, ok := hi.get(k); !ok || e.key() != w[0] || uint64(e.refs) != w[1] {
+					t.Fatalf("step %d: get(%d) = %+v,%v want %v", step, k, e, ok, w)
 				}
 			}
 			for k, c := range wantKC {
@@ -64,7 +66,18 @@ func TestTablesMatchMaps(t *testing.T) {
 			}
 		}
 	}
-	if _, refs := hi.get(123456789); refs != 0 {
+	if e, ok := hi.get(123456789); ok || e != (hashEntry{}) {
 		t.Fatal("absent hash found")
+	}
+}
+
+// A tier's slot is a key and an entry: 20 bytes, the bulk of a resident
+// block's memory (TestMemoryPerResidentBlock).
+func TestHashEntryIsTwelveBytes(t *testing.T) {
+	if n := unsafe.Sizeof(hashEntry{}); n != 12 {
+		t.Fatalf("hashEntry is %d bytes, want 12", n)
+	}
+	if e := entry(0xfedcba9876543210, 7); e.key() != 0xfedcba9876543210 || e.refs != 7 {
+		t.Fatalf("entry round trip: %#x %d", e.key(), e.refs)
 	}
 }
