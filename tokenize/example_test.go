@@ -32,13 +32,13 @@ func Example() {
 	// Text between special tokens is tokenized on its own.
 	ids, _ = tok.Encode("<s>hi there", false)
 	fmt.Println(ids)
-	// Routing looks at a bounded prefix only.
-	ids, _ = tokenize.Prefix(tok, 2).Encode("hi there", true)
-	fmt.Println(ids)
+	// Routing looks at a bounded prefix only, and counts the rest.
+	p, _ := tokenize.EncodePrefix(tok, "hi there", true, tokenize.Bounds{MaxTokens: 2})
+	fmt.Println(p.IDs, p.Total)
 	// Output:
 	// [0 8 12 5]
 	// [0 7 12 5]
-	// [0 8]
+	// [0 8] 4
 }
 
 func ExampleLoadDir() {

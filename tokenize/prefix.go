@@ -198,31 +198,6 @@ func EncodeChatPrefix(m Model, chat Chat, b Bounds) (Prefixed, error) {
 	}
 }
 
-// Prefix returns a Model that yields at most maxTokens leading ids of m's
-// output (DefaultMaxPrefixTokens if maxTokens <= 0), working as
-// EncodePrefix and EncodeChatPrefix do within DefaultMaxPrefixBytes. The
-// router matches cached prefixes only, so oversized prompts are truncated
-// for matching; what is forwarded to the engine is untouched. EncodeChat
-// returns no prompt.
-func Prefix(m Model, maxTokens int) Model {
-	return prefixModel{m, Bounds{MaxTokens: maxTokens}.withDefaults()}
-}
-
-type prefixModel struct {
-	m Model
-	b Bounds
-}
-
-func (p prefixModel) Encode(text string, addSpecialTokens bool) ([]uint32, error) {
-	r, err := EncodePrefix(p.m, text, addSpecialTokens, p.b)
-	return r.IDs, err
-}
-
-func (p prefixModel) EncodeChat(chat Chat) (string, []uint32, error) {
-	r, err := EncodeChatPrefix(p.m, chat, p.b)
-	return "", r.IDs, err
-}
-
 func truncate(ids []uint32, n int) []uint32 {
 	if len(ids) > n {
 		return ids[:n]

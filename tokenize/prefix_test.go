@@ -7,6 +7,12 @@ import (
 	"time"
 )
 
+// leadingIDs is EncodePrefix's ids of text with a budget of n tokens.
+func leadingIDs(m Model, n int, text string, addSpecialTokens bool) ([]uint32, error) {
+	p, err := EncodePrefix(m, text, addSpecialTokens, Bounds{MaxTokens: n})
+	return p.IDs, err
+}
+
 // TestPrefixEqualsLeadingIDs: for every golden text and several budgets the
 // prefix ids are exactly the first ids of the full encode.
 func TestPrefixEqualsLeadingIDs(t *testing.T) {
@@ -22,7 +28,7 @@ func TestPrefixEqualsLeadingIDs(t *testing.T) {
 					if n <= 0 {
 						continue
 					}
-					got, err := Prefix(tok, n).Encode(c.Text, c.AddSpecialTokens)
+					got, err := leadingIDs(tok, n, c.Text, c.AddSpecialTokens)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -41,7 +47,7 @@ func TestPrefixStopsEarly(t *testing.T) {
 	tok, _ := goldenTokenizer(t, "llama3")
 	huge := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 8<<20/45)
 	start := time.Now()
-	ids, err := Prefix(tok, 16).Encode(huge, true)
+	ids, err := leadingIDs(tok, 16, huge, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +61,7 @@ func TestPrefixStopsEarly(t *testing.T) {
 }
 
 func TestPrefixOverOtherModels(t *testing.T) {
-	ids, err := Prefix(Builtin{}, 2).Encode("one two three four", true)
+	ids, err := leadingIDs(Builtin{}, 2, "one two three four", true)
 	if err != nil || len(ids) != 2 || ids[0] != BuiltinBOS {
 		t.Fatalf("got %v, %v", ids, err)
 	}
@@ -64,10 +70,9 @@ func TestPrefixOverOtherModels(t *testing.T) {
 func BenchmarkPrefix16k(b *testing.B) {
 	tok, _ := goldenVariant(b, "llama3", "nosegcache", WithSegmentCacheBytes(0))
 	text := strings.Repeat(prose(b), 8) // ~2.8 MB, ~650k tokens
-	m := Prefix(tok, DefaultMaxPrefixTokens)
 	b.ReportAllocs()
 	for b.Loop() {
-		ids, err := m.Encode(text, true)
+		ids, err := leadingIDs(tok, DefaultMaxPrefixTokens, text, true)
 		if err != nil || len(ids) != DefaultMaxPrefixTokens {
 			b.Fatal(len(ids), err)
 		}
@@ -92,7 +97,7 @@ func TestPathologicalInputs(t *testing.T) {
 			if d := time.Since(start); d > 20*time.Second {
 				t.Fatalf("%s: %d bytes took %v", model, len(text), d)
 			}
-			again, _ := Prefix(tok, 100).Encode(text, false)
+			again, _ := leadingIDs(tok, 100, text, false)
 			if !slices.Equal(again, ids[:min(100, len(ids))]) {
 				t.Fatalf("%s: prefix differs", model)
 			}

@@ -29,8 +29,7 @@
 // first window is cut at a word end, where HF (with a known pre-tokenizer)
 // and Builtin give the whole prompt's leading ids, and counted beyond it at
 // the window's ids per byte; a long chat whose template renders in order
-// renders only its leading messages (cut.go). Prefix wraps any Model the
-// same way.
+// renders only its leading messages (cut.go).
 //
 // Known limits of HF: character classes come from Go's Unicode tables and
 // regexp2's case folding (HF uses Oniguruma), so characters newer than
