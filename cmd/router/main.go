@@ -22,8 +22,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/gateway"
-	"github.com/kvmesh/kvmesh/gossip"
-	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/memberflags"
 	"github.com/kvmesh/kvmesh/router"
 	"github.com/kvmesh/kvmesh/routerconfig"
 	"github.com/kvmesh/kvmesh/routing"
@@ -47,16 +46,11 @@ type options struct {
 func parse(args []string) (*options, error) {
 	o := &options{}
 	c := &o.cfg
-	var gossipKey, join string
+	var member memberflags.Flags
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
 	fs.StringVar(&c.Listen, "listen", "127.0.0.1:8080", "HTTP listen address (OpenAI API, admin, metrics)")
 	fs.StringVar(&c.Name, "name", "", "router name in the cluster (default: host name and listen port)")
-	fs.StringVar(&c.Gossip.BindAddr, "gossip-bind", "", "gossip listen host:port (empty with no --join: no gossip, static upstreams only)")
-	fs.StringVar(&c.Gossip.AdvertiseAddr, "gossip-advertise", "", "gossip host:port others reach this router at")
-	fs.StringVar(&join, "join", "", "comma list of gossip host:port to join")
-	fs.StringVar(&gossipKey, "gossip-key", "", "base64 AES key (16, 24 or 32 bytes) encrypting gossip")
-	fs.StringVar(&c.Gossip.Label, "gossip-label", gossip.DefaultLabel, "cluster label, the same on every sidecar and router of one cluster; members with another label are rejected")
-	fs.BoolVar(&c.Gossip.TrustClaimedSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
+	member.Register(fs, "")
 	fs.StringVar(&c.Flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
 	fs.Var(&c.Flags.Tokenizers, "tokenizer", "MODEL=SPEC, repeatable; SPEC is a HuggingFace model dir, engine, or builtin; MODEL * sets the default")
 	fs.StringVar(&c.ConfigPath, "config", "", "YAML config file, reloaded on change; replace it by rename (write beside, then mv)")
@@ -64,7 +58,6 @@ func parse(args []string) (*options, error) {
 	fs.DurationVar(&c.ConfigSettle, "config-settle", routerconfig.DefaultSettle, "how long a changed --config file must stay the same before it is applied (a file written in place passes through halves that parse)")
 	fs.StringVar(&c.AdminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
 	fs.BoolVar(&c.AdminOpen, "admin-open", false, "serve /admin/routes/clear to anyone who reaches --listen, without --admin-token (else it is refused)")
-	fs.StringVar(&c.EngineAPIKey, "engine-api-key", "", "API key the engines were started with (vllm serve --api-key), sent to every replica instead of the client's Authorization; prefer the env variable")
 	fs.IntVar(&c.MaxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
 	fs.Var(&c.Flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
 	fs.Var(&c.Flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
@@ -82,21 +75,15 @@ func parse(args []string) (*options, error) {
 	fs.DurationVar(&c.OrphanForget, "orphan-forget-after", time.Minute, "forget a replica whose sidecar failed once its engine has not answered /health for this long")
 	fs.DurationVar(&c.ShutdownDelay, "shutdown-delay", 0, "on SIGTERM, answer /ready with 503 but keep serving this long before draining, so load balancers stop sending first (k8s: a few readiness periods)")
 	fs.IntVar(&o.gcPercent, "gc-percent", 0, fmt.Sprintf("Go GC target (GOGC); 0: GOGC if set, else %d", gateway.DefaultGCPercent))
-	var log logging.Options
-	log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		return nil, err
 	}
 	var err error
-	if c.Gossip.Key, err = gossip.ParseKey(gossipKey); err != nil {
+	if c.Gossip, err = member.Gossip(); err != nil {
 		return nil, err
 	}
-	for _, j := range strings.Split(join, ",") {
-		if j = strings.TrimSpace(j); j != "" {
-			c.Gossip.Join = append(c.Gossip.Join, j)
-		}
-	}
-	if c.Logger, err = log.Logger(nil, "router"); err != nil {
+	c.EngineAPIKey = member.EngineAPIKey
+	if c.Logger, err = member.Log.Logger(nil, "router"); err != nil {
 		return nil, err
 	}
 	return o, nil

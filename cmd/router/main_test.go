@@ -4,11 +4,13 @@ import (
 	"bufio"
 	"crypto/tls"
 	"crypto/x509"
+	"flag"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,6 +19,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/certfile"
+	"github.com/kvmesh/kvmesh/memberflags"
 )
 
 func TestHelpListsContractFlagsAndEnv(t *testing.T) {
@@ -34,6 +37,61 @@ func TestHelpListsContractFlagsAndEnv(t *testing.T) {
 	if out, err := exec.Command(routerBinary(t), "--version").Output(); err != nil || !strings.HasPrefix(string(out), "router ") {
 		t.Errorf("--version: %q, %v; want \"router <build>\" and exit 0", out, err)
 	}
+}
+
+// TestSharedFlagsMatchTheSidecars: every flag memberflags registers reads
+// the same in `router -h` and `sidecar -h` (name, type, help, variable,
+// default), but for --gossip-bind's default: a sidecar always gossips, a
+// router only when asked.
+func TestSharedFlagsMatchTheSidecars(t *testing.T) {
+	shared := flag.NewFlagSet("shared", flag.ContinueOnError)
+	new(memberflags.Flags).Register(shared, "")
+	var names []string
+	shared.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })
+	for _, want := range []string{"gossip-bind", "gossip-advertise", "join", "gossip-key", "gossip-label",
+		"gossip-trust-sender", "engine-api-key", "log-format", "log-level"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("--%s is not among the shared flags %v", want, names)
+		}
+	}
+	routerHelp, sidecarHelp := helpEntries(t, routerBinary(t)), helpEntries(t, sidecarBuild.binary(t))
+	for _, name := range names {
+		r, s := routerHelp[name], sidecarHelp[name]
+		if name == "gossip-bind" {
+			if !strings.HasSuffix(s, ` (default "0.0.0.0:7946")`) || strings.Contains(r, "(default") {
+				t.Errorf("--gossip-bind defaults: router %q, sidecar %q; want none and 0.0.0.0:7946", r, s)
+			}
+			s = strings.TrimSuffix(s, ` (default "0.0.0.0:7946")`)
+		}
+		if r == "" || r != s {
+			t.Errorf("--%s differs:\n router  %q\n sidecar %q", name, r, s)
+		}
+	}
+	if !strings.Contains(routerHelp["gossip-label"], `(env KVMESH_GOSSIP_LABEL) (default "kvmesh")`) {
+		t.Errorf("--gossip-label: %q", routerHelp["gossip-label"])
+	}
+}
+
+// helpEntries runs bin -h and returns each flag's entry (the lines from
+// "-name type" up to the next flag, joined by spaces) by name.
+func helpEntries(t *testing.T, bin string) map[string]string {
+	out, _ := exec.Command(bin, "-h").CombinedOutput()
+	entries := map[string]string{}
+	name := ""
+	for _, line := range strings.Split(string(out), "\n") {
+		if rest, ok := strings.CutPrefix(line, "  -"); ok {
+			name, _, _ = strings.Cut(rest, " ")
+			entries[name] = strings.TrimSpace(rest)
+			continue
+		}
+		if text := strings.TrimSpace(line); name != "" && text != "" {
+			entries[name] += " " + text
+		}
+	}
+	if len(entries) < 10 {
+		t.Fatalf("%s -h lists %d flags:\n%s", bin, len(entries), out)
+	}
+	return entries
 }
 
 // TestSIGTERMDrainsInflightStream: a stream in flight when SIGTERM arrives

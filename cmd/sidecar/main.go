@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 	"time"
 
@@ -18,9 +17,8 @@ import (
 	_ "golang.org/x/crypto/x509roots/fallback"
 
 	"github.com/kvmesh/kvmesh/flagenv"
-	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
-	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/memberflags"
 	"github.com/kvmesh/kvmesh/residentset"
 	"github.com/kvmesh/kvmesh/sidecar"
 )
@@ -35,14 +33,12 @@ func main() {
 func run(args []string) error {
 	fs := flag.NewFlagSet("sidecar", flag.ContinueOnError)
 	var (
-		cfg                    sidecar.Config
-		logOpts                logging.Options
-		join, key, loraIDs     string
-		bind, advertise, label string
+		cfg     sidecar.Config
+		member  memberflags.Flags
+		loraIDs string
 	)
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "engine base URL")
-	fs.StringVar(&cfg.EngineAPIKey, "engine-api-key", "", "API key the engine was started with (--api-key); prefer the env variable")
 	fs.StringVar(&cfg.KVEvents, "kv-events", "", "engine's KV events PUB endpoint to connect to (e.g. tcp://127.0.0.1:5557)")
 	fs.StringVar(&cfg.KVEventsBind, "kv-events-bind", "", "endpoint to bind for a publisher that connects (e.g. tcp://*:5557)")
 	fs.StringVar(&cfg.KVReplay, "kv-replay", "", "engine's KV events replay (ROUTER) endpoint")
@@ -50,12 +46,7 @@ func run(args []string) error {
 	fs.Int64Var(&cfg.KVMaxMessageBytes, "kv-events-max-message-bytes", kvevents.DefaultMaxMessageBytes, "largest KV events message (all its frames) a publisher may send; a peer declaring more is dropped")
 	fs.DurationVar(&cfg.KVHandshakeTimeout, "kv-events-handshake-timeout", kvevents.DefaultHandshakeTimeout, "time a KV events connection has to complete its ZMTP handshake")
 	fs.StringVar(&cfg.Name, "name", host, "replica name, unique in the cluster")
-	fs.StringVar(&bind, "gossip-bind", "0.0.0.0:7946", "gossip listen address host:port (UDP and TCP)")
-	fs.StringVar(&advertise, "gossip-advertise", "", "gossip address others reach this sidecar at (host:port)")
-	fs.StringVar(&join, "join", "", "comma-separated gossip addresses of members to join")
-	fs.StringVar(&key, "gossip-key", "", "base64 gossip encryption key (16, 24 or 32 bytes)")
-	fs.StringVar(&label, "gossip-label", gossip.DefaultLabel, "cluster label; members with another label are rejected")
-	fs.BoolVar(&cfg.Gossip.TrustClaimedSender, "gossip-trust-sender", false, "take a gossip message's named sender on trust instead of checking it against the address it came from: only where members do not send from the address they advertise (NAT)")
+	member.Register(fs, "0.0.0.0:7946")
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:9100", "status and metrics HTTP address")
 	fs.StringVar(&cfg.Protocol, "protocol", "vllm", "engine dialect for metrics: vllm or sglang")
 	fs.DurationVar(&cfg.ScrapeInterval, "scrape-interval", 200*time.Millisecond, "engine /health and /metrics interval")
@@ -64,27 +55,21 @@ func run(args []string) error {
 	fs.Float64Var(&cfg.ResidentSlack, "resident-slack", 0.25, "fraction of the engine's capacity the exact set may hold beyond it before refusing stores")
 	fs.IntVar(&cfg.MaxKVGroups, "max-kv-groups", residentset.DefaultMaxGroups, "KV-cache groups (group_idx 0..N-1) followed; events of others are refused")
 	fs.StringVar(&loraIDs, "lora-ids", "", "NAME=ID,...: LoRA adapter names for the numeric ids vLLM before v0.14 sends alone")
-	logOpts.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		if err == flag.ErrHelp {
 			return nil
 		}
 		return err
 	}
-	log, err := logOpts.Logger(nil, "sidecar")
+	log, err := member.Log.Logger(nil, "sidecar")
 	if err != nil {
 		return err
 	}
 	cfg.Logger = log
-	if cfg.Gossip.Key, err = gossip.ParseKey(key); err != nil {
+	if cfg.Gossip, err = member.Gossip(); err != nil {
 		return err
 	}
-	cfg.Gossip.BindAddr, cfg.Gossip.AdvertiseAddr, cfg.Gossip.Label = bind, advertise, label
-	for _, j := range strings.Split(join, ",") {
-		if j = strings.TrimSpace(j); j != "" {
-			cfg.Gossip.Join = append(cfg.Gossip.Join, j)
-		}
-	}
+	cfg.EngineAPIKey = member.EngineAPIKey
 	if cfg.LoRANames, err = sidecar.ParseLoRAIDs(loraIDs); err != nil {
 		return err
 	}
