@@ -247,6 +247,18 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 		s.blockSize = ev.BlockSize
 	}
 	id := tierID{medium, ev.GroupIdx}
+	if ev.HasParent && ev.ParentHash == 0 {
+		// Publishers of vLLM's array layout that are not vLLM (llm-d's
+		// inference simulator among them) send parent 0 for "no parent", as
+		// llm-d's consumers read it; vLLM sends nil. Parent 0 is therefore
+		// no parent unless a block hashed 0 is resident (a 2^-64 chance for
+		// a real hash), whatever the layout.
+		if _, _, ok := s.lookup(id, 0); !ok {
+			root := *ev // the caller's event stays as decoded
+			root.HasParent = false
+			ev = &root
+		}
+	}
 	salt, keyable := ev.CacheSalt, len(ev.BlockHashes)
 	if len(ev.ExtraKeys) > 0 {
 		var extraSalt string
