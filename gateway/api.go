@@ -327,3 +327,65 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 	g.log.Info().Interface("replicas", scope).Msg("route records cleared")
 	writeJSON(ctx, map[string]any{"cleared": scope})
 }
+
+// modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes
+// ("meta-llama/Llama-3.1-8B-Instruct").
+var modelPrefix = []byte("/v1/models/")
+
+// enginePaths are the engine endpoints a POST is passed through to,
+// untouched, at a replica serving the request's model (a JSON field, or a
+// form field of a multipart upload), chosen by load. Any other path is the
+// router's own 404 (noRoute): a mistyped URL is not sent to an engine to
+// be answered there, or served by an engine route nobody meant to expose.
+//
+// The list is the model-serving POST routes of vLLM's OpenAI server
+// (vllm/entrypoints/openai/api_server.py and the routers it mounts: v0.14.0,
+// the version deploy/k8s pins, up to what the v0.32 documentation lists) and
+// of SGLang's (python/sglang/srt/entrypoints/http_server.py), less what the
+// router answers itself (/v1/chat/completions and /v1/completions, routed by
+// prefix; /tokenize, from its own tokenizer; /v1/models) and what must not
+// reach just one replica of many: adapter loading, cache resets, sleep,
+// profiling and weight updates act on one engine; stored responses
+// (/v1/responses/{id}, .../cancel), files and batches live on the engine
+// that made them.
+var enginePaths = map[string]bool{
+	// OpenAI's API
+	"/v1/embeddings":              true, // vLLM, SGLang
+	"/v1/responses":               true, // vLLM, SGLang
+	"/v1/audio/transcriptions":    true, // vLLM (speech models; multipart)
+	"/v1/audio/translations":      true, // vLLM (speech models; multipart)
+	"/v1/chat/completions/batch":  true, // vLLM: several chats in one body
+	"/v1/chat/completions/render": true, // vLLM: the prompt a chat renders to
+	"/v1/completions/render":      true, // vLLM
+	// Anthropic's API
+	"/v1/messages":              true, // vLLM
+	"/v1/messages/count_tokens": true, // vLLM
+	// Pooling models
+	"/pooling":     true, // vLLM
+	"/classify":    true, // vLLM, SGLang
+	"/v1/classify": true, // SGLang
+	"/score":       true, // vLLM
+	"/v1/score":    true, // vLLM (deprecated alias), SGLang
+	"/rerank":      true, // vLLM (Jina's shape)
+	"/v1/rerank":   true, // vLLM, SGLang
+	"/v2/rerank":   true, // vLLM (Cohere's shape)
+	"/v2/embed":    true, // vLLM (Cohere's shape)
+	// Tokenizer
+	"/detokenize":    true, // vLLM, SGLang
+	"/v1/tokenize":   true, // SGLang (the router answers /tokenize itself)
+	"/v1/detokenize": true, // SGLang
+}
+
+// passedThrough reports whether a POST to path goes to a replica of the
+// request's model, by load (enginePaths).
+func passedThrough(path []byte) bool { return enginePaths[string(path)] }
+
+// postOnly reports whether path is served for POST alone, so that another
+// method gets a 405 rather than a 404 that reads as a wrong URL.
+func postOnly(path []byte) bool {
+	switch string(path) {
+	case "/v1/chat/completions", "/v1/completions", "/tokenize", "/admin/routes/clear":
+		return true
+	}
+	return passedThrough(path)
+}

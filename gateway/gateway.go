@@ -3,8 +3,9 @@
 // tokenizes the prompt (for a chat holding media, the text before it),
 // computes block keys, builds routing candidates from the fleet snapshot
 // plus this router's own in-flight work, asks the routing policy, and hands
-// the ordered replicas to the proxy. Other engine endpoints (embeddings,
-// responses, audio...) take the same path by model and load only.
+// the ordered replicas to the proxy. The other engine endpoints it knows
+// (embeddings, responses, audio...: enginePaths) take the same path by
+// model and load only; any other path is its own 404.
 //
 // Settings that a config reload may change live behind one atomic pointer,
 // so a reload swaps them between requests and never drops one.
@@ -238,18 +239,15 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		ctx.Response.Header.Set(fasthttp.HeaderAllow, fasthttp.MethodPost)
 		proxy.WriteError(ctx, fasthttp.StatusMethodNotAllowed, "invalid_request_error", string(ctx.Method())+" "+string(path)+": only POST is served here")
 	default:
-		proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(path))
+		noRoute(ctx)
 	}
 }
 
-// postOnly reports whether path is served for POST alone, so that another
-// method gets a 405 rather than a 404 that reads as a wrong URL.
-func postOnly(path []byte) bool {
-	switch string(path) {
-	case "/v1/chat/completions", "/v1/completions", "/tokenize", "/admin/routes/clear":
-		return true
-	}
-	return passedThrough(path)
+// noRoute is the router's own 404, OpenAI-shaped, for a path it does not
+// serve: a mistyped one never reaches an engine. It goes around fail,
+// which would count it in errors_total as an unknown model.
+func noRoute(ctx *fasthttp.RequestCtx) {
+	proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(ctx.Path()))
 }
 
 // survive turns a panic in a request's handling into a 500 for that request
@@ -274,25 +272,6 @@ func (g *Gateway) survive(ctx *fasthttp.RequestCtx) {
 func (g *Gateway) panicked(typ string, v any, stack []byte) *zerolog.Event {
 	g.metrics.errors.WithLabelValues(typ).Inc()
 	return g.panicLog.Error().Interface("panic", v).Bytes("stack", stack)
-}
-
-// modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes
-// ("meta-llama/Llama-3.1-8B-Instruct").
-var modelPrefix = []byte("/v1/models/")
-
-// passedThrough reports whether a POST to path goes to a replica of the
-// request's model, by load: every other OpenAI endpoint (embeddings,
-// responses, audio...) and vLLM's pooling, scoring and detokenize ones.
-// Adapter loading is not: it must reach every replica, not one.
-func passedThrough(path []byte) bool {
-	if bytes.Contains(path, []byte("lora_adapter")) {
-		return false
-	}
-	switch string(path) {
-	case "/pooling", "/classify", "/score", "/rerank", "/detokenize":
-		return true
-	}
-	return bytes.HasPrefix(path, []byte("/v1/")) || bytes.HasPrefix(path, []byte("/v2/"))
 }
 
 // ErrorHandler answers requests fasthttp could not read, in OpenAI's shape.

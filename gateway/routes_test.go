@@ -1,0 +1,75 @@
+package gateway
+
+import (
+	"slices"
+	"sync/atomic"
+	"testing"
+
+	"github.com/valyala/fasthttp"
+)
+
+// countingEngine serves every request with a JSON 200 naming its path and
+// counts them.
+func countingEngine(t *testing.T) (url string, served *atomic.Int64) {
+	served = new(atomic.Int64)
+	url = listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		served.Add(1)
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"path":"` + string(ctx.Path()) + `","usage":{"prompt_tokens":1}}`)
+	}})
+	return url, served
+}
+
+// TestMistypedPathIsRouters404: a path that is not the router's nor one of
+// enginePaths gets the router's own OpenAI-shaped 404, and no engine sees
+// it, even with a body naming a served model.
+func TestMistypedPathIsRouters404(t *testing.T) {
+	engine, served := countingEngine(t)
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e", engine, []string{testModel})
+	body := `{"model":"` + testModel + `","input":"hi","messages":[{"role":"user","content":"hi"}]}`
+	for _, path := range []string{
+		"/v1/chat/completion", "/v1/chat/completions/", "/v1/embedding", "/v1/completions/x",
+		"/v1/responses/resp_1/cancel", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+		"/v2/anything", "/v1/", "/generate", "/reset_prefix_cache", "/V1/embeddings",
+	} {
+		res := r.post(t, path, body)
+		want := `{"error":{"message":"no route POST ` + path + `","type":"not_found_error","code":404}}`
+		if res.status != 404 || res.body != want || res.header["content-type"] != "application/json" {
+			t.Errorf("POST %s: %d %q %s, want 404 %s", path, res.status, res.header["content-type"], res.body, want)
+		}
+	}
+	if n := served.Load(); n != 0 {
+		t.Errorf("%d mistyped requests reached the engine, want none", n)
+	}
+}
+
+// TestEnginePathsPassThrough: every path of enginePaths reaches the engine
+// serving the body's model, at that path; a GET to one is a 405.
+func TestEnginePathsPassThrough(t *testing.T) {
+	engine, served := countingEngine(t)
+	r := newRouter(t, Settings{}, 1<<20)
+	r.table.AddStatic("e", engine, []string{testModel})
+	paths := make([]string, 0, len(enginePaths))
+	for p := range enginePaths {
+		paths = append(paths, p)
+	}
+	slices.Sort(paths)
+	for _, path := range paths {
+		res := r.post(t, path, `{"model":"`+testModel+`","input":"hi"}`)
+		if res.status != 200 || res.body != `{"path":"`+path+`","usage":{"prompt_tokens":1}}` || res.header["x-kvmesh-replica"] != "e" {
+			t.Errorf("POST %s: %d %v %s, want the engine's answer", path, res.status, res.header, res.body)
+		}
+		if res := r.get(t, path); res.status != 405 || res.header["allow"] != "POST" {
+			t.Errorf("GET %s: %d %v, want 405 with Allow: POST", path, res.status, res.header)
+		}
+	}
+	if n := served.Load(); n != int64(len(paths)) {
+		t.Errorf("the engine served %d requests, want %d (one per path)", n, len(paths))
+	}
+	for _, p := range []string{"/v1/embeddings", "/v1/audio/transcriptions", "/rerank", "/v1/responses", "/detokenize"} {
+		if !enginePaths[p] {
+			t.Errorf("%s is not passed through", p)
+		}
+	}
+}
