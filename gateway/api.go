@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"crypto/subtle"
 	"encoding/json"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/tokenize"
@@ -388,4 +390,12 @@ func postOnly(path []byte) bool {
 		return true
 	}
 	return passedThrough(path)
+}
+
+// operatorRoute reports whether path is one of the operator's: the admin
+// API, the console and /metrics. With an admin listener (Servers) only it
+// serves them: whoever reaches the API port then sees neither the fleet's
+// state nor the metrics, nor can clear routes.
+func operatorRoute(path []byte) bool {
+	return bytes.HasPrefix(path, []byte("/admin/")) || string(path) == "/metrics" || console.Owns(path)
 }

@@ -204,10 +204,45 @@ func (g *Gateway) ClearRecords(names []string) {
 	}
 }
 
-// Handler is the fasthttp handler for every route.
-func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
+// Handler is the fasthttp handler for every route: the API and the
+// operator's on one port.
+func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) { g.serve(ctx, apiRoutes|operatorRoutes) }
+
+// routeSet is which of the router's routes a listener serves; /health and
+// /ready are served on every one.
+type routeSet uint8
+
+const (
+	// apiRoutes: the OpenAI API, /tokenize and the engine endpoints passed
+	// through.
+	apiRoutes routeSet = 1 << iota
+	// operatorRoutes: /admin/*, the console and /metrics (operatorRoute).
+	operatorRoutes
+)
+
+func (g *Gateway) serve(ctx *fasthttp.RequestCtx, routes routeSet) {
 	defer g.survive(ctx)
 	path := ctx.Path()
+	switch {
+	case string(path) == "/health":
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"status":"ok"}`)
+	case string(path) == "/ready":
+		g.serveReady(ctx)
+	case operatorRoute(path):
+		if routes&operatorRoutes == 0 {
+			noRoute(ctx)
+			return
+		}
+		g.serveOperator(ctx, path)
+	case routes&apiRoutes == 0:
+		noRoute(ctx)
+	default:
+		g.serveAPI(ctx, path)
+	}
+}
+
+func (g *Gateway) serveAPI(ctx *fasthttp.RequestCtx, path []byte) {
 	post := ctx.IsPost()
 	switch {
 	case post && string(path) == "/v1/chat/completions":
@@ -220,32 +255,44 @@ func (g *Gateway) Handler(ctx *fasthttp.RequestCtx) {
 		g.serveModels(ctx, string(path[len(modelPrefix):]))
 	case post && string(path) == "/tokenize":
 		g.serveTokenize(ctx)
-	case string(path) == "/health":
-		ctx.SetContentType("application/json")
-		ctx.SetBodyString(`{"status":"ok"}`)
-	case string(path) == "/ready":
-		g.serveReady(ctx)
-	case string(path) == "/metrics":
-		g.metrics.serve(ctx)
-	case string(path) == "/admin/replicas":
-		g.serveReplicas(ctx)
-	case post && string(path) == "/admin/routes/clear":
-		g.serveClear(ctx)
-	case console.Owns(path):
-		console.Handler(ctx)
 	case post && passedThrough(path):
 		g.serveCompletion(ctx, kindOther)
 	case !post && postOnly(path):
-		ctx.Response.Header.Set(fasthttp.HeaderAllow, fasthttp.MethodPost)
-		proxy.WriteError(ctx, fasthttp.StatusMethodNotAllowed, "invalid_request_error", string(ctx.Method())+" "+string(path)+": only POST is served here")
+		onlyPost(ctx, path)
 	default:
 		noRoute(ctx)
 	}
 }
 
-// noRoute is the router's own 404, OpenAI-shaped, for a path it does not
-// serve: a mistyped one never reaches an engine. It goes around fail,
-// which would count it in errors_total as an unknown model.
+func (g *Gateway) serveOperator(ctx *fasthttp.RequestCtx, path []byte) {
+	switch {
+	case string(path) == "/metrics":
+		g.metrics.serve(ctx)
+	case string(path) == "/admin/replicas":
+		g.serveReplicas(ctx)
+	case string(path) == "/admin/routes/clear":
+		if !ctx.IsPost() {
+			onlyPost(ctx, path)
+			return
+		}
+		g.serveClear(ctx)
+	case console.Owns(path):
+		console.Handler(ctx)
+	default:
+		noRoute(ctx)
+	}
+}
+
+// onlyPost answers another method on a POST route 405, not a 404 that
+// reads as a wrong URL.
+func onlyPost(ctx *fasthttp.RequestCtx, path []byte) {
+	ctx.Response.Header.Set(fasthttp.HeaderAllow, fasthttp.MethodPost)
+	proxy.WriteError(ctx, fasthttp.StatusMethodNotAllowed, "invalid_request_error", string(ctx.Method())+" "+string(path)+": only POST is served here")
+}
+
+// noRoute is the router's own 404, OpenAI-shaped, for a path the listener
+// does not serve: a mistyped one never reaches an engine. It goes around
+// fail, which would count it in errors_total as an unknown model.
 func noRoute(ctx *fasthttp.RequestCtx) {
 	proxy.WriteError(ctx, fasthttp.StatusNotFound, "not_found_error", "no route "+string(ctx.Method())+" "+string(ctx.Path()))
 }
@@ -351,13 +398,27 @@ func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
 	return u, nil
 }
 
-// Server returns a fasthttp server for the gateway, configured for long
+// Server returns a fasthttp server for every route, configured for long
 // streams: no write timeout (it would cap a whole stream), request bodies
 // up to maxBody bytes, 16 KiB of headers.
 func (g *Gateway) Server(maxBody int) *fasthttp.Server {
+	return g.server(maxBody, g.Handler)
+}
+
+// Servers returns Server's two halves, for an admin listener: api serves
+// the API and answers the operator's routes (/admin/*, the console,
+// /metrics) with a 404; admin serves those alone. Both answer /health and
+// /ready, where orchestrators probe.
+func (g *Gateway) Servers(maxBody int) (api, admin *fasthttp.Server) {
+	api = g.server(maxBody, func(ctx *fasthttp.RequestCtx) { g.serve(ctx, apiRoutes) })
+	admin = g.server(maxBody, func(ctx *fasthttp.RequestCtx) { g.serve(ctx, operatorRoutes) })
+	return api, admin
+}
+
+func (g *Gateway) server(maxBody int, h fasthttp.RequestHandler) *fasthttp.Server {
 	g.maxBody = maxBody // for the 413's message; set before anything is served
 	return &fasthttp.Server{
-		Handler:                      g.Handler,
+		Handler:                      h,
 		ErrorHandler:                 g.ErrorHandler,
 		Name:                         "kvmesh-router",
 		MaxRequestBodySize:           maxBody,

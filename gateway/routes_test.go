@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -70,6 +71,60 @@ func TestEnginePathsPassThrough(t *testing.T) {
 	for _, p := range []string{"/v1/embeddings", "/v1/audio/transcriptions", "/rerank", "/v1/responses", "/detokenize"} {
 		if !enginePaths[p] {
 			t.Errorf("%s is not passed through", p)
+		}
+	}
+}
+
+// TestAdminListenerServesOperatorRoutesAlone: with the routes split over
+// two listeners, the API port answers /admin/*, the console and /metrics
+// with the router's 404 and the admin port serves them (and nothing of the
+// API); /health and /ready answer on both. One listener (Server) serves all.
+func TestAdminListenerServesOperatorRoutesAlone(t *testing.T) {
+	engine, served := countingEngine(t)
+	one := newRouter(t, Settings{AdminOpen: true}, 1<<20)
+	one.table.AddStatic("e", engine, []string{testModel})
+	apiSrv, adminSrv := one.g.Servers(1 << 20)
+	api := &testRouter{g: one.g, table: one.table, url: listen(t, apiSrv)}
+	admin := &testRouter{g: one.g, table: one.table, url: listen(t, adminSrv)}
+
+	for _, path := range []string{"/admin/replicas", "/metrics", "/", "/console/console.js"} {
+		if res := api.get(t, path); res.status != 404 || res.body != `{"error":{"message":"no route GET `+path+`","type":"not_found_error","code":404}}` {
+			t.Errorf("API port GET %s: %d %s, want the router's 404", path, res.status, res.body)
+		}
+		if res := admin.get(t, path); res.status != 200 {
+			t.Errorf("admin port GET %s: %d %s, want 200", path, res.status, res.body)
+		}
+		if res := one.get(t, path); res.status != 200 {
+			t.Errorf("single port GET %s: %d, want 200", path, res.status)
+		}
+	}
+	if res := admin.get(t, "/admin/replicas"); !strings.Contains(res.body, `"name":"e"`) {
+		t.Errorf("admin port /admin/replicas: %s, want replica e listed", res.body)
+	}
+	if res := api.post(t, "/admin/routes/clear", `{}`); res.status != 404 {
+		t.Errorf("API port clear: %d %s, want 404", res.status, res.body)
+	}
+	if res := admin.post(t, "/admin/routes/clear", `{}`); res.status != 200 {
+		t.Errorf("admin port clear: %d %s, want 200", res.status, res.body)
+	}
+
+	chat := `{"model":"` + testModel + `","messages":[{"role":"user","content":"hi"}]}`
+	if res := admin.post(t, "/v1/chat/completions", chat); res.status != 404 {
+		t.Errorf("admin port chat: %d %s, want 404", res.status, res.body)
+	}
+	if res := admin.get(t, "/v1/models"); res.status != 404 {
+		t.Errorf("admin port /v1/models: %d, want 404", res.status)
+	}
+	if n := served.Load(); n != 0 {
+		t.Fatalf("the admin port passed %d requests to the engine", n)
+	}
+	if res := api.post(t, "/v1/chat/completions", chat); res.status != 200 || res.header["x-kvmesh-replica"] != "e" {
+		t.Errorf("API port chat: %d %v %s", res.status, res.header, res.body)
+	}
+	for _, path := range []string{"/health", "/ready"} {
+		a, b := api.get(t, path), admin.get(t, path)
+		if a.status != 200 || b.status != 200 {
+			t.Errorf("GET %s: API port %d, admin port %d, want 200 on both", path, a.status, b.status)
 		}
 	}
 }

@@ -28,7 +28,10 @@ import (
 
 // Config is everything a router needs.
 type Config struct {
-	Listen string // HTTP address: OpenAI API, admin, metrics
+	Listen string // HTTP address: the OpenAI API, and the rest without AdminListen
+	// AdminListen, when set, serves /admin/*, the console and /metrics
+	// alone, and Listen answers them 404.
+	AdminListen string
 	// Name is the router's name in the cluster (default: host name and
 	// Listen's port).
 	Name string
@@ -145,16 +148,23 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}
 
-	ln, err := guardedListen(cfg.Listen, "api", g, log)
-	if err != nil {
-		return err
-	}
+	var certs *certfile.Source
 	if cfg.TLSCert != "" {
-		certs, err := certfile.Load(cfg.TLSCert, cfg.TLSKey, 10*time.Second)
-		if err != nil {
+		if certs, err = certfile.Load(cfg.TLSCert, cfg.TLSKey, 10*time.Second); err != nil {
 			return err
 		}
-		ln = tls.NewListener(ln, certs.Config())
+	}
+	// listen serves HTTPS on the admin listener too: it carries the admin token.
+	listen := func(addr, name string) (net.Listener, error) {
+		ln, err := guardedListen(addr, name, g, log)
+		if err != nil || certs == nil {
+			return ln, err
+		}
+		return tls.NewListener(ln, certs.Config()), nil
+	}
+	ln, err := listen(cfg.Listen, "api")
+	if err != nil {
+		return err
 	}
 	if cfg.PprofListen != "" {
 		if pln, err := guardedListen(cfg.PprofListen, "pprof", g, log); err != nil {
@@ -164,9 +174,20 @@ func Run(ctx context.Context, cfg Config) error {
 		}
 	}
 	srv := g.Server(cfg.MaxBodyBytes)
-	served := make(chan error, 1)
+	var adminSrv *fasthttp.Server
+	served := make(chan error, 2)
+	if cfg.AdminListen != "" {
+		aln, err := listen(cfg.AdminListen, "admin")
+		if err != nil {
+			_ = ln.Close()
+			return err
+		}
+		srv, adminSrv = g.Servers(cfg.MaxBodyBytes)
+		go func() { served <- adminSrv.Serve(aln) }()
+	}
 	go func() { served <- srv.Serve(ln) }()
-	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Bool("tls", cfg.TLSCert != "").Str("policy", g.Settings().Policy.Name()).
+	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Str("admin_listen", cfg.AdminListen).
+		Bool("tls", cfg.TLSCert != "").Str("policy", g.Settings().Policy.Name()).
 		Bool("gossip", node != nil).Msg("router ready")
 
 	select {
@@ -186,6 +207,9 @@ func Run(ctx context.Context, cfg Config) error {
 		log.Warn().Err(err).Int("inflight", g.Inflight()).Msg("drain timed out")
 	}
 	drainedNow()
+	if adminSrv != nil { // served through the drain: its /ready says 503, its metrics count the drain
+		_ = adminSrv.Shutdown()
+	}
 	if node != nil {
 		if err := node.Leave(2 * time.Second); err != nil {
 			log.Warn().Err(err).Msg("leaving the cluster")

@@ -48,7 +48,8 @@ func parse(args []string) (*options, error) {
 	c := &o.cfg
 	var member memberflags.Flags
 	fs := flag.NewFlagSet("router", flag.ContinueOnError)
-	fs.StringVar(&c.Listen, "listen", "127.0.0.1:8080", "HTTP listen address (OpenAI API, admin, metrics)")
+	fs.StringVar(&c.Listen, "listen", "127.0.0.1:8080", "HTTP listen address (OpenAI API; also admin, console and metrics without --admin-listen)")
+	fs.StringVar(&c.AdminListen, "admin-listen", "", "serve /admin/*, the console and /metrics on this address only (--listen then answers them 404); empty: on --listen")
 	fs.StringVar(&c.Name, "name", "", "router name in the cluster (default: host name and listen port)")
 	member.Register(fs, "")
 	fs.StringVar(&c.Flags.Policy, "policy", "kvaware", "routing policy: "+strings.Join(routing.Names, ", "))
@@ -57,7 +58,7 @@ func parse(args []string) (*options, error) {
 	fs.Int64Var(&c.ConfigMaxBytes, "config-max-bytes", routerconfig.DefaultMaxBytes, "largest --config file read; a larger one is refused unread")
 	fs.DurationVar(&c.ConfigSettle, "config-settle", routerconfig.DefaultSettle, "how long a changed --config file must stay the same before it is applied (a file written in place passes through halves that parse)")
 	fs.StringVar(&c.AdminToken, "admin-token", "", "bearer token required by /admin/routes/clear")
-	fs.BoolVar(&c.AdminOpen, "admin-open", false, "serve /admin/routes/clear to anyone who reaches --listen, without --admin-token (else it is refused)")
+	fs.BoolVar(&c.AdminOpen, "admin-open", false, "serve /admin/routes/clear to anyone who reaches it (--listen, or --admin-listen when set), without --admin-token (else it is refused)")
 	fs.IntVar(&c.MaxBodyBytes, "max-body-bytes", 64<<20, "largest request body accepted")
 	fs.Var(&c.Flags.Statics, "static-upstream", "NAME=URL[,MODEL...], repeatable: an engine without a sidecar, load-balanced")
 	fs.Var(&c.Flags.Fallbacks, "fallback", "MODEL=URL[,API_KEY_ENV], repeatable: serves MODEL when no replica can")
