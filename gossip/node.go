@@ -527,20 +527,30 @@ func (n *node) leave(timeout time.Duration) error {
 	return err
 }
 
-// StatsSnapshot is a copy of a node's counters, for metrics and status.
+// StatsSnapshot is a copy of a node's counters, for metrics and status (a
+// sidecar's /status serves it as "cluster", in its snake_case).
 type StatsSnapshot struct {
-	Members int
+	Members int `json:"members"`
 	// Received and Sent count messages by kind name ("load", "delta", ...),
 	// ReceivedBytesByKind their bytes; ReceivedBytes is the total.
-	Received, Sent, ReceivedBytesByKind               map[string]uint64
-	ReceivedBytes, SentBytes, SendErrors              uint64
-	BadMessages, Dropped, QueueFull                   uint64
-	ForgedSender, Unverified                          uint64
-	RejectedLabel, RejectedDecrypt, RejectedMalformed uint64
-	Resyncs                                           uint64
+	Received            map[string]uint64 `json:"received"`
+	Sent                map[string]uint64 `json:"sent"`
+	ReceivedBytesByKind map[string]uint64 `json:"received_bytes_by_kind"`
+	ReceivedBytes       uint64            `json:"received_bytes"`
+	SentBytes           uint64            `json:"sent_bytes"`
+	SendErrors          uint64            `json:"send_errors"`
+	BadMessages         uint64            `json:"bad_messages"`
+	Dropped             uint64            `json:"dropped"`
+	QueueFull           uint64            `json:"queue_full"`
+	ForgedSender        uint64            `json:"forged_sender"`
+	Unverified          uint64            `json:"unverified"`
+	RejectedLabel       uint64            `json:"rejected_label"`
+	RejectedDecrypt     uint64            `json:"rejected_decrypt"`
+	RejectedMalformed   uint64            `json:"rejected_malformed"`
+	Resyncs             uint64            `json:"resyncs"`
 	// ResyncReasons (router): "gap", "behind", "block_size".
-	ResyncReasons map[string]uint64
-	Resends       uint64 // sidecar: deltas sent again for a resync
+	ResyncReasons map[string]uint64 `json:"resync_reasons"`
+	Resends       uint64            `json:"resends"` // sidecar: deltas sent again for a resync
 }
 
 func (n *node) stats() StatsSnapshot {
