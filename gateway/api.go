@@ -311,7 +311,8 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	names := req.Replicas
-	if unknown := unknownReplicas(g.table.Snapshot(), names); len(unknown) > 0 {
+	snap := g.table.Snapshot()
+	if unknown := unknownReplicas(snap, names); len(unknown) > 0 {
 		g.fail(ctx, &requestError{status: 404, typ: "not_found_error",
 			msg: fmt.Sprintf("no replica named %s in this router's table (GET /admin/replicas lists them); nothing was cleared", strings.Join(unknown, ", "))})
 		return
@@ -326,8 +327,38 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 	if len(names) > 0 {
 		scope = names
 	}
-	g.log.Info().Interface("replicas", scope).Msg("route records cleared")
-	writeJSON(ctx, map[string]any{"cleared": scope})
+	out := clearAnswer{Cleared: scope, Replicas: []clearedReplica{}}
+	for i := range snap.Replicas {
+		if r := &snap.Replicas[i]; len(names) == 0 || slices.Contains(names, r.Name) {
+			out.Replicas = append(out.Replicas, clearedReplica{Name: r.Name, FilterKeys: r.FilterKeys, KVEvents: r.KVEvents})
+			out.FilterKeys += r.FilterKeys
+		}
+	}
+	g.log.Info().Interface("replicas", scope).Int("filter_keys", out.FilterKeys).Msg("route records cleared")
+	writeJSON(ctx, out)
+}
+
+// clearAnswer is what POST /admin/routes/clear answers: what the clear
+// dropped, as this router held it.
+type clearAnswer struct {
+	// Cleared is "all" or the names asked for.
+	Cleared  any              `json:"cleared"`
+	Replicas []clearedReplica `json:"replicas"`
+	// FilterKeys sums the replicas' filter_keys.
+	FilterKeys int `json:"filter_keys"`
+}
+
+// clearedReplica is one replica a clear reached.
+type clearedReplica struct {
+	Name string `json:"name"`
+	// FilterKeys is the block keys its filter held here before the clear:
+	// until its sidecar publishes a fresh filter (its exact resident set,
+	// rebuilt on the clear), no prompt matches there and its requests are
+	// routed by load.
+	FilterKeys int `json:"filter_keys"`
+	// KVEvents is false for a static upstream: it has no filter, only the
+	// policy's records of what was routed to it, also dropped.
+	KVEvents bool `json:"kv_events"`
 }
 
 // modelPrefix starts GET /v1/models/{id}; an id may itself hold slashes

@@ -419,7 +419,7 @@ func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
 	if res := r.post(t, "/admin/routes/clear", `{}`); res.status != 401 {
 		t.Fatalf("clear without token: %d", res.status)
 	}
-	if res := r.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || res.body != `{"cleared":["e1"]}` {
+	if res := r.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || !strings.HasPrefix(res.body, `{"cleared":["e1"],"replicas":[{"name":"e1",`) {
 		t.Fatalf("clear: %d %s", res.status, res.body)
 	}
 	if res := r.post(t, "/admin/routes/clear", `{"replicas":"e1"}`, "Authorization", "Bearer s3cret"); res.status != 400 {
@@ -1055,7 +1055,7 @@ func TestRouteClearNeedsTokenOrOptOut(t *testing.T) {
 	if m := closed.get(t, "/metrics").body; !strings.Contains(m, `kvmesh_router_errors_total{type="forbidden"} 1`) {
 		t.Error("the refused clear is not counted as errors_total{type=\"forbidden\"}")
 	}
-	if res := newRouter(t, Settings{AdminOpen: true}, 1<<20).post(t, "/admin/routes/clear", `{}`); res.status != 200 || res.body != `{"cleared":"all"}` {
+	if res := newRouter(t, Settings{AdminOpen: true}, 1<<20).post(t, "/admin/routes/clear", `{}`); res.status != 200 || res.body != `{"cleared":"all","replicas":[],"filter_keys":0}` {
 		t.Fatalf("clear with --admin-open: %d %s", res.status, res.body)
 	}
 	guarded := newRouter(t, Settings{AdminToken: "s3cret", AdminOpen: true}, 1<<20)
@@ -1071,7 +1071,7 @@ func TestRouteClearNeedsTokenOrOptOut(t *testing.T) {
 	if res.status != 404 || !strings.Contains(res.body, `\"e9\"`) || strings.Contains(res.body, `\"e1\"`) {
 		t.Fatalf("clear naming an unknown replica: %d %s, want 404 naming e9 alone", res.status, res.body)
 	}
-	if res := guarded.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || res.body != `{"cleared":["e1"]}` {
+	if res := guarded.post(t, "/admin/routes/clear", `{"replicas":["e1"]}`, "Authorization", "Bearer s3cret"); res.status != 200 || res.body != `{"cleared":["e1"],"replicas":[{"name":"e1","filter_keys":0,"kv_events":false}],"filter_keys":0}` {
 		t.Fatalf("clear naming a known replica: %d %s", res.status, res.body)
 	}
 }

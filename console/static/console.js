@@ -378,7 +378,8 @@
     const btn = el('button', 'btn small danger', 'Clear');
     btn.type = 'button';
     btn.dataset.clear = name;
-    btn.title = 'Clear the route records of ' + name + ' on every router';
+    btn.title = 'Forget which prompt prefixes ' + name + ' holds, on every router: its requests go by load ' +
+      'until its sidecar republishes what the engine really caches (a few seconds)';
     btn.addEventListener('click', () => clearRoutes([name], btn));
     add('actions', 'actions').append(btn);
     c.btn = btn;
@@ -474,10 +475,34 @@
 
   // ---- clearing route records -------------------------------------------------
 
-  function toast(msg, bad) {
+  function toast(msg, bad, ms = 4000) {
     const t = el('div', 'toast' + (bad ? ' bad' : ''), msg);
     byId('toasts').append(t);
-    setTimeout(() => t.remove(), 4000);
+    setTimeout(() => t.remove(), ms);
+  }
+
+  // clearedMessage says what a clear dropped and what happens next, from
+  // the router's answer ({cleared, replicas: [{name, filter_keys,
+  // kv_events}], filter_keys}).
+  function clearedMessage(label, out) {
+    const done = 'Route records cleared for ' + label;
+    if (!out || !Array.isArray(out.replicas)) return done + '.'; // a router that answers less
+    const reps = out.replicas;
+    const keys = out.filter_keys || 0;
+    const fed = reps.filter((r) => r.kv_events).length;
+    const one = reps.length === 1;
+    const msg = done + ' on every router: ' + count(keys) + (keys === 1 ? ' filter key' : ' filter keys') +
+      ' dropped here' + (one ? '' : ' over ' + reps.length + ' replicas') + '. ';
+    if (fed === 0) {
+      return msg + 'No sidecar feeds ' + (one ? 'it' : 'them') +
+        ': only the records of what was routed there are gone, and routing stays by load.';
+    }
+    let who = 'Requests to each of the ' + fed + ' with a sidecar are';
+    if (one) who = 'Its requests are';
+    else if (fed === reps.length) who = 'Requests to each are';
+    else if (fed === 1) who = 'Requests to the one with a sidecar are';
+    return msg + who + ' routed by load until its sidecar publishes a fresh filter (a few seconds), ' +
+      'then by prefix again, from what the engine really caches.';
   }
 
   function storedToken() {
@@ -541,7 +566,9 @@
           return;
         }
         if (token) storeToken(token);
-        toast('Route records cleared for ' + label + '.');
+        let out = null;
+        try { out = await res.json(); } catch { /* an older router answers less */ }
+        toast(clearedMessage(label, out), false, 10000);
         schedule(150); // show the rebuilt filters soon
         return;
       }
