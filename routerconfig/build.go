@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strings"
 	"sync"
 
 	"github.com/rs/zerolog"
@@ -138,21 +137,16 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		}
 		s.Models[m.Name] = gm
 	}
-	keys := append([]string(nil), c.APIKeys...)
-	if c.APIKeysEnv != "" {
-		env := os.Getenv(c.APIKeysEnv)
-		if env == "" {
-			errs = append(errs, fmt.Errorf("config: api_keys_env %s is empty", envName(c.APIKeysEnv)))
-		}
-		for _, k := range strings.Split(env, ",") {
-			if k = strings.TrimSpace(k); k != "" {
-				keys = append(keys, k)
-			}
-		}
+	clientKeys, err := keys(c.APIKeys, c.APIKeysEnv, "api_keys_env")
+	if err != nil {
+		errs = append(errs, err)
 	}
-	if len(keys) > 0 {
+	if _, err := c.tenants(clientKeys); err != nil {
+		errs = append(errs, err)
+	}
+	if len(clientKeys) > 0 {
 		s.APIKeys = map[string]bool{}
-		for _, k := range keys {
+		for _, k := range clientKeys {
 			s.APIKeys[k] = true
 		}
 	}

@@ -46,6 +46,14 @@ type Config struct {
 	// APIKeysEnv names an environment variable with more, comma-separated.
 	APIKeys    []string `yaml:"api_keys"`
 	APIKeysEnv string   `yaml:"api_keys_env"`
+	// TenantList names client populations by their API keys, each with a
+	// share weight, a priority ceiling and quotas; DefaultTenant limits
+	// every other client. TenantHeader, when set, is a header a trusted
+	// upstream gateway sets to name a request's tenant (off by default:
+	// clients could otherwise name themselves).
+	TenantList    []Tenant `yaml:"tenants"`
+	DefaultTenant Limits   `yaml:"default_tenant"`
+	TenantHeader  string   `yaml:"tenant_header"`
 	// EngineAPIKeyEnv names an environment variable holding the key the
 	// engines were started with (vllm serve --api-key); the router sends it
 	// to every replica instead of the client's Authorization.
@@ -306,6 +314,14 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.EngineAPIKeyEnv != "" {
 		out.EngineAPIKeyEnv = file.EngineAPIKeyEnv
+	}
+	out.TenantList = mergeByName(base.TenantList, file.TenantList, func(t Tenant) string { return t.Name },
+		func(_, o Tenant) Tenant { return o })
+	if file.DefaultTenant != (Limits{}) {
+		out.DefaultTenant = file.DefaultTenant
+	}
+	if file.TenantHeader != "" {
+		out.TenantHeader = file.TenantHeader
 	}
 	out.Models = mergeByName(base.Models, file.Models, func(m Model) string { return m.Name }, func(b, o Model) Model {
 		if o.Tokenizer == "" {
