@@ -100,7 +100,11 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 		if err := ctx.Err(); err != nil {
 			return res, err
 		}
-		sum, ttft, err := runPolicy(ctx, cfg, policy, w, kv)
+		run, err := parseRun(policy, w)
+		if err != nil {
+			return res, fmt.Errorf("scenario %s: %w", sc.Name, err)
+		}
+		sum, ttft, err := runPolicy(ctx, cfg, run, kv)
 		if err != nil {
 			return res, fmt.Errorf("scenario %s, policy %s: %w", sc.Name, policy, err)
 		}
@@ -111,14 +115,60 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 	return res, nil
 }
 
-func runPolicy(ctx context.Context, cfg Config, policy string, w workload.Workload, kv int) (report.Summary, []float64, error) {
+// run is one column of a report: a policy, the router flags its variants
+// add, and the workload they leave.
+type run struct {
+	name, policy string
+	routerArgs   []string
+	w            workload.Workload
+}
+
+// parseRun reads "policy[+variant...]": "+without=X" drops the requests of
+// tenant or priority X, "+only=X" keeps only those (the same traffic, less a part of it, since
+// workload streams are drawn independently).
+func parseRun(spec string, w workload.Workload) (run, error) {
+	parts := strings.Split(spec, "+")
+	r := run{name: spec, policy: parts[0], w: w}
+	for _, v := range parts[1:] {
+		key, val, _ := strings.Cut(v, "=")
+		var err error
+		switch {
+		case (key == "without" || key == "only") && val != "":
+			keep := key == "only"
+			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
+			if err == nil && len(r.w.Requests) == 0 {
+				err = fmt.Errorf("%s leaves no request", spec)
+			}
+		default:
+			err = fmt.Errorf("%s: unknown variant %q (want without=X or only=X)", spec, v)
+		}
+		if err != nil {
+			return run{}, err
+		}
+	}
+	return r, nil
+}
+
+func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary, []float64, error) {
+	policy, w := run.name, run.w
 	dir := filepath.Join(cfg.OutDir, cfg.Scenario.Name, policy)
 	log := cfg.Log.With().Str("scenario", cfg.Scenario.Name).Str("policy", policy).Logger()
 	started := time.Now()
+	routerArgs := append(slices.Clone(run.routerArgs), cfg.RouterArgs...)
+	if cfg.Scenario.RouterConfig != "" {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return report.Summary{}, nil, err
+		}
+		path := filepath.Join(dir, "router.yaml")
+		if err := os.WriteFile(path, []byte(cfg.Scenario.RouterConfig), 0o644); err != nil {
+			return report.Summary{}, nil, err
+		}
+		routerArgs = append(routerArgs, "--config", path)
+	}
 	cl, err := cluster.Start(ctx, cluster.Config{
-		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: policy,
+		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
-		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: cfg.SidecarArgs, RouterArgs: cfg.RouterArgs,
+		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: cfg.SidecarArgs, RouterArgs: routerArgs,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err

@@ -75,7 +75,7 @@ type chunk struct {
 // Start is left for the caller. It never panics on a bad response: every
 // failure is an error string in the record.
 func (c *Client) Do(ctx context.Context, base string, r workload.Request) report.Record {
-	rec := report.Record{Router: base, Key: r.Key, PredictedCached: -1, PromptTokens: r.PromptTokens}
+	rec := report.Record{Router: base, Key: r.Key, Tenant: r.Tenant, Priority: r.Priority, PredictedCached: -1, PromptTokens: r.PromptTokens, QueueMs: -1}
 	body := chatBody{Model: c.Model, Messages: r.Messages, MaxTokens: r.MaxTokens, Stream: true}
 	body.StreamOptions.IncludeUsage = true
 	raw, err := json.Marshal(body)
@@ -90,6 +90,12 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
+	if r.Tenant != "" {
+		req.Header.Set("Authorization", "Bearer "+workload.TenantKey(r.Tenant))
+	}
+	if r.Priority != "" {
+		req.Header.Set("X-Kvmesh-Priority", r.Priority)
+	}
 	start := time.Now()
 	resp, err := c.HTTP.Do(req)
 	if err != nil {
@@ -105,6 +111,13 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 			rec.PredictedCached = n
 		}
 	}
+	if v := resp.Header.Get("X-Kvmesh-Queue-Ms"); v != "" {
+		if ms, err := strconv.ParseFloat(v, 64); err == nil {
+			rec.QueueMs = ms
+		}
+	}
+	rec.RejectReason = resp.Header.Get("X-Kvmesh-Reject-Reason")
+	rec.RetryAfter = resp.Header.Get("Retry-After") != ""
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		rec.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(msg))

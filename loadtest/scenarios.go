@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/kvmesh/kvmesh/loadtest/workload"
@@ -30,6 +31,9 @@ type Scenario struct {
 	MinKVBlocks int
 	// EngineArgs are extra enginesim flags the scenario needs.
 	EngineArgs []string
+	// RouterConfig, when set, is the routers' YAML config (--config): the
+	// multi-tenant scenarios name their tenants there.
+	RouterConfig string
 	// Policies run by default (--policies overrides).
 	Policies []string
 	Generate func(seed uint64, sim time.Duration) (workload.Workload, error)
@@ -74,6 +78,42 @@ var MultiturnParams = workload.MultiturnParams{
 
 // NoCacheParams is the nocache scenario: unique summarization-like prompts.
 var NoCacheParams = workload.NoCacheParams{Rate: 40, InputMedian: 2000, OutputMedian: 64, MaxInput: 8000, MaxOutput: 256}
+
+// OverloadStreams is the overload scenario: three tenants, one per priority
+// band, together offering about twice what 2 replicas serve of
+// tenants-shaped requests (≈12 req/s: 6,000-token shared contexts, 1,200
+// uncached tokens each), the critical one a sixth of it.
+var OverloadStreams = []workload.Stream{
+	{Tenant: "interactive", Priority: "critical", Rate: 4, Groups: 8, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+	{Tenant: "app", Priority: "standard", Rate: 8, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+	{Tenant: "batch", Priority: "sheddable", Rate: 12, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+}
+
+// NoisyStreams is the noisy scenario: two tenants chatting over a shared
+// 1,500-token system prompt at 3 req/s each, and a third sending 40 req/s
+// of cold 3,000-token prompts, about ten times its fair share of 2
+// replicas, all at the same priority.
+var NoisyStreams = []workload.Stream{
+	{Tenant: "chat-a", Priority: "standard", Rate: 3, Groups: 1, UsersPerGroup: 50, ContextTokens: 1500, QuestionTokens: 100, OutputTokens: 32},
+	{Tenant: "chat-b", Priority: "standard", Rate: 3, Groups: 1, UsersPerGroup: 50, ContextTokens: 1500, QuestionTokens: 100, OutputTokens: 32},
+	{Tenant: "noisy", Priority: "standard", Rate: 40, ContextTokens: 3000, OutputTokens: 32},
+}
+
+// tenantConfig is a router config naming streams' tenants by the keys the
+// load test's client sends, each allowed any priority and weighted alike.
+func tenantConfig(streams []workload.Stream) string {
+	var b strings.Builder
+	b.WriteString("tenants:\n")
+	seen := map[string]bool{}
+	for _, s := range streams {
+		if seen[s.Tenant] {
+			continue
+		}
+		seen[s.Tenant] = true
+		fmt.Fprintf(&b, "  - {name: %s, api_keys: [%s], max_priority: critical}\n", s.Tenant, workload.TenantKey(s.Tenant))
+	}
+	return b.String()
+}
 
 // DefaultTrace is the Mooncake trace shipped beside the repository.
 const DefaultTrace = "../shared/traces/mooncake_conversation_trace.jsonl"
@@ -124,6 +164,24 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies: []string{"least-loaded", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.NoCache(NoCacheParams, seed, d)
+			},
+		},
+		"overload": {
+			Name: "overload", About: "three tenants at critical, standard and sheddable priority offering ≈2× what 2 replicas serve (4 + 8 + 12 req/s of tenants-shaped requests)",
+			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			RouterConfig: tenantConfig(OverloadStreams),
+			Policies:     []string{"kvaware", "kvaware+only=critical"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Mix("overload", OverloadStreams, seed, d)
+			},
+		},
+		"noisy": {
+			Name: "noisy", About: "two tenants chatting over a shared 1,500-token prompt at 3 req/s each, a third sending 40 req/s of cold 3,000-token prompts",
+			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			RouterConfig: tenantConfig(NoisyStreams),
+			Policies:     []string{"kvaware", "kvaware+without=noisy"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Mix("noisy", NoisyStreams, seed, d)
 			},
 		},
 		"trace": {

@@ -5,6 +5,9 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/kvmesh/kvmesh/loadtest/workload"
+	"github.com/kvmesh/kvmesh/routerconfig"
 )
 
 // TestScenarioSizing checks every scenario fits the machine: requests per
@@ -43,6 +46,63 @@ func TestScenarioSizing(t *testing.T) {
 			perReplica := float64(w.DemandBlocks) / float64(kv)
 			if fill < 0.65 || fill > 0.75 || perReplica < 5 || perReplica > 7 {
 				t.Errorf("tenants demand is %.0f%% of the fleet and %.1f× one replica; want ≈70%% and ≈6×", 100*fill, perReplica)
+			}
+		}
+	}
+}
+
+func TestRunVariants(t *testing.T) {
+	w, err := workload.Mix("m", []workload.Stream{
+		{Tenant: "a", Priority: "critical", Rate: 20, ContextTokens: 16, OutputTokens: 2},
+		{Tenant: "noisy", Priority: "standard", Rate: 20, ContextTokens: 16, OutputTokens: 2},
+	}, 1, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	count := func(w workload.Workload, tenant string) (n int) {
+		for _, r := range w.Requests {
+			if r.Tenant == tenant {
+				n++
+			}
+		}
+		return n
+	}
+	r, err := parseRun("kvaware+without=noisy", w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.policy != "kvaware" || r.name != "kvaware+without=noisy" || len(r.routerArgs) != 0 ||
+		count(r.w, "noisy") != 0 || count(r.w, "a") != count(w, "a") {
+		t.Fatalf("%+v", r)
+	}
+	if r, err = parseRun("kvaware+only=critical", w); err != nil || len(r.w.Requests) != count(w, "a") || len(r.routerArgs) != 0 {
+		t.Fatalf("%v %+v", err, r)
+	}
+	for _, bad := range []string{"kvaware+turbo", "kvaware+only=", "kvaware+only=nobody"} {
+		if _, err := parseRun(bad, w); err == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+}
+
+func TestTenantScenariosNameTheirTenants(t *testing.T) {
+	sc := Scenarios("", TraceDefaults)
+	for _, name := range []string{"overload", "noisy"} {
+		c, err := routerconfig.Parse([]byte(sc[name].RouterConfig))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		d, err := c.Tenants()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		w, err := sc[name].Generate(1, 2*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range w.Requests {
+			if tn, ok := d.Identify(workload.TenantKey(r.Tenant), ""); !ok || tn.Name != r.Tenant {
+				t.Fatalf("%s: %s's key names %v", name, r.Tenant, tn)
 			}
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"slices"
 	"text/tabwriter"
@@ -33,6 +34,79 @@ type Record struct {
 	PromptTokens, OutputTokens    int
 	Status                        int
 	Err                           string // empty on success
+	// Tenant and Priority are what the workload sent (empty when none).
+	Tenant, Priority string
+	// QueueMs is X-Kvmesh-Queue-Ms, wall ms the router held it (-1 when
+	// absent); RejectReason is X-Kvmesh-Reject-Reason; RetryAfter says a
+	// Retry-After header came with the answer.
+	QueueMs      float64
+	RejectReason string
+	RetryAfter   bool
+}
+
+// Rejected reports whether the router turned r away as overload asks it
+// to: 429 or 503 with Retry-After.
+func (r Record) Rejected() bool {
+	return (r.Status == 429 || r.Status == 503) && r.RetryAfter
+}
+
+// Group is the summary of one tenant's or one priority's requests.
+type Group struct {
+	Requests int `json:"requests"`
+	Served   int `json:"served"`
+	// Rejected were turned away with 429/503 and Retry-After, by reason;
+	// Failed is every other failure (unfinished at the drain included).
+	Rejected map[string]int `json:"rejected,omitempty"`
+	Failed   int            `json:"failed"`
+	TTFT     Percentiles    `json:"ttft_ms"`
+	// QueueP90Ms is the P90 of the time served requests were held by the
+	// router, simulated-equivalent ms.
+	QueueP90Ms float64 `json:"queue_p90_ms"`
+}
+
+func groups(recs []Record, timeScale float64, by func(Record) string) map[string]Group {
+	type acc struct {
+		g            Group
+		ttft, queued []float64
+	}
+	accs := map[string]*acc{}
+	for _, r := range recs {
+		k := by(r)
+		if k == "" {
+			continue
+		}
+		a := accs[k]
+		if a == nil {
+			a = &acc{}
+			accs[k] = a
+		}
+		a.g.Requests++
+		switch {
+		case r.OK():
+			a.g.Served++
+			a.ttft = append(a.ttft, SimMillis(r.TTFT, timeScale))
+			if r.QueueMs >= 0 {
+				a.queued = append(a.queued, r.QueueMs/timeScale)
+			}
+		case r.Rejected():
+			if a.g.Rejected == nil {
+				a.g.Rejected = map[string]int{}
+			}
+			a.g.Rejected[fmt.Sprintf("%d %s", r.Status, r.RejectReason)]++
+		default:
+			a.g.Failed++
+		}
+	}
+	if len(accs) == 0 {
+		return nil
+	}
+	out := make(map[string]Group, len(accs))
+	for k, a := range accs {
+		a.g.TTFT = percentiles(a.ttft)
+		a.g.QueueP90Ms = percentiles(a.queued).P90
+		out[k] = a.g
+	}
+	return out
 }
 
 // OK reports whether the request succeeded.
@@ -68,6 +142,10 @@ type Summary struct {
 	// (user + system, every router summed) per request sent: what sizes
 	// a router fleet. 0 when not measured.
 	RouterCPUPerRequestUs float64 `json:"router_cpu_us_per_request,omitempty"`
+	// Tenants and Priorities break the requests down by what the workload
+	// sent (multi-tenant scenarios only).
+	Tenants    map[string]Group `json:"tenants,omitempty"`
+	Priorities map[string]Group `json:"priorities,omitempty"`
 }
 
 // Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
@@ -138,6 +216,8 @@ func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 		s.ThroughputRPS = float64(len(ttft)) / span
 		s.OutputTokensPerS = float64(output) / span
 	}
+	s.Tenants = groups(recs, timeScale, func(r Record) string { return r.Tenant })
+	s.Priorities = groups(recs, timeScale, func(r Record) string { return r.Priority })
 	if prompt > 0 {
 		s.HitRatePredicted = float64(predicted) / float64(prompt)
 		s.HitRateActual = float64(actual) / float64(prompt)
@@ -192,6 +272,40 @@ func (r Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%s\t%.0f\t%.0f\t%.0f\t%.0f\t%.2f\t%.0f\t%d\t%.1f%%\t%.1f%%\t%d\t%.0f\t\n",
 			name, s.TTFT.P50, s.TTFT.P90, s.TTFT.P99, s.TTFT.Mean, s.ThroughputRPS, s.OutputTokensPerS,
 			s.Errors, 100*s.HitRatePredicted, 100*s.HitRateActual, s.Degradations, s.RouterCPUPerRequestUs)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return r.writeGroups(w)
+}
+
+// writeGroups prints, for multi-tenant scenarios, one line per policy and
+// tenant, then per policy and priority.
+func (r Report) writeGroups(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	header := false
+	for _, kind := range []string{"tenant", "priority"} {
+		for _, name := range r.Order {
+			s := r.Policies[name]
+			gs := s.Tenants
+			if kind == "priority" {
+				gs = s.Priorities
+			}
+			keys := slices.Sorted(maps.Keys(gs))
+			for _, k := range keys {
+				if !header {
+					fmt.Fprintln(tw, "policy\tby\tgroup\trequests\tserved\tfailed\trejected\tp50\tp90\tp99\tqueue p90\t")
+					header = true
+				}
+				g := gs[k]
+				rejected := 0
+				for _, n := range g.Rejected {
+					rejected += n
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%.0f\t%.0f\t%.0f\t%.0f\t\n", name, kind, k,
+					g.Requests, g.Served, g.Failed, rejected, g.TTFT.P50, g.TTFT.P90, g.TTFT.P99, g.QueueP90Ms)
+			}
+		}
 	}
 	return tw.Flush()
 }

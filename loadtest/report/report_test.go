@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"sort"
 	"strings"
 	"testing"
@@ -145,5 +146,39 @@ func TestPlotWritesAPNG(t *testing.T) {
 	}
 	if err := PlotCDF(path, "x", []string{"a"}, nil); err == nil {
 		t.Fatal("plotting nothing succeeded")
+	}
+}
+
+func TestGroupsByTenantAndPriority(t *testing.T) {
+	ms := time.Millisecond
+	recs := []Record{
+		{Tenant: "a", Priority: "critical", Status: 200, TTFT: 10 * ms, E2E: 20 * ms, QueueMs: 4},
+		{Tenant: "a", Priority: "critical", Status: 200, TTFT: 30 * ms, E2E: 40 * ms, QueueMs: -1},
+		{Tenant: "b", Priority: "sheddable", Status: 503, RetryAfter: true, RejectReason: "saturated", Err: "http 503"},
+		{Tenant: "b", Priority: "sheddable", Status: 429, RetryAfter: true, RejectReason: "over_share", Err: "http 429"},
+		{Tenant: "b", Priority: "sheddable", Status: 503, Err: "http 503"}, // no Retry-After: a failure
+		{Tenant: "b", Priority: "standard", Err: "drain deadline passed"},
+	}
+	s := Summarize(recs, 0.5, 0)
+	a, b := s.Tenants["a"], s.Tenants["b"]
+	if a.Requests != 2 || a.Served != 2 || a.TTFT.P90 != 60 || a.QueueP90Ms != 8 || len(a.Rejected) != 0 {
+		t.Errorf("a: %+v", a)
+	}
+	if b.Requests != 4 || b.Served != 0 || b.Failed != 2 || b.Rejected["503 saturated"] != 1 || b.Rejected["429 over_share"] != 1 {
+		t.Errorf("b: %+v", b)
+	}
+	if p := s.Priorities["sheddable"]; p.Requests != 3 || p.Failed != 1 || len(s.Priorities) != 3 {
+		t.Errorf("priorities: %+v", s.Priorities)
+	}
+	var out strings.Builder
+	r := Report{Order: []string{"kvaware"}, Policies: map[string]Summary{"kvaware": s}}
+	if err := r.WriteTable(&out); err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^ +kvaware +priority +sheddable +3 +0 +1 +2 `).MatchString(out.String()) {
+		t.Errorf("no sheddable row with 3 requests, 1 failed, 2 rejected:\n%s", out.String())
+	}
+	if s := Summarize(recs[:0], 1, 0); s.Tenants != nil || s.Priorities != nil {
+		t.Errorf("groups without tenants: %+v", s)
 	}
 }

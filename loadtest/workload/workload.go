@@ -36,6 +36,10 @@ type Request struct {
 	Key       string
 	Messages  []Message
 	MaxTokens int
+	// Tenant names the client population that sends it (the client sends
+	// the API key TenantKey(Tenant)); Priority is its X-Kvmesh-Priority.
+	// Both empty outside the multi-tenant scenarios.
+	Tenant, Priority string
 	// PromptTokens is the builtin tokenizer's count of the rendered chat,
 	// generation prompt included: what the engine will report as
 	// usage.prompt_tokens.
