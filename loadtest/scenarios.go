@@ -81,12 +81,13 @@ var NoCacheParams = workload.NoCacheParams{Rate: 40, InputMedian: 2000, OutputMe
 
 // OverloadStreams is the overload scenario: three tenants, one per priority
 // band, together offering about twice what 2 replicas serve of
-// tenants-shaped requests (≈12 req/s: 6,000-token shared contexts, 1,200
-// uncached tokens each), the critical one a sixth of it.
+// tenants-shaped requests (6,000-token shared contexts, 1,200 uncached
+// tokens each: 2 replicas served 16.5 req/s offered 24), the critical one
+// a sixth of it.
 var OverloadStreams = []workload.Stream{
-	{Tenant: "interactive", Priority: "critical", Rate: 4, Groups: 8, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
-	{Tenant: "app", Priority: "standard", Rate: 8, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
-	{Tenant: "batch", Priority: "sheddable", Rate: 12, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+	{Tenant: "interactive", Priority: "critical", Rate: 5, Groups: 8, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+	{Tenant: "app", Priority: "standard", Rate: 11, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
+	{Tenant: "batch", Priority: "sheddable", Rate: 17, Groups: 16, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32},
 }
 
 // NoisyStreams is the noisy scenario: two tenants chatting over a shared
@@ -167,7 +168,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			},
 		},
 		"overload": {
-			Name: "overload", About: "three tenants at critical, standard and sheddable priority offering ≈2× what 2 replicas serve (4 + 8 + 12 req/s of tenants-shaped requests)",
+			Name: "overload", About: "three tenants at critical, standard and sheddable priority offering ≈2× what 2 replicas serve (5 + 11 + 17 req/s of tenants-shaped requests)",
 			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			RouterConfig: tenantConfig(OverloadStreams),
 			Policies:     []string{"kvaware", "kvaware+only=critical"},
