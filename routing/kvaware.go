@@ -146,17 +146,30 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		}
 		return cmp.Compare(a, b)
 	})
+	// A session is placed on its home whether or not the prompt is cold:
+	// its next turn then finds its prefix wherever it started.
+	if home, ok := p.home(req.Session, cands, ttft, d); ok {
+		d.SessionHome = true
+		moveToFront(d.Order, slices.Index(d.Order, home))
+	} else if bestMatched == 0 && req.Session == 0 {
+		if home, ok := p.home(req.AffinityKey, cands, ttft, d); ok {
+			moveToFront(d.Order, slices.Index(d.Order, home))
+		}
+	}
 	mode := ModePrefix
-	if bestMatched == 0 {
+	switch {
+	case bestMatched == 0:
 		mode = ModeCold
-		p.placeCold(req, cands, ttft, d)
-	} else if matched[d.Order[0]] == 0 {
+	case matched[d.Order[0]] == 0:
 		mode = ModeBalance
 	}
 	finish(d, cands, mode)
 	d.PredictedCachedTokens = matched[d.Pick]
 	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(k, &cands[d.Pick])
 	d.Reason = "smallest predicted ttft"
+	if d.SessionHome {
+		d.Reason = "session home within cold slack"
+	}
 }
 
 // costOf is the cost model for model's decisions: learned, or configured.
@@ -208,15 +221,15 @@ func (p *kvaware) CostModels(yield func(model string, k costfit.Coefficients, ob
 	})
 }
 
-// placeCold moves the consistent-hash home of a prefix nobody holds to the
-// front of d.Order when it is nearly as good as the best, so that routers
-// which have not yet seen each other's choices still agree.
-func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duration, d *Decision) {
-	if req.AffinityKey == 0 || len(d.Order) < 2 {
-		return
+// home returns the consistent-hash home of key among the candidates whose
+// blocks routers can see (a prefix placed on a load-only replica could never
+// be found again), bounded by load, when it is nearly as good as the best
+// (within ColdSlack of d.Order[0]'s predicted time to first token): routers
+// that have not yet seen each other's choices then still agree.
+func (p *kvaware) home(key uint64, cands []Candidate, ttft []time.Duration, d *Decision) (int, bool) {
+	if key == 0 || len(d.Order) == 0 {
+		return 0, false
 	}
-	// Only replicas whose blocks routers can see are homes: a prefix placed
-	// on a load-only replica could never be found again.
 	var homeBuf [stackCands]int
 	home := homeBuf[:0]
 	for _, i := range d.Order {
@@ -225,14 +238,14 @@ func (p *kvaware) placeCold(req *Request, cands []Candidate, ttft []time.Duratio
 		}
 	}
 	if len(home) == 0 {
-		return
+		return 0, false
 	}
-	rendezvousOrder(home, cands, req.AffinityKey)
+	rendezvousOrder(home, cands, key)
 	h := home[boundedHome(home, cands, p.cfg.LoadBound)]
 	if ttft[h] > ttft[d.Order[0]]+p.cfg.ColdSlack {
-		return
+		return 0, false
 	}
-	moveToFront(d.Order, slices.Index(d.Order, h))
+	return h, true
 }
 
 // checkImbalance updates model's least-load mode: enter when the longest

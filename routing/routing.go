@@ -72,6 +72,12 @@ type Request struct {
 	// AffinityKey places prefixes no replica holds yet so that every router
 	// agrees (consistent hashing); 0 when the prompt has no full block.
 	AffinityKey uint64
+	// Session is a hash of the client's session id (0: none). kvaware
+	// places a session like a cold prefix, by consistent hashing on it, and
+	// keeps it on that home while the home's predicted time to first token
+	// is within ColdSlack of the best: every router agrees on the home
+	// without sharing state, and the cost rule still wins past the slack.
+	Session uint64
 	// Now is the decision time (speculative records expire by it).
 	Now time.Time
 }
@@ -94,6 +100,8 @@ type Decision struct {
 	PredictedTTFT, Queue time.Duration
 	// Reason is a short constant account of the choice, for debug logs.
 	Reason string
+	// SessionHome: the request named a session and the pick is its home.
+	SessionHome bool
 }
 
 // CacheableTokens is the most of a promptTokens-long prompt that an engine
