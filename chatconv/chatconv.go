@@ -143,24 +143,50 @@ func checkBody(body []byte) (*object, error) {
 type object struct {
 	keys []string
 	vals []any // json.RawMessage, string, bool, []json.RawMessage or *object
+	// at indexes keys once there are many, so that a body of a million keys
+	// costs no more than its length.
+	at map[string]int
 }
 
+// indexFrom is the key count from which lookups go through the map.
+const indexFrom = 16
+
 func (o *object) set(key string, v any) {
-	for i, k := range o.keys {
-		if k == key {
-			o.vals[i] = v
-			return
-		}
+	if i := o.find(key); i >= 0 {
+		o.vals[i] = v
+		return
 	}
 	o.keys = append(o.keys, key)
 	o.vals = append(o.vals, v)
+	switch n := len(o.keys); {
+	case n > indexFrom:
+		o.at[key] = n - 1
+	case n == indexFrom:
+		o.at = make(map[string]int, 2*indexFrom)
+		for i, k := range o.keys {
+			o.at[k] = i
+		}
+	}
+}
+
+func (o *object) find(key string) int {
+	if o.at != nil {
+		if i, ok := o.at[key]; ok {
+			return i
+		}
+		return -1
+	}
+	for i, k := range o.keys {
+		if k == key {
+			return i
+		}
+	}
+	return -1
 }
 
 func (o *object) get(key string) (any, bool) {
-	for i, k := range o.keys {
-		if k == key {
-			return o.vals[i], true
-		}
+	if i := o.find(key); i >= 0 {
+		return o.vals[i], true
 	}
 	return nil, false
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -196,5 +197,33 @@ func TestPyJSON(t *testing.T) {
 	}
 	if _, err := appendPyJSON(nil, []byte(`{"a":`)); err == nil {
 		t.Error("truncated JSON accepted")
+	}
+}
+
+// TestLargeBodies converts bodies with very many keys and items: a
+// conversion quadratic in either would not finish within the test timeout.
+func TestLargeBodies(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"input":[`)
+	for i := range 100000 {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(`{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}`)
+	}
+	b.WriteString(`]`)
+	for i := range 200000 {
+		fmt.Fprintf(&b, `,"k%d":%d`, i, i)
+	}
+	b.WriteString(`}`)
+	c, err := FromResponses([]byte(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var msgs []struct {
+		ToolCalls []json.RawMessage `json:"tool_calls"`
+	}
+	if err := json.Unmarshal(c.Messages, &msgs); err != nil || len(msgs) != 1 || len(msgs[0].ToolCalls) != 100000 {
+		t.Fatalf("got %d messages (%v), want one with 100000 tool calls", len(msgs), err)
 	}
 }

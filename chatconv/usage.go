@@ -1,0 +1,142 @@
+package chatconv
+
+import (
+	"bytes"
+	"encoding/json"
+)
+
+// The usage readers give the prompt tokens an engine counted and how many of
+// them it found cached, -1 for what the answer does not say, as the proxy
+// reads a chat completion's usage.prompt_tokens_details.cached_tokens.
+//
+// Responses (vLLM's ResponseUsage): input_tokens counts the whole prompt,
+// input_tokens_details.cached_tokens the cached part. Messages: Anthropic's
+// input_tokens counts only the uncached tokens, beside cache_read_input_tokens
+// and cache_creation_input_tokens; vLLM reports so since it fills the cache
+// fields (with --enable-prompt-tokens-details) and, before, put the whole
+// prompt in input_tokens with no cache fields. Either way the prompt is their
+// sum.
+
+// responsesUsage is vLLM's ResponseUsage, the part read.
+type responsesUsage struct {
+	InputTokens        *int `json:"input_tokens"`
+	InputTokensDetails *struct {
+		CachedTokens *int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+func (u *responsesUsage) values() (prompt, cached int) {
+	prompt, cached = -1, -1
+	if u == nil {
+		return
+	}
+	prompt = count(u.InputTokens)
+	if u.InputTokensDetails != nil {
+		cached = count(u.InputTokensDetails.CachedTokens)
+	}
+	return
+}
+
+// count is a reported count, -1 when absent or negative.
+func count(n *int) int {
+	if n == nil || *n < 0 {
+		return -1
+	}
+	return *n
+}
+
+// messagesUsage is AnthropicUsage.
+type messagesUsage struct {
+	InputTokens              *int `json:"input_tokens"`
+	CacheReadInputTokens     *int `json:"cache_read_input_tokens"`
+	CacheCreationInputTokens *int `json:"cache_creation_input_tokens"`
+}
+
+func (u *messagesUsage) values() (prompt, cached int) {
+	prompt, cached = -1, -1
+	if u == nil {
+		return
+	}
+	cached = count(u.CacheReadInputTokens)
+	if prompt = count(u.InputTokens); prompt >= 0 {
+		prompt += max(cached, 0) + max(count(u.CacheCreationInputTokens), 0)
+	}
+	return
+}
+
+var usageKey = []byte(`"usage"`)
+
+// ResponsesUsage reads the usage of a non-streamed /v1/responses answer.
+func ResponsesUsage(body []byte) (prompt, cached int) {
+	var r struct {
+		Usage *responsesUsage `json:"usage"`
+	}
+	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &r) != nil {
+		return -1, -1
+	}
+	return r.Usage.values()
+}
+
+// ResponsesEventUsage reads the usage of a /v1/responses stream event, given
+// its data payload: the response.completed event (or response.incomplete,
+// its ending when max_output_tokens cut the answer) carries the response
+// with its usage. ok is false for other events.
+func ResponsesEventUsage(payload []byte) (prompt, cached int, ok bool) {
+	if !bytes.Contains(payload, usageKey) {
+		return -1, -1, false
+	}
+	var ev struct {
+		Type     string `json:"type"`
+		Response *struct {
+			Usage *responsesUsage `json:"usage"`
+		} `json:"response"`
+	}
+	if json.Unmarshal(payload, &ev) != nil || ev.Response == nil || ev.Response.Usage == nil ||
+		(ev.Type != "response.completed" && ev.Type != "response.incomplete") {
+		return -1, -1, false
+	}
+	prompt, cached = ev.Response.Usage.values()
+	return prompt, cached, true
+}
+
+// MessagesUsage reads the usage of a non-streamed /v1/messages answer.
+func MessagesUsage(body []byte) (prompt, cached int) {
+	var r struct {
+		Usage *messagesUsage `json:"usage"`
+	}
+	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &r) != nil {
+		return -1, -1
+	}
+	return r.Usage.values()
+}
+
+// MessagesEventUsage reads the usage of a /v1/messages stream event, given
+// its data payload: message_start carries it in its message, message_delta
+// (the last, with the final counts) at its top. ok is false for other events.
+func MessagesEventUsage(payload []byte) (prompt, cached int, ok bool) {
+	if !bytes.Contains(payload, usageKey) {
+		return -1, -1, false
+	}
+	var ev struct {
+		Type    string         `json:"type"`
+		Usage   *messagesUsage `json:"usage"`
+		Message *struct {
+			Usage *messagesUsage `json:"usage"`
+		} `json:"message"`
+	}
+	if json.Unmarshal(payload, &ev) != nil {
+		return -1, -1, false
+	}
+	var u *messagesUsage
+	switch {
+	case ev.Type == "message_delta":
+		u = ev.Usage
+	case ev.Type == "message_start" && ev.Message != nil:
+		u = ev.Message.Usage
+	}
+	if u == nil {
+		return -1, -1, false
+	}
+	prompt, cached = u.values()
+	return prompt, cached, true
+}
