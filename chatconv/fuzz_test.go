@@ -3,23 +3,12 @@ package chatconv
 import (
 	"encoding/json"
 	"errors"
-	"os"
-	"path/filepath"
 	"testing"
 )
 
 // seedBodies adds the testdata bodies of one API to the corpus.
 func seedBodies(f *testing.F, prefix string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", prefix+"_*.json"))
-	for _, file := range files {
-		data, err := os.ReadFile(file)
-		if err != nil {
-			f.Fatal(err)
-		}
-		var c testCase
-		if err := json.Unmarshal(data, &c); err != nil {
-			f.Fatal(err)
-		}
+	for _, c := range loadCases(f, prefix) {
 		f.Add([]byte(c.Body))
 	}
 }

@@ -78,20 +78,8 @@ func appendASCIIString(dst []byte, s string) []byte {
 	dst = append(dst, '"')
 	for _, r := range s {
 		switch {
-		case r == '"':
-			dst = append(dst, '\\', '"')
-		case r == '\\':
-			dst = append(dst, '\\', '\\')
-		case r == '\n':
-			dst = append(dst, '\\', 'n')
-		case r == '\r':
-			dst = append(dst, '\\', 'r')
-		case r == '\t':
-			dst = append(dst, '\\', 't')
-		case r == '\b':
-			dst = append(dst, '\\', 'b')
-		case r == '\f':
-			dst = append(dst, '\\', 'f')
+		case r < 0x7f && shortEscapes[r] != 0:
+			dst = append(dst, '\\', shortEscapes[r])
 		case r < 0x20:
 			dst = esc(dst, r)
 		case r < 0x7f:
@@ -105,3 +93,6 @@ func appendASCIIString(dst []byte, s string) []byte {
 	}
 	return append(dst, '"')
 }
+
+// shortEscapes are the two-character escapes json.dumps writes.
+var shortEscapes = [0x7f]byte{'"': '"', '\\': '\\', '\n': 'n', '\r': 'r', '\t': 't', '\b': 'b', '\f': 'f'}

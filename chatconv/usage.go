@@ -66,15 +66,23 @@ func (u *messagesUsage) values() (prompt, cached int) {
 
 var usageKey = []byte(`"usage"`)
 
-// ResponsesUsage reads the usage of a non-streamed /v1/responses answer.
-func ResponsesUsage(body []byte) (prompt, cached int) {
-	var r struct {
-		Usage *responsesUsage `json:"usage"`
-	}
-	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &r) != nil {
+// usageReport is a usage object of either API.
+type usageReport interface{ values() (prompt, cached int) }
+
+// bodyUsage decodes the top-level usage of an answer into u.
+func bodyUsage(body []byte, u usageReport) (prompt, cached int) {
+	answer := struct {
+		Usage usageReport `json:"usage"`
+	}{u}
+	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &answer) != nil {
 		return -1, -1
 	}
-	return r.Usage.values()
+	return u.values()
+}
+
+// ResponsesUsage reads the usage of a non-streamed /v1/responses answer.
+func ResponsesUsage(body []byte) (prompt, cached int) {
+	return bodyUsage(body, &responsesUsage{})
 }
 
 // ResponsesEventUsage reads the usage of a /v1/responses stream event, given
@@ -101,13 +109,7 @@ func ResponsesEventUsage(payload []byte) (prompt, cached int, ok bool) {
 
 // MessagesUsage reads the usage of a non-streamed /v1/messages answer.
 func MessagesUsage(body []byte) (prompt, cached int) {
-	var r struct {
-		Usage *messagesUsage `json:"usage"`
-	}
-	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &r) != nil {
-		return -1, -1
-	}
-	return r.Usage.values()
+	return bodyUsage(body, &messagesUsage{})
 }
 
 // MessagesEventUsage reads the usage of a /v1/messages stream event, given
