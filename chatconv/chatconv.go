@@ -32,7 +32,10 @@ package chatconv
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/kvmesh/kvmesh/jsonscan"
 	"github.com/kvmesh/kvmesh/tokenize"
@@ -130,6 +133,11 @@ func checkBody(body []byte) (*object, error) {
 	}
 	if !jsonscan.DepthWithin(body, MaxDepth) {
 		return nil, invalid("body", "nested deeper than %d levels", MaxDepth)
+	}
+	// Valid JSON first: the parsers below only read its shape, and every raw
+	// value they return is then valid JSON to pass on.
+	if !json.Valid(body) {
+		return nil, invalid("body", "not valid JSON")
 	}
 	top, err := parseObject(body)
 	if err != nil {
@@ -258,6 +266,16 @@ func appendObjects(dst []byte, list []*object) []byte {
 
 // appendString appends s as a JSON string without HTML escaping.
 func appendString(dst []byte, s string) []byte {
+	plain := true
+	for i := 0; i < len(s) && plain; i++ {
+		c := s[i]
+		plain = c >= 0x20 && c != '"' && c != '\\'
+	}
+	if plain && utf8.ValidString(s) {
+		dst = append(dst, '"')
+		dst = append(dst, s...)
+		return append(dst, '"')
+	}
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
 	enc.SetEscapeHTML(false)
@@ -265,45 +283,99 @@ func appendString(dst []byte, s string) []byte {
 	return append(dst, bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})...)
 }
 
-// parseObject parses a JSON object into its keys and raw values, in order.
+// parseObject splits a JSON object into its keys and raw values, in order.
+// raw must be valid JSON (a part of a body checkBody accepted): only its
+// shape is read here.
 func parseObject(raw []byte) (*object, error) {
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	tok, err := dec.Token()
-	if err != nil {
-		return nil, err
+	i := skipSpace(raw, 0)
+	if i == len(raw) || raw[i] != '{' {
+		return nil, errors.New("not a JSON object")
 	}
-	if d, ok := tok.(json.Delim); !ok || d != '{' {
-		return nil, fmt.Errorf("not a JSON object")
-	}
-	o := &object{}
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return nil, err
+	// Request objects have a handful of keys: room for them at once.
+	o := &object{keys: make([]string, 0, 8), vals: make([]any, 0, 8)}
+	for i = skipSpace(raw, i+1); raw[i] != '}'; {
+		end := jsonscan.StringEnd(raw, i+1)
+		key := string(raw[i+1 : end-1])
+		if strings.IndexByte(key, '\\') >= 0 {
+			if err := json.Unmarshal(raw[i:end], &key); err != nil {
+				return nil, err
+			}
 		}
-		key, _ := tok.(string)
-		var v json.RawMessage
-		if err := dec.Decode(&v); err != nil {
-			return nil, err
+		i = skipSpace(raw, skipSpace(raw, end)+1) // past the colon
+		vEnd := valueEnd(raw, i)
+		o.set(key, json.RawMessage(raw[i:vEnd]))
+		if i = skipSpace(raw, vEnd); raw[i] == ',' {
+			i = skipSpace(raw, i+1)
 		}
-		o.set(key, v)
-	}
-	if _, err := dec.Token(); err != nil {
-		return nil, err
-	}
-	if _, err := dec.Token(); err == nil {
-		return nil, fmt.Errorf("data after the object")
 	}
 	return o, nil
 }
 
-// parseArray parses a JSON array into its raw elements.
+// parseArray splits a JSON array into its raw elements; raw must be valid
+// JSON, as for parseObject.
 func parseArray(raw []byte) ([]json.RawMessage, bool) {
-	var items []json.RawMessage
-	if len(raw) == 0 || raw[0] != '[' || json.Unmarshal(raw, &items) != nil {
+	i := skipSpace(raw, 0)
+	if i == len(raw) || raw[i] != '[' {
 		return nil, false
 	}
+	items := []json.RawMessage{}
+	for i = skipSpace(raw, i+1); raw[i] != ']'; {
+		end := valueEnd(raw, i)
+		items = append(items, raw[i:end])
+		if i = skipSpace(raw, end); raw[i] == ',' {
+			i = skipSpace(raw, i+1)
+		}
+	}
 	return items, true
+}
+
+// skipSpace returns the index of the first byte at or after i that is not
+// JSON whitespace.
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// valueEnd returns the index just past the valid JSON value at b[i].
+func valueEnd(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return jsonscan.StringEnd(b, i+1)
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				j = jsonscan.StringEnd(b, j+1) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return len(b)
+	}
+	j := i // a number, true, false or null
+	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
+		j++
+	}
+	return j
+}
+
+// stringValue decodes r when it is a JSON string (of a valid body).
+func stringValue(r json.RawMessage) (string, bool) {
+	if len(r) < 2 || r[0] != '"' {
+		return "", false
+	}
+	if inner := r[1 : len(r)-1]; bytes.IndexByte(inner, '\\') < 0 && utf8.Valid(inner) {
+		return string(inner), true
+	}
+	var s string
+	return s, json.Unmarshal(r, &s) == nil
 }
 
 func isNull(r json.RawMessage) bool {
@@ -316,7 +388,8 @@ func str(o *object, key, field string) (s string, ok bool, err error) {
 	if r == nil {
 		return "", false, nil
 	}
-	if r[0] != '"' || json.Unmarshal(r, &s) != nil {
+	s, isString := stringValue(r)
+	if !isString {
 		return "", false, invalid(field, "must be a string")
 	}
 	return s, true, nil

@@ -33,7 +33,11 @@ import (
 //
 // Not reproduced (Unsupported): a tool_use block without an id (vLLM names it
 // from the clock) and an assistant's tool_result with a list content (vLLM
-// prints Python's repr of it).
+// prints Python's repr of it). Later vLLM (anthropic/inline_system.py,
+// a8c3bdb2) no longer hoists system-role messages found inside "messages":
+// it keeps them in place or folds their text into a neighbouring message,
+// choosing by probing the model's template at startup, which a router
+// cannot see; requests without such messages convert the same either way.
 func FromMessages(body []byte) (Chat, error) {
 	top, err := checkBody(body)
 	if err != nil {
@@ -125,7 +129,8 @@ func parseAnthropicMessage(raw json.RawMessage, field string) (anthropicMessage,
 	m.role = role
 	content := o.raw("content")
 	if content != nil && content[0] == '"' {
-		if json.Unmarshal(content, &m.text) != nil {
+		var isString bool
+		if m.text, isString = stringValue(content); !isString {
 			return m, invalid(field+".content", "must be a string or an array of blocks")
 		}
 		return m, nil
@@ -197,8 +202,8 @@ func systemText(top *object, msgs []anthropicMessage) (string, bool, error) {
 	var parts []string
 	if r := top.raw("system"); r != nil {
 		if r[0] == '"' {
-			var s string
-			if json.Unmarshal(r, &s) != nil {
+			s, isString := stringValue(r)
+			if !isString {
 				return "", false, invalid("system", "must be a string or an array of blocks")
 			}
 			if s != "" {
@@ -373,7 +378,7 @@ func appendToolResult(out []*object, b block) ([]*object, error) {
 	var images []*object
 	var refs []*object
 	if b.content != nil && b.content[0] == '"' {
-		_ = json.Unmarshal(b.content, &text) // checked by parseBlocks
+		text, _ = stringValue(b.content) // checked by parseBlocks
 	} else if b.content != nil {
 		items, _ := parseArray(b.content)
 		var texts []string
@@ -445,8 +450,7 @@ func assistantToolResult(b block) (string, error) {
 		return "", nil
 	}
 	if b.content[0] == '"' {
-		var s string
-		_ = json.Unmarshal(b.content, &s) // checked by parseBlocks
+		s, _ := stringValue(b.content) // checked by parseBlocks
 		return s, nil
 	}
 	if items, _ := parseArray(b.content); len(items) == 0 {

@@ -73,8 +73,8 @@ func FromResponses(body []byte) (Chat, error) {
 	case input == nil:
 		return Chat{}, invalid("input", "is required")
 	case input[0] == '"':
-		var s string
-		if json.Unmarshal(input, &s) != nil {
+		s, isString := stringValue(input)
+		if !isString {
 			return Chat{}, invalid("input", "must be a string or an array of items")
 		}
 		msgs = append(msgs, message("user", s))
@@ -256,9 +256,9 @@ func reasoningItem(item *object, field string, prev *object) (*object, error) {
 // partText is vLLM's `part.get("text", "")` for an object part, or the part
 // itself when it is a string.
 func partText(raw json.RawMessage, field string) (string, error) {
-	var s string
 	if len(raw) > 0 && raw[0] == '"' {
-		if json.Unmarshal(raw, &s) != nil {
+		s, isString := stringValue(raw)
+		if !isString {
 			return "", invalid(field, "must be a string or an object")
 		}
 		return s, nil
@@ -270,7 +270,7 @@ func partText(raw json.RawMessage, field string) (string, error) {
 	if v, present := p.get("text"); present && isNull(v.(json.RawMessage)) {
 		return "", unsupported(field+".text", "null text is None in vLLM's message")
 	}
-	s, _, err = str(p, "text", field+".text")
+	s, _, err := str(p, "text", field+".text")
 	return s, err
 }
 
@@ -280,7 +280,8 @@ func assistantItem(item *object, field string, prev *object) (*object, error) {
 	text := ""
 	if r := item.raw("content"); r != nil {
 		if r[0] == '"' {
-			if json.Unmarshal(r, &text) != nil {
+			var isString bool
+			if text, isString = stringValue(r); !isString {
 				return nil, invalid(field+".content", "must be a string or an array of parts")
 			}
 		} else {
