@@ -227,3 +227,37 @@ func TestLargeBodies(t *testing.T) {
 		t.Fatalf("got %d messages (%v), want one with 50000 tool calls", len(msgs), err)
 	}
 }
+
+// TestResponsesToolChoice checks the mapping of a Responses tool_choice onto
+// the chat shape.
+func TestResponsesToolChoice(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{`"none"`, `"none"`},
+		{`"required"`, `"required"`},
+		{`{"type":"function","name":"f"}`, `{"type":"function","function":{"name":"f"}}`},
+		{`{"type":"allowed_tools","mode":"auto","tools":[]}`, `{"type":"allowed_tools","mode":"auto","tools":[]}`},
+		{`null`, `null`},
+	} {
+		got, err := FromResponses([]byte(`{"input":"x","tool_choice":` + c.in + `}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g := compact(t, got.ToolChoice); g != c.want {
+			t.Errorf("%s: got %s, want %s", c.in, g, c.want)
+		}
+	}
+}
+
+func TestInputErrorText(t *testing.T) {
+	for _, c := range []struct {
+		err  InputError
+		want string
+	}{
+		{InputError{Field: "input[2].call_id", Reason: "is required"}, "chatconv: invalid input[2].call_id: is required"},
+		{InputError{Field: "messages[0].content[1].id", Reason: "clock", Unsupported: true}, "chatconv: messages[0].content[1].id: cannot be reproduced: clock"},
+	} {
+		if got := c.err.Error(); got != c.want {
+			t.Errorf("got %q, want %q", got, c.want)
+		}
+	}
+}

@@ -4,10 +4,12 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/kvmesh/kvmesh/chattemplate"
+	"github.com/kvmesh/kvmesh/tokenize"
 )
 
 // realTemplates returns chat templates of real models: those of the shared
@@ -112,5 +114,34 @@ func TestRenderEqualsChat(t *testing.T) {
 	t.Logf("%d renderings compared", rendered)
 	if rendered < 5 {
 		t.Errorf("only %d renderings compared", rendered)
+	}
+}
+
+// TestTokenizeEqualsChat tokenizes the converted agent turns with Qwen2.5's
+// own tokenizer and chat template (LoadDir, as the router loads a model):
+// the ids must be those of the same conversation sent as a chat completion.
+func TestTokenizeEqualsChat(t *testing.T) {
+	dir := filepath.Join("..", "..", "shared", "tokenizers", "qwen2.5")
+	tk, err := tokenize.LoadDir(dir)
+	if err != nil {
+		t.Skipf("qwen2.5 tokenizer beside the repository: %v", err)
+	}
+	for _, c := range []struct{ prefix, name string }{{"responses", "responses_agent"}, {"messages", "messages_agent"}} {
+		tc := loadCases(t, c.prefix)[c.name]
+		got, err := converter(c.prefix)(tc.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, ids, err := tk.EncodeChat(got.Tokenize())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, want, err := tk.EncodeChat(tokenize.Chat{Messages: tc.Chat.Messages, Tools: tc.Chat.Tools, TemplateKwargs: tc.Chat.Kwargs, AddGenerationPrompt: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ids) < 50 || !slices.Equal(ids, want) {
+			t.Errorf("%s: %d ids, want the chat's %d", c.name, len(ids), len(want))
+		}
 	}
 }
