@@ -150,6 +150,8 @@ func TestInvalid(t *testing.T) {
 		{"tool without name", FromResponses, `{"input":"x","tools":[{"type":"function"}]}`, "tools[0].name", false},
 		{"tool parameters list", FromResponses, `{"input":"x","tools":[{"type":"function","name":"f","parameters":[]}]}`, "tools[0].parameters", false},
 		{"effort number", FromResponses, `{"input":"x","reasoning":{"effort":1}}`, "reasoning.effort", false},
+		{"encrypted reasoning", FromResponses, `{"input":[{"type":"reasoning","summary":[],"encrypted_content":"gAAA"}]}`, "input[0].encrypted_content", true},
+		{"kwargs not object", FromResponses, `{"input":"x","chat_template_kwargs":[]}`, "chat_template_kwargs", false},
 		{"null text part", FromResponses, `{"input":[{"role":"assistant","content":[{"type":"output_text","text":null}]}]}`, "input[0].content[0].text", true},
 
 		{"no model", FromMessages, `{"max_tokens":1,"messages":[]}`, "model", false},

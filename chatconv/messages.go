@@ -568,21 +568,12 @@ func optKind(o *object, key, field string, kind byte) (json.RawMessage, error) {
 }
 
 // anthropicKwargs is build_chat_params' merge of the request's
-// chat_template_kwargs under vLLM's own arguments. add_generation_prompt and
-// continue_final_message are vLLM's (Chat's fields), so the request's are
-// dropped.
+// chat_template_kwargs under vLLM's own arguments: output_config.effort
+// sets reasoning_effort and, unless the request's kwargs say, enable_thinking.
 func anthropicKwargs(top *object) (json.RawMessage, error) {
-	kw, err := child(top, "chat_template_kwargs", "chat_template_kwargs")
+	out, err := requestKwargs(top)
 	if err != nil {
 		return nil, err
-	}
-	out := &object{}
-	if kw != nil {
-		for i, k := range kw.keys {
-			if k != "add_generation_prompt" && k != "continue_final_message" {
-				out.set(k, kw.vals[i])
-			}
-		}
 	}
 	cfg, err := child(top, "output_config", "output_config")
 	if err != nil {
@@ -606,8 +597,32 @@ func anthropicKwargs(top *object) (json.RawMessage, error) {
 			}
 		}
 	}
-	if kw == nil && len(out.keys) == 0 {
-		return nil, nil
+	return kwargsJSON(out), nil
+}
+
+// requestKwargs returns the request's chat_template_kwargs (empty when
+// absent) without add_generation_prompt and continue_final_message, which
+// vLLM sets itself over them (Chat's fields).
+func requestKwargs(top *object) (*object, error) {
+	kw, err := child(top, "chat_template_kwargs", "chat_template_kwargs")
+	if err != nil {
+		return nil, err
 	}
-	return out.appendJSON(nil), nil
+	out := &object{}
+	if kw != nil {
+		for i, k := range kw.keys {
+			if k != "add_generation_prompt" && k != "continue_final_message" {
+				out.set(k, kw.vals[i])
+			}
+		}
+	}
+	return out, nil
+}
+
+// kwargsJSON is the template kwargs object, nil when it has no keys.
+func kwargsJSON(kw *object) json.RawMessage {
+	if len(kw.keys) == 0 {
+		return nil
+	}
+	return kw.appendJSON(nil)
 }

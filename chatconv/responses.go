@@ -26,9 +26,10 @@ import (
 //   - function tools (and the functions of namespace tools) become
 //     chat-completions tools laid out as vLLM's model_dump() does; built-in
 //     tools (web search, MCP...) are not template tools;
-//   - reasoning.effort becomes the template's reasoning_effort, and a last
-//     message or reasoning item with status in_progress or incomplete is
-//     continued instead of opening a new assistant turn.
+//   - chat_template_kwargs (a vLLM extension) are kept, reasoning.effort
+//     becomes the template's reasoning_effort over them, and a last message
+//     or reasoning item with status in_progress or incomplete is continued
+//     instead of opening a new assistant turn.
 //
 // Not reproduced: vLLM's own stored state (see Chat.PreviousResponseID),
 // server-side default chat_template_kwargs, and gpt-oss models, which vLLM
@@ -98,6 +99,10 @@ func FromResponses(body []byte) (Chat, error) {
 	if c.ToolChoice, err = responsesToolChoice(top.raw("tool_choice")); err != nil {
 		return Chat{}, err
 	}
+	kw, err := requestKwargs(top)
+	if err != nil {
+		return Chat{}, err
+	}
 	reasoning, err := child(top, "reasoning", "reasoning")
 	if err != nil {
 		return Chat{}, err
@@ -108,11 +113,10 @@ func FromResponses(body []byte) (Chat, error) {
 			return Chat{}, err
 		}
 		if ok {
-			kw := &object{}
 			kw.set("reasoning_effort", effort)
-			c.TemplateKwargs = kw.appendJSON(nil)
 		}
 	}
+	c.TemplateKwargs = kwargsJSON(kw)
 	return c, nil
 }
 
@@ -217,10 +221,14 @@ func functionCall(item *object, field string, prev *object) (*object, error) {
 	return m, nil
 }
 
-// reasoningItem is vLLM's dict-form reasoning branch: the text of the first
-// content part, else of the first summary part, else "". Encrypted content
-// has no text the router (or vLLM's template) could use.
+// reasoningItem is vLLM's reasoning branch: the text of the first content
+// part, else of the first summary part, else "".
 func reasoningItem(item *object, field string, prev *object) (*object, error) {
+	if enc, _, _ := str(item, "encrypted_content", field+".encrypted_content"); enc != "" {
+		// vLLM's ResponseReasoningItem branch refuses it; its dict branch,
+		// which older vLLM took, ignores it.
+		return nil, unsupported(field+".encrypted_content", "vLLM refuses or ignores encrypted reasoning by version")
+	}
 	text := ""
 	for _, k := range []string{"content", "summary"} {
 		r := item.raw(k)
