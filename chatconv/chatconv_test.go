@@ -263,3 +263,52 @@ func TestInputErrorText(t *testing.T) {
 		}
 	}
 }
+
+// TestAssistantMerge holds vLLM's merging of consecutive assistant-side
+// items (its TestConstructChatMessagesCombinePolicy cases): each kind fills
+// the open assistant message once; a tool output, or a second item of a
+// kind already filled, starts a new message.
+func TestAssistantMerge(t *testing.T) {
+	const (
+		msg  = `{"type":"message","role":"assistant","status":"completed","content":[{"type":"output_text","text":"Hello","annotations":[]}]}`
+		rs   = `{"type":"reasoning","id":"r","summary":[],"content":[{"type":"reasoning_text","text":"think"}]}`
+		call = `{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}`
+		out  = `{"type":"function_call_output","call_id":"c","output":"42"}`
+	)
+	for _, c := range []struct {
+		items string
+		want  string // roles and filled keys per message
+	}{
+		{rs + "," + msg, "assistant:reasoning,content"},
+		{call + "," + call, "assistant:tool_calls*2"},
+		{msg + "," + call, "assistant:content,tool_calls*1"},
+		{rs + "," + msg + "," + call + "," + call, "assistant:reasoning,content,tool_calls*2"},
+		{rs + `,{"type":"message","role":"assistant","content":"Hello"}`, "assistant:reasoning,content"},
+		{msg + "," + msg, "assistant:content assistant:content"},
+		{rs + "," + rs, "assistant:reasoning assistant:reasoning"},
+		{call + "," + out + "," + call, "assistant:tool_calls*1 tool:content,tool_call_id assistant:tool_calls*1"},
+	} {
+		got, err := FromResponses([]byte(`{"input":[` + c.items + `]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs, _ := parseArray(got.Messages)
+		var desc []string
+		for _, m := range msgs {
+			o, _ := parseObject(m)
+			role, _, _ := str(o, "role", "role")
+			var keys []string
+			for _, k := range o.keys[1:] {
+				if k == "tool_calls" {
+					calls, _ := parseArray(o.raw(k))
+					k = fmt.Sprintf("tool_calls*%d", len(calls))
+				}
+				keys = append(keys, k)
+			}
+			desc = append(desc, role+":"+strings.Join(keys, ","))
+		}
+		if g := strings.Join(desc, " "); g != c.want {
+			t.Errorf("%s:\n got %s\nwant %s", c.items, g, c.want)
+		}
+	}
+}
