@@ -89,7 +89,10 @@ type Chat struct {
 }
 
 // Tokenize returns the chat as package tokenize renders it, with vLLM's
-// defaults for the rest (no special tokens added: templates write their own).
+// defaults for the rest: no special tokens added, since templates write
+// their own (vLLM's Responses path added them, a second BOS for templates
+// that write one, until ResponsesRequest.build_tok_params set
+// add_special_tokens=False as its chat path does).
 func (c *Chat) Tokenize() tokenize.Chat {
 	return tokenize.Chat{
 		Messages:             c.Messages,
