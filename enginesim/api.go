@@ -326,11 +326,17 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		badRequest(ctx, fmt.Sprintf("Got priority %d but Priority scheduling is not enabled.", priority))
 		return
 	}
+	rk, rerr := s.pickRank(ctx)
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
 	id := s.nextID.Add(1)
 	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority})
 	c.stream = stream
+	c.loop = rk.loop
 	select {
-	case s.loop.submit <- c:
+	case rk.loop.submit <- c:
 	case <-s.stopped:
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
@@ -354,7 +360,7 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 // abort tells the engine to drop c, whose client is gone.
 func (s *Server) abort(c *call) {
 	select {
-	case s.loop.abort <- c.req.ID:
+	case c.loop.abort <- c.req.ID:
 	case <-s.stopped:
 	}
 }

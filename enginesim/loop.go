@@ -16,7 +16,8 @@ var errShutdown = errors.New("engine is shutting down")
 // call is one request's link between its HTTP handler and the engine loop.
 // The loop appends tokens under mu and pokes notify; the handler drains.
 type call struct {
-	req engine.Request
+	req  engine.Request
+	loop *loop // the rank's loop serving it
 
 	mu       sync.Mutex
 	tokens   []uint32
@@ -54,6 +55,7 @@ func (c *call) take(dst []uint32, from int) (toks []uint32, cached int, done boo
 // a clock. Handlers talk to it only through channels.
 type loop struct {
 	eng   *engine.Engine
+	rank  int // data_parallel_rank of every batch published
 	scale float64
 	sink  engine.EventSink
 	onErr func(error)
@@ -72,9 +74,9 @@ type loop struct {
 	metrics *metrics
 }
 
-func newLoop(eng *engine.Engine, scale float64, sink engine.EventSink, m *metrics, onErr func(error)) *loop {
+func newLoop(eng *engine.Engine, rank int, scale float64, sink engine.EventSink, m *metrics, onErr func(error)) *loop {
 	return &loop{
-		eng: eng, scale: scale, sink: sink, onErr: onErr, metrics: m,
+		eng: eng, rank: rank, scale: scale, sink: sink, onErr: onErr, metrics: m,
 		submit:  make(chan *call, 4096),
 		abort:   make(chan uint64, 4096),
 		control: make(chan func(), 16),
@@ -204,8 +206,10 @@ func (l *loop) publish(b *kvevents.Batch) {
 	if l.sink == nil {
 		return
 	}
-	// vLLM stamps batches with time.time() when it publishes them.
+	// vLLM stamps batches with time.time() when it publishes them, and
+	// each rank's publisher with its data_parallel_rank.
 	b.TS = float64(time.Now().UnixNano()) / 1e9
+	b.DPRank = l.rank
 	if err := l.sink.Publish(b); err != nil && l.onErr != nil {
 		l.onErr(err)
 	}

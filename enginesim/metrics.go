@@ -36,8 +36,8 @@ func (h *histogram) observe(v float64) {
 	}
 }
 
-// metrics is what /metrics shows: the engine's last stats and latency
-// histograms in simulated seconds. The loop writes, handlers read.
+// metrics is what /metrics shows of one rank: the engine's last stats and
+// latency histograms in simulated seconds. The loop writes, handlers read.
 type metrics struct {
 	mu    sync.Mutex
 	eng   engine.Stats
@@ -47,14 +47,22 @@ type metrics struct {
 	info  string // vllm:cache_config_info labels
 }
 
-func newMetrics(model string, cfg engine.Config) *metrics {
-	return &metrics{
+// newMetrics makes rank's metrics. vLLM labels every sample with its
+// engine index; with several ranks its cache_config_info carries the
+// engine label too (log_metrics_info, one sample per engine).
+func newMetrics(model string, cfg engine.Config, rank int, dataParallel bool) *metrics {
+	engineLabel := `engine="` + strconv.Itoa(rank) + `"`
+	m := &metrics{
 		ttft:  newHistogram(ttftBuckets),
 		e2e:   newHistogram(e2eBuckets),
-		label: `engine="0",model_name="` + escapeLabel(model) + `"`,
+		label: engineLabel + `,model_name="` + escapeLabel(model) + `"`,
 		info: `block_size="` + strconv.Itoa(cfg.BlockSize) + `",num_gpu_blocks="` + strconv.Itoa(cfg.KVBlocks) +
 			`",enable_prefix_caching="True",prefix_caching_hash_algo="xxhash"`,
 	}
+	if dataParallel {
+		m.info += "," + engineLabel
+	}
+	return m
 }
 
 func escapeLabel(s string) string {
@@ -85,51 +93,68 @@ func (m *metrics) stats() engine.Stats {
 	return m.eng
 }
 
-// appendText appends the Prometheus text exposition.
-func (m *metrics) appendText(b []byte) []byte {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	st := m.eng
-	metric := func(name, typ, help string, v float64) {
-		b = append(b, "# HELP "+name+" "+help+"\n# TYPE "+name+" "+typ+"\n"+name+"{"+m.label+"} "...)
-		b = strconv.AppendFloat(b, v, 'g', -1, 64)
+// appendMetricsText appends the Prometheus text exposition of every
+// rank's metrics: each family's HELP and TYPE once, then one sample (or
+// histogram series) per rank, as prometheus_client lays out vLLM's
+// per-engine labels.
+func appendMetricsText(b []byte, ms []*metrics) []byte {
+	for _, m := range ms {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+	}
+	family := func(name, typ, help string, v func(st *engine.Stats) float64) {
+		b = append(b, "# HELP "+name+" "+help+"\n# TYPE "+name+" "+typ+"\n"...)
+		for _, m := range ms {
+			b = append(b, name+"{"+m.label+"} "...)
+			b = strconv.AppendFloat(b, v(&m.eng), 'g', -1, 64)
+			b = append(b, '\n')
+		}
+	}
+	family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", func(st *engine.Stats) float64 { return float64(st.Running) })
+	family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", func(st *engine.Stats) float64 { return float64(st.Waiting) })
+	family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", func(st *engine.Stats) float64 { return st.KVUsage })
+	family("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", func(st *engine.Stats) float64 { return float64(st.PrefixQueries) })
+	family("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", func(st *engine.Stats) float64 { return float64(st.PrefixHits) })
+	family("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", func(st *engine.Stats) float64 { return float64(st.Preemptions) })
+	family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", func(st *engine.Stats) float64 { return float64(st.PromptTokens) })
+	family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", func(st *engine.Stats) float64 { return float64(st.GenerationTokens) })
+	b = append(b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\n"...)
+	for _, m := range ms {
+		b = append(b, "vllm:request_success_total{"+m.label+`,finished_reason="length"} `...)
+		b = strconv.AppendUint(b, m.eng.FinishedRequests, 10)
+		b = append(b, "\nvllm:request_success_total{"+m.label+`,finished_reason="abort"} `...)
+		b = strconv.AppendUint(b, m.eng.AbortedRequests, 10)
 		b = append(b, '\n')
 	}
-	metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", float64(st.Running))
-	metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", float64(st.Waiting))
-	metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", st.KVUsage)
-	metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", float64(st.PrefixQueries))
-	metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", float64(st.PrefixHits))
-	metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", float64(st.Preemptions))
-	metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", float64(st.PromptTokens))
-	metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", float64(st.GenerationTokens))
-	b = append(b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\nvllm:request_success_total{"+m.label+`,finished_reason="length"} `...)
-	b = strconv.AppendUint(b, st.FinishedRequests, 10)
-	b = append(b, "\nvllm:request_success_total{"+m.label+`,finished_reason="abort"} `...)
-	b = strconv.AppendUint(b, st.AbortedRequests, 10)
-	b = append(b, '\n')
-	b = m.appendHistogram(b, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds (simulated).", &m.ttft)
-	b = m.appendHistogram(b, "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds (simulated).", &m.e2e)
-	b = append(b, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{"+m.info+"} 1\n"...)
+	b = appendHistograms(b, ms, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds (simulated).", func(m *metrics) *histogram { return &m.ttft })
+	b = appendHistograms(b, ms, "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds (simulated).", func(m *metrics) *histogram { return &m.e2e })
+	b = append(b, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"...)
+	for _, m := range ms {
+		b = append(b, "vllm:cache_config_info{"+m.info+"} 1\n"...)
+	}
 	return b
 }
 
-func (m *metrics) appendHistogram(b []byte, name, help string, h *histogram) []byte {
+func appendHistograms(b []byte, ms []*metrics, name, help string, of func(*metrics) *histogram) []byte {
 	b = append(b, "# HELP "+name+" "+help+"\n# TYPE "+name+" histogram\n"...)
-	var cum uint64
-	for i, bound := range h.bounds {
-		cum += h.counts[i]
-		b = append(b, name+"_bucket{"+m.label+`,le="`...)
-		b = strconv.AppendFloat(b, bound, 'g', -1, 64)
-		b = append(b, `"} `...)
-		b = strconv.AppendUint(b, cum, 10)
+	for _, m := range ms {
+		h := of(m)
+		var cum uint64
+		for i, bound := range h.bounds {
+			cum += h.counts[i]
+			b = append(b, name+"_bucket{"+m.label+`,le="`...)
+			b = strconv.AppendFloat(b, bound, 'g', -1, 64)
+			b = append(b, `"} `...)
+			b = strconv.AppendUint(b, cum, 10)
+			b = append(b, '\n')
+		}
+		b = append(b, name+"_bucket{"+m.label+`,le="+Inf"} `...)
+		b = strconv.AppendUint(b, h.n, 10)
+		b = append(b, "\n"+name+"_sum{"+m.label+"} "...)
+		b = strconv.AppendFloat(b, h.sum, 'g', -1, 64)
+		b = append(b, "\n"+name+"_count{"+m.label+"} "...)
+		b = strconv.AppendUint(b, h.n, 10)
 		b = append(b, '\n')
 	}
-	b = append(b, name+"_bucket{"+m.label+`,le="+Inf"} `...)
-	b = strconv.AppendUint(b, h.n, 10)
-	b = append(b, "\n"+name+"_sum{"+m.label+"} "...)
-	b = strconv.AppendFloat(b, h.sum, 'g', -1, 64)
-	b = append(b, "\n"+name+"_count{"+m.label+"} "...)
-	b = strconv.AppendUint(b, h.n, 10)
-	return append(b, '\n')
+	return b
 }

@@ -2,9 +2,15 @@
 // vLLM's HTTP dialect: OpenAI completions and chat completions (streamed or
 // not, with usage.prompt_tokens_details.cached_tokens), /v1/models,
 // /tokenize, /health, /metrics with vLLM's metric names and
-// /reset_prefix_cache, with vLLM-shaped errors. One goroutine drives the
+// /reset_prefix_cache, with vLLM-shaped errors. One goroutine drives each
 // engine and sleeps each step's simulated duration times the time scale;
 // handlers reach it through channels.
+//
+// With a data-parallel size N above 1 the server fronts N independent
+// engines as vLLM's API server fronts its DP ranks: each rank has its own
+// prefix cache, scheduler and event stream (batches stamped with
+// data_parallel_rank), a request carrying X-data-parallel-rank goes to that
+// rank, and any other is placed by vLLM's internal load balancer.
 package enginesim
 
 import (
@@ -15,6 +21,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -37,7 +44,16 @@ type Config struct {
 	// TimeScale multiplies simulated step times into real sleeps: 1 is
 	// real time, 0.1 ten times faster, 0 no sleeping at all.
 	TimeScale float64
-	// Events receives each step's KV-event batch; nil disables events.
+	// DataParallelSize is how many independent engines (vLLM DP ranks)
+	// the server fronts; 0 means 1.
+	DataParallelSize int
+	// BalanceInterval is how often the internal balancer takes a fresh
+	// snapshot of every rank's queues; 0 means vLLM's 100 ms (the DP
+	// coordinator's stats publishing interval).
+	BalanceInterval time.Duration
+	// Events receives each step's KV-event batch, from every rank, each
+	// batch stamped with its rank's data_parallel_rank; nil disables events.
+	// Ranks call it concurrently, each from its own goroutine.
 	Events engine.EventSink
 	// APIKey, when set, is the bearer token every /v1 call must carry, as
 	// with vllm serve --api-key (other paths and OPTIONS stay open).
@@ -45,12 +61,11 @@ type Config struct {
 	Logger zerolog.Logger
 }
 
-// Server is the HTTP face of one simulated engine.
+// Server is the HTTP face of one simulated engine per data-parallel rank.
 type Server struct {
 	cfg       Config
-	eng       *engine.Engine
-	loop      *loop
-	metrics   *metrics
+	ranks     []*rank
+	balancer  *rankBalancer // nil with one rank
 	vocabText map[uint32]string
 	created   int64
 	idPrefix  string
@@ -70,31 +85,63 @@ func New(cfg Config) (*Server, error) {
 	if cfg.TimeScale < 0 || cfg.TimeScale != cfg.TimeScale {
 		return nil, fmt.Errorf("enginesim: time scale %v: want ≥ 0", cfg.TimeScale)
 	}
+	if cfg.DataParallelSize < 0 {
+		return nil, fmt.Errorf("enginesim: data-parallel size %d: want ≥ 1", cfg.DataParallelSize)
+	}
+	cfg.DataParallelSize = max(cfg.DataParallelSize, 1)
+	if cfg.BalanceInterval <= 0 {
+		cfg.BalanceInterval = defaultBalanceInterval
+	}
 	vocab, text := outputVocab(cfg.Tokenizer)
 	cfg.Engine.Vocab = vocab
-	eng, err := engine.New(cfg.Engine)
-	if err != nil {
-		return nil, err
-	}
-	cfg.Engine = eng.Config()
 	s := &Server{
-		cfg:       cfg,
-		eng:       eng,
-		metrics:   newMetrics(cfg.Model, cfg.Engine),
 		vocabText: text,
 		created:   time.Now().Unix(),
 		idPrefix:  strconv.FormatUint(rand.Uint64()>>16, 16),
 		stopped:   make(chan struct{}),
 	}
+	for i := range cfg.DataParallelSize {
+		eng, err := engine.New(cfg.Engine)
+		if err != nil {
+			return nil, err
+		}
+		cfg.Engine = eng.Config()
+		s.ranks = append(s.ranks, newRank(i, eng, cfg))
+	}
+	s.cfg = cfg
+	if len(s.ranks) > 1 {
+		s.balancer = newRankBalancer(len(s.ranks), cfg.BalanceInterval, s.rankLoad)
+	}
+	return s, nil
+}
+
+// rank is one data-parallel engine: its core, the loop driving it and the
+// metrics it exports.
+type rank struct {
+	eng     *engine.Engine
+	loop    *loop
+	metrics *metrics
+}
+
+func newRank(i int, eng *engine.Engine, cfg Config) *rank {
+	r := &rank{eng: eng, metrics: newMetrics(cfg.Model, cfg.Engine, i, cfg.DataParallelSize > 1)}
 	var publishErrors uint64 // owned by the loop goroutine
-	s.loop = newLoop(eng, cfg.TimeScale, cfg.Events, s.metrics, func(err error) {
+	log := cfg.Logger.With().Int("data_parallel_rank", i).Logger()
+	r.loop = newLoop(eng, i, cfg.TimeScale, cfg.Events, r.metrics, func(err error) {
 		// A stuck publisher fails every step: log the first of each 1,000.
 		if publishErrors%1000 == 0 {
-			cfg.Logger.Warn().Err(err).Uint64("failures", publishErrors+1).Msg("publishing KV events")
+			log.Warn().Err(err).Uint64("failures", publishErrors+1).Msg("publishing KV events")
 		}
 		publishErrors++
 	})
-	return s, nil
+	return r
+}
+
+// rankLoad is what the DP coordinator reports of rank i: its waiting and
+// running requests as of its last step.
+func (s *Server) rankLoad(i int) (waiting, running int) {
+	st := s.ranks[i].metrics.stats()
+	return st.Waiting, st.Running
 }
 
 // Run drives the engine until ctx ends; requests still in flight then fail.
@@ -104,7 +151,11 @@ func (s *Server) Run(ctx context.Context) {
 		return
 	}
 	defer close(s.stopped)
-	s.loop.run(ctx)
+	var wg sync.WaitGroup
+	for _, r := range s.ranks {
+		wg.Go(func() { r.loop.run(ctx) })
+	}
+	wg.Wait()
 }
 
 // Handler serves every endpoint.
@@ -154,7 +205,11 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString(`{"version":"enginesim"}`)
 	case "/metrics":
 		ctx.SetContentType("text/plain; version=0.0.4; charset=utf-8")
-		ctx.SetBody(s.metrics.appendText(make([]byte, 0, 8<<10)))
+		ms := make([]*metrics, len(s.ranks))
+		for i, r := range s.ranks {
+			ms[i] = r.metrics
+		}
+		ctx.SetBody(appendMetricsText(make([]byte, 0, 8<<10*len(ms)), ms))
 	case "/reset_prefix_cache":
 		s.resetPrefixCache(ctx)
 	}
@@ -170,29 +225,43 @@ func (s *Server) authorized(ctx *fasthttp.RequestCtx, path, method string) bool 
 	return subtle.ConstantTimeCompare(got, []byte("Bearer "+s.cfg.APIKey)) == 1
 }
 
+// resetPrefixCache resets every rank's cache and answers with rank 0's
+// result, as vLLM's DP client does (call_utility_async on every engine,
+// the first engine's result returned).
 func (s *Server) resetPrefixCache(ctx *fasthttp.RequestCtx) {
-	result := make(chan bool, 1)
-	f := func() {
-		b, ok := s.eng.ResetPrefixCache(0)
-		if ok {
-			s.loop.publish(b)
-			s.loop.publishStats()
+	results := make([]chan bool, len(s.ranks))
+	for i, r := range s.ranks {
+		result := make(chan bool, 1)
+		results[i] = result
+		f := func() {
+			b, ok := r.eng.ResetPrefixCache(0)
+			if ok {
+				r.loop.publish(b)
+				r.loop.publishStats()
+			}
+			result <- ok
 		}
-		result <- ok
-	}
-	select {
-	case s.loop.control <- f:
-	case <-s.stopped:
-		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
-		return
-	}
-	select {
-	case ok := <-result:
-		if !ok {
-			writeError(ctx, fasthttp.StatusConflict, "ConflictError", "cannot reset the prefix cache while requests hold KV blocks")
+		select {
+		case r.loop.control <- f:
+		case <-s.stopped:
+			writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+			return
 		}
-	case <-s.stopped:
-		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+	}
+	first := true
+	for i, result := range results {
+		select {
+		case ok := <-result:
+			if i == 0 {
+				first = ok
+			}
+		case <-s.stopped:
+			writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
+			return
+		}
+	}
+	if !first {
+		writeError(ctx, fasthttp.StatusConflict, "ConflictError", "cannot reset the prefix cache while requests hold KV blocks")
 	}
 }
 

@@ -83,7 +83,7 @@ func (ts *testServer) do(t testing.TB, method, path string, body []byte) (int, [
 func (ts *testServer) onLoop(t testing.TB, f func(e *engine.Engine)) {
 	t.Helper()
 	done := make(chan struct{})
-	ts.srv.loop.control <- func() { f(ts.srv.eng); close(done) }
+	ts.srv.ranks[0].loop.control <- func() { f(ts.srv.ranks[0].eng); close(done) }
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):
@@ -188,7 +188,7 @@ func TestSamePromptTwiceIsServedFromCache(t *testing.T) {
 		t.Logf("2,001-token prompt: TTFT cold %v, warm %v (%.3f×); cached tokens 0 then 2000", cold, warm, float64(warm)/float64(cold))
 		if warm <= cold/5 {
 			// The metrics count what vLLM counts: prompt tokens queried and hit.
-			st := ts.srv.metrics.stats()
+			st := ts.srv.ranks[0].metrics.stats()
 			if q, h := uint64(4*2001*(attempt+1)), uint64(3*2000*(attempt+1)); st.PrefixQueries != q || st.PrefixHits != h {
 				t.Fatalf("prefix cache queries/hits %d/%d, want %d/%d", st.PrefixQueries, st.PrefixHits, q, h)
 			}
@@ -387,13 +387,13 @@ func TestClientDisconnectAbortsStream(t *testing.T) {
 			break
 		}
 	}
-	if st := ts.srv.metrics.stats(); st.Running != 1 || st.UsedBlocks == 0 {
+	if st := ts.srv.ranks[0].metrics.stats(); st.Running != 1 || st.UsedBlocks == 0 {
 		t.Fatalf("while streaming: %+v, want one running request holding blocks", st)
 	}
 	conn.Close()
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		st := ts.srv.metrics.stats()
+		st := ts.srv.ranks[0].metrics.stats()
 		if st.Running == 0 && st.UsedBlocks == 0 {
 			if st.GenerationTokens >= 1500 {
 				t.Fatalf("request ran to completion (%d tokens) instead of being aborted", st.GenerationTokens)
@@ -415,19 +415,19 @@ func TestClientDisconnectAbortsNonStreamed(t *testing.T) {
 	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
 	conn := rawPost(t, ts.addr, `{"prompt":"`+words("n", 100)+`","max_tokens":1500}`)
 	deadline := time.Now().Add(3 * time.Second)
-	for ts.srv.metrics.stats().GenerationTokens == 0 {
+	for ts.srv.ranks[0].metrics.stats().GenerationTokens == 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("request not generating: %+v", ts.srv.metrics.stats())
+			t.Fatalf("request not generating: %+v", ts.srv.ranks[0].metrics.stats())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if st := ts.srv.metrics.stats(); st.Running != 1 {
+	if st := ts.srv.ranks[0].metrics.stats(); st.Running != 1 {
 		t.Fatalf("while generating: %+v, want one running request", st)
 	}
 	conn.Close()
 	left := time.Now()
 	for {
-		st := ts.srv.metrics.stats()
+		st := ts.srv.ranks[0].metrics.stats()
 		if st.Running == 0 && st.UsedBlocks == 0 {
 			if st.GenerationTokens >= 1500 || st.AbortedRequests != 1 {
 				t.Fatalf("request not aborted: %+v", st)
@@ -455,7 +455,7 @@ func TestClientDisconnectAbortsQueuedStream(t *testing.T) {
 	defer busy.Close()
 	queued := rawPost(t, ts.addr, `{"prompt":"`+words("q", 100)+`","max_tokens":1500,"stream":true}`)
 	deadline := time.Now().Add(3 * time.Second)
-	for st := ts.srv.metrics.stats(); st.Running != 1 || st.Waiting != 1; st = ts.srv.metrics.stats() {
+	for st := ts.srv.ranks[0].metrics.stats(); st.Running != 1 || st.Waiting != 1; st = ts.srv.ranks[0].metrics.stats() {
 		if time.Now().After(deadline) {
 			t.Fatalf("want one running and one queued: %+v", st)
 		}
@@ -463,7 +463,7 @@ func TestClientDisconnectAbortsQueuedStream(t *testing.T) {
 	}
 	queued.Close()
 	left := time.Now()
-	for st := ts.srv.metrics.stats(); st.Waiting != 0 || st.AbortedRequests != 1; st = ts.srv.metrics.stats() {
+	for st := ts.srv.ranks[0].metrics.stats(); st.Waiting != 0 || st.AbortedRequests != 1; st = ts.srv.ranks[0].metrics.stats() {
 		if time.Since(left) > time.Second {
 			t.Fatalf("1 s after the queued stream's client left: %+v, want it aborted", st)
 		}

@@ -47,6 +47,7 @@ type options struct {
 	maxNumSeqs, maxBatchedTokens int
 	schedulingPolicy             string
 	maxModelLen                  int
+	dataParallelSize             int
 	kvMaxMessageBytes            int64
 	kvHandshakeTimeout           time.Duration
 	timeScale                    float64
@@ -74,6 +75,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&o.schedulingPolicy, "scheduling-policy", "fcfs", "fcfs, or priority: the waiting queue by each request's priority field (lower first), then arrival, and the lowest-priority request preempted first, as vllm serve --scheduling-policy priority")
 	fs.IntVar(&o.maxBatchedTokens, "max-num-batched-tokens", 8192, "token budget per step (longer prefills are chunked)")
 	fs.IntVar(&o.maxModelLen, "max-model-len", 32768, "maximum prompt plus output tokens")
+	fs.IntVar(&o.dataParallelSize, "data-parallel-size", 1, "independent engines (vLLM data-parallel ranks) behind the one HTTP server, each with its own KV cache, scheduler and KV-event publisher on --kv-events (and --kv-replay) with the port shifted by the rank; X-data-parallel-rank picks a rank, otherwise vLLM's internal balancer does")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -84,6 +86,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if o.schedulingPolicy != "fcfs" && o.schedulingPolicy != "priority" {
 		return fmt.Errorf("--scheduling-policy %q: want fcfs or priority", o.schedulingPolicy)
+	}
+	if o.dataParallelSize < 1 {
+		return fmt.Errorf("--data-parallel-size %d: want ≥ 1", o.dataParallelSize)
 	}
 	log, err := o.log.Logger(nil, "enginesim")
 	if err != nil {
@@ -97,13 +102,11 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pub, err := newPublisher(o, log.With().Str("component", "kvevents").Logger())
+	pubs, err := newPublishers(o, log.With().Str("component", "kvevents").Logger())
 	if err != nil {
 		return err
 	}
-	if pub != nil {
-		defer pub.Close()
-	}
+	defer pubs.Close()
 	srv, err := enginesim.New(enginesim.Config{
 		Model:     o.model,
 		Tokenizer: tok,
@@ -112,10 +115,11 @@ func run(ctx context.Context, args []string) error {
 			MaxNumSeqs: o.maxNumSeqs, MaxNumBatchedTokens: o.maxBatchedTokens,
 			MaxModelLen: o.maxModelLen, Cost: cost, PriorityScheduling: o.schedulingPolicy == "priority",
 		},
-		TimeScale: o.timeScale,
-		Events:    sink(pub),
-		APIKey:    o.apiKey,
-		Logger:    log,
+		TimeScale:        o.timeScale,
+		DataParallelSize: o.dataParallelSize,
+		Events:           sink(pubs),
+		APIKey:           o.apiKey,
+		Logger:           log,
 	})
 	if err != nil {
 		return err
@@ -144,7 +148,7 @@ func run(ctx context.Context, args []string) error {
 	go func() { serveErr <- hs.Serve(ln) }()
 	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
 		Int("block_size", o.blockSize).Int("kv_blocks", o.kvBlocks).Float64("time_scale", o.timeScale).
-		Str("kv_events", o.kvEvents).Interface("cost", cost).Msg("serving")
+		Str("kv_events", o.kvEvents).Int("data_parallel_size", o.dataParallelSize).Interface("cost", cost).Msg("serving")
 	select {
 	case err = <-serveErr:
 	case <-ctx.Done():

@@ -194,9 +194,181 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"--kv-events", "tcp://*:1", "--kv-events-format", "nope"},
 		{"stray"},
 		{"--listen", "256.0.0.1:1"},
+		{"--data-parallel-size", "0"},
+		{"--data-parallel-size", "2", "--kv-events", "ipc:///tmp/enginesim-dp-test.sock"},
 	} {
 		if err := run(context.Background(), append(args, "--log-level", "error")); err == nil {
 			t.Fatalf("%v accepted", args)
 		}
 	}
+}
+
+func TestOffsetEndpointPortIsVLLMs(t *testing.T) {
+	for _, tc := range []struct {
+		endpoint string
+		rank     int
+		want     string
+		err      bool
+	}{
+		{"tcp://*:5557", 0, "tcp://*:5557", false},
+		{"tcp://*:5557", 3, "tcp://*:5560", false},
+		{"tcp://10.0.0.7:5557", 1, "tcp://10.0.0.7:5558", false},
+		{"tcp://[::1]:6000", 2, "tcp://[::1]:6002", false},
+		{"inproc://cache", 2, "inproc://cache_dp2", false},
+		{"", 5, "", false},
+		{"ipc:///tmp/kv.sock", 0, "ipc:///tmp/kv.sock", false},
+		{"ipc:///tmp/kv.sock", 1, "", true},
+		{"tcp://host:port", 1, "", true},
+	} {
+		got, err := offsetEndpointPort(tc.endpoint, tc.rank)
+		if got != tc.want || (err != nil) != tc.err {
+			t.Errorf("offsetEndpointPort(%q, %d) = %q, %v; want %q, error %v", tc.endpoint, tc.rank, got, err, tc.want, tc.err)
+		}
+	}
+}
+
+// consecutivePorts finds n consecutive free loopback ports.
+func consecutivePorts(t *testing.T, n int) int {
+	t.Helper()
+	for range 50 {
+		first, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		base := first.Addr().(*net.TCPAddr).Port
+		lns := []net.Listener{first}
+		for i := 1; i < n; i++ {
+			ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", base+i))
+			if err != nil {
+				break
+			}
+			lns = append(lns, ln)
+		}
+		for _, ln := range lns {
+			ln.Close()
+		}
+		if len(lns) == n {
+			return base
+		}
+	}
+	t.Fatalf("no %d consecutive free ports", n)
+	return 0
+}
+
+// rankHandler is a residentHandler that also keeps the ranks its batches
+// carry.
+type rankHandler struct {
+	residentHandler
+	ranks map[int]int
+}
+
+func (h *rankHandler) HandleBatch(seq uint64, b *kvevents.Batch) {
+	h.mu.Lock()
+	h.ranks[b.DPRank]++
+	h.mu.Unlock()
+	h.residentHandler.HandleBatch(seq, b)
+}
+
+// TestDataParallelRanksPublishOnShiftedPorts runs the command with two
+// ranks connecting to tcp://127.0.0.1:P, as vLLM's ranks do, to
+// subscribers bound on P and P+1: a request sent to rank 1 with
+// X-data-parallel-rank shows up, with data_parallel_rank 1, on P+1 only.
+func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
+	base := consecutivePorts(t, 2)
+	httpAddr := freePort(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var subs []*kvevents.Subscriber
+	var handlers []*rankHandler
+	var subsDone sync.WaitGroup
+	for r := range 2 {
+		h := &rankHandler{residentHandler{resident: map[uint64]int{}}, map[int]int{}}
+		sub := kvevents.NewSubscriber(kvevents.SubscriberConfig{Endpoint: fmt.Sprintf("tcp://127.0.0.1:%d", base+r), Bind: true,
+			Logger: zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr}).Level(zerolog.WarnLevel)}, h)
+		subs, handlers = append(subs, sub), append(handlers, h)
+		subsDone.Go(func() { _ = sub.Run(ctx) })
+	}
+	runErr := make(chan error, 1)
+	go func() {
+		runErr <- run(ctx, []string{"--listen", httpAddr, "--model", "sim", "--time-scale", "0", "--kv-blocks", "512",
+			"--max-model-len", "4096", "--data-parallel-size", "2", "--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", base), "--log-level", "warn"})
+	}()
+	client := &fasthttp.HostClient{Addr: httpAddr}
+	post := func(path, body, rank string) (int, string) {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseRequest(req)
+		defer fasthttp.ReleaseResponse(resp)
+		req.SetRequestURI("http://" + httpAddr + path)
+		req.Header.SetMethod("POST")
+		if rank != "" {
+			req.Header.Set("X-data-parallel-rank", rank)
+		}
+		req.SetBodyString(body)
+		if err := client.DoTimeout(req, resp, 5*time.Second); err != nil {
+			return 0, err.Error()
+		}
+		return resp.StatusCode(), string(resp.Body())
+	}
+	// Each rank's publisher dials on its own: warm both up, then reset.
+	deadline := time.Now().Add(10 * time.Second)
+	for r, h := range handlers {
+		for warm := 0; ; warm++ {
+			select {
+			case err := <-runErr:
+				t.Fatalf("enginesim exited: %v", err)
+			default:
+			}
+			code, body := post("/v1/completions", fmt.Sprintf(`{"prompt":"warm up rank %d try %d with a prompt of more than sixteen tokens so that one block fills","max_tokens":2}`, r, warm), fmt.Sprint(r))
+			if _, n, _ := h.snapshot(); n > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no KV events from rank %d within 10 s; subscriber %+v; last completion %d %s", r, subs[r].Stats(), code, body)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	if code, body := post("/reset_prefix_cache", "", ""); code != 200 {
+		t.Fatalf("reset: %d %s", code, body)
+	}
+	prompt := strings.Repeat("tokens make blocks and blocks make prefixes ", 10)
+	if code, body := post("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":20}`, "1"); code != 200 {
+		t.Fatalf("completion: %d %s", code, body)
+	}
+	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
+	want := blockkey.Append(nil, engine.DefaultHashSeed, ids, 16)
+	full := (len(ids) + 19) / 16
+	deadline = time.Now().Add(5 * time.Second)
+	for {
+		res1, _, cleared1 := handlers[1].snapshot()
+		res0, _, cleared0 := handlers[0].snapshot()
+		ok := cleared1 == 1 && cleared0 == 1 && len(res1) == full && len(res0) == 0
+		for _, k := range want {
+			ok = ok && res1[k] == 1
+		}
+		if ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("rank 1's subscriber holds %d blocks (cleared %d), rank 0's %d (cleared %d); want %d and 0", len(res1), cleared1, len(res0), cleared0, full)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for r, h := range handlers {
+		h.mu.Lock()
+		if len(h.ranks) != 1 || h.ranks[r] == 0 {
+			t.Errorf("subscriber on port %d got batches of ranks %v, want only %d", base+r, h.ranks, r)
+		}
+		h.mu.Unlock()
+	}
+	cancel()
+	select {
+	case err := <-runErr:
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("enginesim did not stop")
+	}
+	subsDone.Wait()
 }
