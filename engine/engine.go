@@ -10,6 +10,12 @@
 // events vLLM would publish for it. Time is whatever the caller makes of
 // those durations, which keeps every behaviour here deterministic and
 // testable without sleeping.
+//
+// With a host tier (Config.CPUBlocks) the engine also plays vLLM's
+// OffloadingConnector with its CPU backend: blocks are written through to
+// a larger host pool, and a prompt whose prefix the GPU pool evicted but
+// the host pool still holds loads those blocks back at a cost per token
+// instead of computing them, with the connector's CPU events.
 package engine
 
 import (
@@ -43,6 +49,13 @@ type Config struct {
 	// Vocab are the token ids output tokens are drawn from; nil means
 	// 256…511.
 	Vocab []uint32
+	// CPUBlocks is the host tier's capacity in blocks (vLLM's
+	// OffloadingConnector, CPU backend, num_cpu_blocks); 0 disables it.
+	CPUBlocks int
+	// CPULoadUsPerToken is what loading a block back from the host tier
+	// costs per token, in µs, added to the step that loads it; 0 means
+	// DefaultCPULoadUsPerToken.
+	CPULoadUsPerToken float64
 }
 
 // DefaultHashSeed is the HashSeed a zero Config gets.
@@ -118,6 +131,13 @@ type Stats struct {
 	// AbortedRequests were dropped by Abort before their end (a client
 	// gone), as vLLM counts finished_reason="abort".
 	AbortedRequests uint64
+	// OffloadedBlocks are the blocks the host tier holds.
+	OffloadedBlocks int
+	// ExternalQueries and ExternalHits are vLLM's connector prefix-cache
+	// counters: with a host tier, the prompt tokens of requests first
+	// scheduled that the GPU pool did not hold, and of those, the tokens
+	// loaded from the host tier.
+	ExternalQueries, ExternalHits uint64
 }
 
 // Errors returned by Add.
@@ -161,6 +181,7 @@ type seq struct {
 type Engine struct {
 	cfg     Config
 	pool    *pool
+	host    *hostPool // nil without a host tier
 	seqs    map[uint64]*seq
 	waiting []*seq
 	running []*seq
@@ -181,6 +202,12 @@ func New(cfg Config) (*Engine, error) {
 	if need := (cfg.MaxModelLen + cfg.BlockSize - 1) / cfg.BlockSize; need > cfg.KVBlocks {
 		return nil, fmt.Errorf("engine: max model length %d needs %d blocks of %d, more than the %d KV blocks", cfg.MaxModelLen, need, cfg.BlockSize, cfg.KVBlocks)
 	}
+	if cfg.CPUBlocks < 0 || cfg.CPULoadUsPerToken < 0 || cfg.CPULoadUsPerToken != cfg.CPULoadUsPerToken {
+		return nil, fmt.Errorf("engine: CPU blocks and CPU load cost must be ≥ 0 (got %d, %v)", cfg.CPUBlocks, cfg.CPULoadUsPerToken)
+	}
+	if cfg.CPULoadUsPerToken == 0 {
+		cfg.CPULoadUsPerToken = DefaultCPULoadUsPerToken
+	}
 	if cfg.HashSeed == 0 {
 		cfg.HashSeed = DefaultHashSeed
 	}
@@ -192,6 +219,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{cfg: cfg, seqs: make(map[uint64]*seq)}
 	e.pool = newPool(cfg.KVBlocks, &e.events)
+	if cfg.CPUBlocks > 0 {
+		e.host = newHostPool(cfg.CPUBlocks, cfg.BlockSize)
+	}
 	return e, nil
 }
 
@@ -291,12 +321,16 @@ func (e *Engine) release(s *seq) {
 // HasWork reports whether any request is queued or running.
 func (e *Engine) HasWork() bool { return len(e.waiting)+len(e.running) > 0 }
 
-// ResetPrefixCache forgets every cached block and returns the
-// AllBlocksCleared batch to publish at ts. Like vLLM it refuses while any
-// block is in use by a request.
+// ResetPrefixCache forgets every cached block, the host tier's too, and
+// returns the AllBlocksCleared batch to publish at ts: the event says no
+// block of any medium is left. Like vLLM it refuses while any block is in
+// use by a request.
 func (e *Engine) ResetPrefixCache(ts float64) (*kvevents.Batch, bool) {
 	if !e.pool.reset() {
 		return nil, false
+	}
+	if e.host != nil {
+		e.host.reset()
 	}
 	return e.takeEvents(ts), true
 }
@@ -308,6 +342,9 @@ func (e *Engine) Stats() Stats {
 	st.UsedBlocks = e.pool.used()
 	st.KVUsage = float64(st.UsedBlocks) / float64(e.cfg.KVBlocks)
 	st.CachedBlocks = e.pool.numCached
+	if e.host != nil {
+		st.OffloadedBlocks = e.host.lru.Len()
+	}
 	return st
 }
 
@@ -321,7 +358,26 @@ func (e *Engine) Resident() map[uint64]int {
 	return m
 }
 
+// Offloaded returns the block hashes the host tier holds, least recently
+// used first: what a consumer of the CPU events must reconstruct.
+func (e *Engine) Offloaded() []uint64 {
+	if e.host == nil {
+		return nil
+	}
+	hs := make([]uint64, 0, e.host.lru.Len())
+	for el := e.host.lru.Front(); el != nil; el = el.Next() {
+		hs = append(hs, el.Value.(uint64))
+	}
+	return hs
+}
+
+// takeEvents makes the step's batch: the GPU pool's events, then the host
+// tier's, as vLLM's scheduler appends the connector's events to the KV
+// cache manager's.
 func (e *Engine) takeEvents(ts float64) *kvevents.Batch {
+	if e.host != nil {
+		e.events = append(e.events, e.host.takeEvents()...)
+	}
 	if len(e.events) == 0 {
 		return nil
 	}
@@ -344,7 +400,7 @@ func (e *Engine) Step(ts float64) StepResult {
 		e.advance(s)
 	}
 	return StepResult{
-		Duration:  e.cfg.Cost.duration(work),
+		Duration:  e.cfg.Cost.duration(work) + time.Duration(e.cfg.CPULoadUsPerToken*1e3*float64(work.loadTokens)),
 		Outputs:   e.outputs,
 		Events:    e.takeEvents(ts),
 		Scheduled: len(scheduled),
@@ -402,15 +458,24 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 	for len(e.waiting) > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
 		s := e.waiting[0]
 		hit := e.longestHit(s)
-		n := min(len(s.tokens)-hit*e.cfg.BlockSize, budget)
-		if !e.allocateWithHit(s, hit, n) {
+		loaded := e.hostHit(s, hit)
+		n := min(len(s.tokens)-(hit+loaded)*e.cfg.BlockSize, budget)
+		if !e.allocateWithHit(s, hit, loaded, n) {
 			break // FCFS: nobody overtakes the head of the queue
 		}
+		work.loadTokens += int64(loaded * e.cfg.BlockSize)
 		if s.cachedToks < 0 {
-			s.cachedToks = hit * e.cfg.BlockSize
+			// vLLM's num_cached_tokens counts the connector's tokens
+			// too; its prefix-cache counters only the GPU pool's.
+			s.cachedToks = (hit + loaded) * e.cfg.BlockSize
 			e.stats.PrefixQueries += uint64(len(s.tokens))
-			e.stats.PrefixHits += uint64(s.cachedToks)
+			e.stats.PrefixHits += uint64(hit * e.cfg.BlockSize)
 			e.stats.PromptTokens += uint64(s.promptLen)
+			if e.host != nil {
+				// What the GPU pool missed is asked of the connector.
+				e.stats.ExternalQueries += uint64(len(s.tokens) - hit*e.cfg.BlockSize)
+				e.stats.ExternalHits += uint64(loaded * e.cfg.BlockSize)
+			}
 		}
 		e.waiting[0] = nil
 		e.waiting = e.waiting[1:]
@@ -427,7 +492,7 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 // it leaves at least the last token to compute, so a prompt that is a whole
 // number of blocks long hits one block less.
 func (e *Engine) longestHit(s *seq) int {
-	limit := min(len(s.hashes), (len(s.tokens)-1)/e.cfg.BlockSize)
+	limit := e.hitLimit(s)
 	for i := range limit {
 		if _, ok := e.pool.lookup(s.hashes[i]); !ok {
 			return i
@@ -436,13 +501,34 @@ func (e *Engine) longestHit(s *seq) int {
 	return limit
 }
 
+func (e *Engine) hitLimit(s *seq) int {
+	return min(len(s.hashes), (len(s.tokens)-1)/e.cfg.BlockSize)
+}
+
+// hostHit counts the blocks of s after its first gpuHit ones that the host
+// tier holds in a row, under the same limit: the blocks the connector
+// loads instead of their being computed.
+func (e *Engine) hostHit(s *seq, gpuHit int) int {
+	if e.host == nil {
+		return 0
+	}
+	limit := e.hitLimit(s)
+	for i := gpuHit; i < limit; i++ {
+		if !e.host.has(s.hashes[i]) {
+			return i - gpuHit
+		}
+	}
+	return limit - gpuHit
+}
+
 func (e *Engine) blocksFor(tokens int) int {
 	return (tokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
 }
 
-// allocateWithHit gives a waiting sequence its hit blocks plus room for n
-// new tokens, or changes nothing and returns false.
-func (e *Engine) allocateWithHit(s *seq, hit, n int) bool {
+// allocateWithHit gives a waiting sequence its hit blocks, fresh blocks for
+// the loaded blocks it takes from the host tier, and room for n new tokens,
+// or changes nothing and returns false.
+func (e *Engine) allocateWithHit(s *seq, hit, loaded, n int) bool {
 	// Hit blocks nobody references sit in the free queue; touching them
 	// takes them out, so they count against what is free.
 	evictableHits := 0
@@ -452,7 +538,7 @@ func (e *Engine) allocateWithHit(s *seq, hit, n int) bool {
 			evictableHits++
 		}
 	}
-	need := e.blocksFor(hit*e.cfg.BlockSize+n) - hit
+	need := e.blocksFor((hit+loaded)*e.cfg.BlockSize+n) - hit
 	if need+evictableHits > e.pool.numFree {
 		return false
 	}
@@ -461,7 +547,13 @@ func (e *Engine) allocateWithHit(s *seq, hit, n int) bool {
 		e.pool.touch(b)
 		s.blocks = append(s.blocks, b)
 	}
-	s.computed = hit * e.cfg.BlockSize
+	if e.host != nil {
+		// The connector's lookup marks the blocks it was asked about.
+		e.host.touch(s.hashes[hit:e.hitLimit(s)])
+	}
+	// Loaded blocks count as computed: allocate gives them GPU blocks and
+	// caches them with the blocks the new tokens fill.
+	s.computed = (hit + loaded) * e.cfg.BlockSize
 	s.cachedBlks = hit
 	return e.allocate(s, n)
 }
@@ -499,6 +591,9 @@ func (e *Engine) allocate(s *seq, n int) bool {
 			ev.ParentHash, ev.HasParent = s.hashes[start-1], true
 		}
 		e.events = append(e.events, ev)
+		if e.host != nil {
+			e.host.store(s.hashes[start:full])
+		}
 		s.cachedBlks = full
 	}
 	s.scheduledAt = n

@@ -1,0 +1,241 @@
+package engine
+
+import (
+	"bytes"
+	"encoding/binary"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/kvevents"
+)
+
+// serveOne runs one request of max_tokens 1 to its end and returns its
+// time to first token (the step durations until its token), its cached
+// tokens and the step's events.
+func serveOne(t *testing.T, e *Engine, id uint64, prompt []uint32) (time.Duration, int, []kvevents.Event) {
+	t.Helper()
+	if err := e.Add(Request{ID: id, Prompt: prompt, MaxTokens: 1}); err != nil {
+		t.Fatal(err)
+	}
+	var ttft time.Duration
+	var events []kvevents.Event
+	for range 100 {
+		res := e.Step(0)
+		ttft += res.Duration
+		if res.Events != nil {
+			events = append(events, res.Events.Events...)
+		}
+		for _, o := range res.Outputs {
+			if o.ID == id && o.First {
+				return ttft, o.CachedTokens, events
+			}
+		}
+	}
+	t.Fatalf("request %d produced no token in 100 steps", id)
+	return 0, 0, nil
+}
+
+// mpStr is msgpack's fixstr (enough for these field names).
+func mpStr(s string) []byte { return append([]byte{0xa0 | byte(len(s))}, s...) }
+
+// cpuStoredBytes is, written out by hand, the map a vLLM v0.26
+// OffloadingConnector (CPU backend) sends for a store job: BlockStored with
+// the hashes, no parent, no tokens, the block size, medium "CPU", no LoRA.
+func cpuStoredBytes(hashes []uint64, blockSize byte) []byte {
+	b := []byte{0x88}
+	b = append(append(b, mpStr("type")...), mpStr("BlockStored")...)
+	b = append(append(b, mpStr("block_hashes")...), 0x90|byte(len(hashes)))
+	for _, h := range hashes {
+		b = binary.BigEndian.AppendUint64(append(b, 0xcf), h)
+	}
+	b = append(append(b, mpStr("parent_block_hash")...), 0xc0)
+	b = append(append(b, mpStr("token_ids")...), 0x90)
+	b = append(append(b, mpStr("block_size")...), blockSize)
+	b = append(append(b, mpStr("lora_id")...), 0xc0)
+	b = append(append(b, mpStr("medium")...), mpStr("CPU")...)
+	return append(append(b, mpStr("lora_name")...), 0xc0)
+}
+
+// cpuRemovedBytes is the connector's BlockRemoved of evicted blocks.
+func cpuRemovedBytes(hashes []uint64) []byte {
+	b := []byte{0x83}
+	b = append(append(b, mpStr("type")...), mpStr("BlockRemoved")...)
+	b = append(append(b, mpStr("block_hashes")...), 0x90|byte(len(hashes)))
+	for _, h := range hashes {
+		b = binary.BigEndian.AppendUint64(append(b, 0xcf), h)
+	}
+	return append(append(b, mpStr("medium")...), mpStr("CPU")...)
+}
+
+// eventBytes encodes events in vLLM's map layout, one after another.
+func eventBytes(evs []kvevents.Event) [][]byte {
+	var out [][]byte
+	for i := range evs {
+		enc := kvevents.AppendBatch(nil, &kvevents.Batch{DPRank: -1, Events: evs[i : i+1]}, kvevents.FormatVLLMMap)
+		// [ts, [event]]: skip the array header, the float64 and the
+		// one-element array header.
+		out = append(out, enc[1+9+1:])
+	}
+	return out
+}
+
+// TestHostTierReloadsEvictedPrefix: a 4-block prefix the GPU pool evicted
+// (two blocks of it) but the host tier holds is loaded back at the CPU cost
+// per token, not recomputed, and the events say which medium holds what,
+// byte for byte as vLLM's OffloadingConnector sends them.
+func TestHostTierReloadsEvictedPrefix(t *testing.T) {
+	cost := CostProfile{FloorMs: 1, PrefillUsPerToken: 10}
+	e, err := New(Config{BlockSize: 4, KVBlocks: 6, CPUBlocks: 6, CPULoadUsPerToken: 2, MaxNumSeqs: 4,
+		MaxNumBatchedTokens: 64, MaxModelLen: 24, Cost: cost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := seqTokens(1000, 17) // four full blocks and one token
+	b := seqTokens(2000, 13) // three full blocks and one token
+	ha := blockkey.Append(nil, e.Config().HashSeed, a, 4)
+	hb := blockkey.Append(nil, e.Config().HashSeed, b, 4)
+
+	// A, cold: computed (1 ms + 17 × 10 µs); its blocks stored on GPU
+	// (tokens, no parent) and written through to the host tier.
+	ttft, cached, evs := serveOne(t, e, 1, a)
+	if ttft != 1170*time.Microsecond || cached != 0 {
+		t.Fatalf("cold A: %v, %d cached; want 1.17ms, 0", ttft, cached)
+	}
+	wire := eventBytes(evs)
+	if len(evs) != 2 || evs[0].Medium != "GPU" || !slices.Equal(evs[0].BlockHashes, ha) || !bytes.Equal(wire[1], cpuStoredBytes(ha, 4)) {
+		t.Fatalf("cold A events %+v,\nCPU event % x,\nwant     % x", evs, wire[len(wire)-1], cpuStoredBytes(ha, 4))
+	}
+
+	// B takes four GPU blocks: two of A's cached ones go (GPU
+	// BlockRemoved), and the full host tier evicts its oldest block, A's
+	// first, to store B's three.
+	_, _, evs = serveOne(t, e, 2, b)
+	var gpuRemoved []uint64
+	for _, ev := range evs {
+		if ev.Kind == kvevents.KindBlockRemoved && ev.Medium == "GPU" {
+			gpuRemoved = append(gpuRemoved, ev.BlockHashes...)
+		}
+	}
+	wire = eventBytes(evs)
+	n := len(evs)
+	if !slices.Equal(gpuRemoved, []uint64{ha[3], ha[2]}) || n < 3 ||
+		!bytes.Equal(wire[n-2], cpuRemovedBytes(ha[:1])) || !bytes.Equal(wire[n-1], cpuStoredBytes(hb, 4)) {
+		t.Fatalf("B: GPU removed %x (want A's last two), events %+v", gpuRemoved, evs)
+	}
+	if got := e.Offloaded(); !slices.Equal(got, []uint64{ha[1], ha[2], ha[3], hb[0], hb[1], hb[2]}) {
+		t.Fatalf("host tier holds %x", got)
+	}
+
+	// A again: two blocks from the GPU pool, two loaded from the host tier
+	// (8 tokens × 2 µs), one token computed: 1 ms + 10 µs + 16 µs.
+	ttft, cached, evs = serveOne(t, e, 3, a)
+	if ttft != 1026*time.Microsecond || cached != 16 {
+		t.Fatalf("A from the host tier: %v, %d cached; want 1.026ms, 16", ttft, cached)
+	}
+	// The loaded blocks are GPU blocks again (a GPU BlockStored, parent
+	// A's second block); the host tier already holds them: no CPU event.
+	last := evs[len(evs)-1]
+	if last.Kind != kvevents.KindBlockStored || last.Medium != "GPU" || !slices.Equal(last.BlockHashes, ha[2:4]) ||
+		!last.HasParent || last.ParentHash != ha[1] || !slices.Equal(last.TokenIDs, a[8:16]) {
+		t.Fatalf("A reloaded: last event %+v", last)
+	}
+	for _, ev := range evs {
+		if ev.Medium == "CPU" {
+			t.Fatalf("A reloaded: CPU event %+v", ev)
+		}
+	}
+
+	// A once more: all four blocks on the GPU, one token computed.
+	ttft, cached, _ = serveOne(t, e, 4, a)
+	if ttft != 1010*time.Microsecond || cached != 16 {
+		t.Fatalf("A from the GPU pool: %v, %d cached; want 1.01ms, 16", ttft, cached)
+	}
+	st := e.Stats()
+	if st.PrefixHits != 8+16 || st.ExternalHits != 8 || st.ExternalQueries != 17+13+9+1 || st.OffloadedBlocks != 6 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestHostTierOff(t *testing.T) {
+	e := testEngine(t, 4, 6)
+	serveOne(t, e, 1, seqTokens(0, 17))
+	_, _, evs := serveOne(t, e, 2, seqTokens(100, 13))
+	for _, ev := range evs {
+		if ev.Medium != "GPU" && ev.Kind != kvevents.KindAllBlocksCleared {
+			t.Fatalf("event on medium %q without a host tier", ev.Medium)
+		}
+	}
+	if _, cached, _ := serveOne(t, e, 3, seqTokens(0, 17)); cached != 8 {
+		t.Fatalf("%d cached, want the 8 tokens left on the GPU", cached)
+	}
+	if e.Offloaded() != nil || e.Stats().ExternalQueries != 0 {
+		t.Fatal("host tier state without a host tier")
+	}
+}
+
+// TestHostTierSkipsJobsLargerThanItself: the connector stores nothing of
+// a job it cannot fit, and a reset empties both tiers.
+func TestHostTierSkipsJobsLargerThanItself(t *testing.T) {
+	e, err := New(Config{BlockSize: 4, KVBlocks: 16, CPUBlocks: 3, MaxNumSeqs: 4, MaxNumBatchedTokens: 64, MaxModelLen: 64, Cost: DefaultCost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, evs := serveOne(t, e, 1, seqTokens(0, 17))
+	for _, ev := range evs {
+		if ev.Medium == "CPU" {
+			t.Fatalf("CPU event for a 4-block job on a 3-block tier: %+v", ev)
+		}
+	}
+	serveOne(t, e, 2, seqTokens(100, 9))
+	if len(e.Offloaded()) != 2 {
+		t.Fatalf("host tier holds %d blocks, want 2", len(e.Offloaded()))
+	}
+	if _, ok := e.ResetPrefixCache(0); !ok || e.Offloaded() != nil && len(e.Offloaded()) != 0 {
+		t.Fatalf("reset left %d offloaded blocks", len(e.Offloaded()))
+	}
+}
+
+// TestTTFTByTier is the figure: time to first token of an 8,000-token
+// prompt with the default cost profile and CPU load cost, computed from
+// scratch, with its prefix loaded from the host tier, and with its prefix
+// on the GPU (one request at a time; engine time, no queueing).
+func TestTTFTByTier(t *testing.T) {
+	const promptLen = 8000
+	// 501 GPU blocks: one 8,000-token request fills them all.
+	e, err := New(Config{BlockSize: 16, KVBlocks: 501, CPUBlocks: 2000, MaxNumSeqs: 16,
+		MaxNumBatchedTokens: 8192, MaxModelLen: 8016, Cost: DefaultCost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := seqTokens(1, promptLen)
+	recompute, _, _ := serveOne(t, e, 1, p)
+	gpu, gpuCached, _ := serveOne(t, e, 2, p)
+	serveOne(t, e, 3, seqTokens(100000, promptLen)) // pushes all of p out of the GPU pool
+	cpu, cpuCached, _ := serveOne(t, e, 4, p)
+	t.Logf("TTFT of an %d-token prompt: recompute %v, host-tier hit %v (%d cached), GPU hit %v (%d cached)",
+		promptLen, recompute.Round(10*time.Microsecond), cpu.Round(10*time.Microsecond), cpuCached, gpu.Round(10*time.Microsecond), gpuCached)
+	if !(gpu < cpu && cpu < recompute) || gpuCached != 7984 || cpuCached != 7984 {
+		t.Fatalf("recompute %v, CPU %v (%d cached), GPU %v (%d cached)", recompute, cpu, cpuCached, gpu, gpuCached)
+	}
+	// The host hit costs the GPU hit plus 7,984 tokens × 2.6 µs.
+	if d := cpu - gpu; d < 20700*time.Microsecond || d > 20800*time.Microsecond {
+		t.Fatalf("CPU − GPU = %v, want 7,984 × 2.6 µs ≈ 20.76 ms", d)
+	}
+}
+
+func TestHostTierConfigErrors(t *testing.T) {
+	for _, c := range []Config{
+		{BlockSize: 4, KVBlocks: 8, MaxNumSeqs: 1, MaxNumBatchedTokens: 8, MaxModelLen: 8, CPUBlocks: -1},
+		{BlockSize: 4, KVBlocks: 8, MaxNumSeqs: 1, MaxNumBatchedTokens: 8, MaxModelLen: 8, CPUBlocks: 8, CPULoadUsPerToken: -1},
+	} {
+		if _, err := New(c); err == nil {
+			t.Errorf("%+v accepted", c)
+		}
+	}
+	e, _ := New(Config{BlockSize: 4, KVBlocks: 8, MaxNumSeqs: 1, MaxNumBatchedTokens: 8, MaxModelLen: 8, CPUBlocks: 8})
+	if got := e.Config().CPULoadUsPerToken; got != DefaultCPULoadUsPerToken {
+		t.Fatalf("default CPU load cost %v", got)
+	}
+}
