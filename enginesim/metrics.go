@@ -45,6 +45,9 @@ type metrics struct {
 	e2e   histogram
 	label string // {engine="0",model_name="..."}
 	info  string // vllm:cache_config_info labels
+	// external: the engine has a host tier, whose hits vLLM counts as a
+	// connector's (vllm:external_prefix_cache_*).
+	external bool
 }
 
 // newMetrics makes rank's metrics. vLLM labels every sample with its
@@ -53,9 +56,10 @@ type metrics struct {
 func newMetrics(model string, cfg engine.Config, rank int, dataParallel bool) *metrics {
 	engineLabel := `engine="` + strconv.Itoa(rank) + `"`
 	m := &metrics{
-		ttft:  newHistogram(ttftBuckets),
-		e2e:   newHistogram(e2eBuckets),
-		label: engineLabel + `,model_name="` + escapeLabel(model) + `"`,
+		external: cfg.CPUBlocks > 0,
+		ttft:     newHistogram(ttftBuckets),
+		e2e:      newHistogram(e2eBuckets),
+		label:    engineLabel + `,model_name="` + escapeLabel(model) + `"`,
 		info: `block_size="` + strconv.Itoa(cfg.BlockSize) + `",num_gpu_blocks="` + strconv.Itoa(cfg.KVBlocks) +
 			`",enable_prefix_caching="True",prefix_caching_hash_algo="xxhash"`,
 	}
@@ -115,6 +119,10 @@ func appendMetricsText(b []byte, ms []*metrics) []byte {
 	family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", func(st *engine.Stats) float64 { return st.KVUsage })
 	family("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", func(st *engine.Stats) float64 { return float64(st.PrefixQueries) })
 	family("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", func(st *engine.Stats) float64 { return float64(st.PrefixHits) })
+	if ms[0].external {
+		family("vllm:external_prefix_cache_queries_total", "counter", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", func(st *engine.Stats) float64 { return float64(st.ExternalQueries) })
+		family("vllm:external_prefix_cache_hits_total", "counter", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", func(st *engine.Stats) float64 { return float64(st.ExternalHits) })
+	}
 	family("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", func(st *engine.Stats) float64 { return float64(st.Preemptions) })
 	family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", func(st *engine.Stats) float64 { return float64(st.PromptTokens) })
 	family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", func(st *engine.Stats) float64 { return float64(st.GenerationTokens) })

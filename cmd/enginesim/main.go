@@ -48,6 +48,8 @@ type options struct {
 	schedulingPolicy             string
 	maxModelLen                  int
 	dataParallelSize             int
+	cpuOffloadBlocks             int
+	cpuLoadUsPerToken            float64
 	kvMaxMessageBytes            int64
 	kvHandshakeTimeout           time.Duration
 	timeScale                    float64
@@ -76,6 +78,8 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&o.maxBatchedTokens, "max-num-batched-tokens", 8192, "token budget per step (longer prefills are chunked)")
 	fs.IntVar(&o.maxModelLen, "max-model-len", 32768, "maximum prompt plus output tokens")
 	fs.IntVar(&o.dataParallelSize, "data-parallel-size", 1, "independent engines (vLLM data-parallel ranks) behind the one HTTP server, each with its own KV cache, scheduler and KV-event publisher on --kv-events (and --kv-replay) with the port shifted by the rank; X-data-parallel-rank picks a rank, otherwise vLLM's internal balancer does")
+	fs.IntVar(&o.cpuOffloadBlocks, "cpu-offload-blocks", 0, "host-memory KV tier in blocks, as vLLM's OffloadingConnector with its CPU backend: every GPU block is written through to it (LRU), a prefix the GPU cache lost but the host holds is loaded back instead of recomputed, and its KV events carry medium CPU; 0 disables it")
+	fs.Float64Var(&o.cpuLoadUsPerToken, "cpu-load-us-per-token", engine.DefaultCPULoadUsPerToken, "cost in µs per token of loading KV back from the host tier (default: 131,072 B/token of an 8B model over ≈50 GB/s of PCIe Gen5 x16)")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -86,6 +90,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if o.schedulingPolicy != "fcfs" && o.schedulingPolicy != "priority" {
 		return fmt.Errorf("--scheduling-policy %q: want fcfs or priority", o.schedulingPolicy)
+	}
+	if o.cpuOffloadBlocks < 0 || !(o.cpuLoadUsPerToken > 0) {
+		return fmt.Errorf("--cpu-offload-blocks %d, --cpu-load-us-per-token %v: want ≥ 0 and > 0", o.cpuOffloadBlocks, o.cpuLoadUsPerToken)
 	}
 	if o.dataParallelSize < 1 {
 		return fmt.Errorf("--data-parallel-size %d: want ≥ 1", o.dataParallelSize)
@@ -114,6 +121,7 @@ func run(ctx context.Context, args []string) error {
 			BlockSize: o.blockSize, KVBlocks: o.kvBlocks,
 			MaxNumSeqs: o.maxNumSeqs, MaxNumBatchedTokens: o.maxBatchedTokens,
 			MaxModelLen: o.maxModelLen, Cost: cost, PriorityScheduling: o.schedulingPolicy == "priority",
+			CPUBlocks: o.cpuOffloadBlocks, CPULoadUsPerToken: o.cpuLoadUsPerToken,
 		},
 		TimeScale:        o.timeScale,
 		DataParallelSize: o.dataParallelSize,
@@ -148,7 +156,7 @@ func run(ctx context.Context, args []string) error {
 	go func() { serveErr <- hs.Serve(ln) }()
 	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
 		Int("block_size", o.blockSize).Int("kv_blocks", o.kvBlocks).Float64("time_scale", o.timeScale).
-		Str("kv_events", o.kvEvents).Int("data_parallel_size", o.dataParallelSize).Interface("cost", cost).Msg("serving")
+		Str("kv_events", o.kvEvents).Int("data_parallel_size", o.dataParallelSize).Int("cpu_offload_blocks", o.cpuOffloadBlocks).Interface("cost", cost).Msg("serving")
 	select {
 	case err = <-serveErr:
 	case <-ctx.Done():

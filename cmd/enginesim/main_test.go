@@ -195,6 +195,8 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"stray"},
 		{"--listen", "256.0.0.1:1"},
 		{"--data-parallel-size", "0"},
+		{"--cpu-offload-blocks", "-1"},
+		{"--cpu-offload-blocks", "100", "--cpu-load-us-per-token", "0"},
 		{"--data-parallel-size", "2", "--kv-events", "ipc:///tmp/enginesim-dp-test.sock"},
 	} {
 		if err := run(context.Background(), append(args, "--log-level", "error")); err == nil {
