@@ -592,7 +592,7 @@ func (e *Engine) allocate(s *seq, n int) bool {
 		}
 		e.events = append(e.events, ev)
 		if e.host != nil {
-			e.host.store(s.hashes[start:full])
+			e.host.store(s.hashes[:full], start, s.tokens)
 		}
 		s.cachedBlks = full
 	}

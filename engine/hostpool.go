@@ -26,13 +26,12 @@ const mediumCPU = "CPU"
 // so a block the GPU pool evicts stays loadable from here until this pool,
 // full, evicts its least recently used block to store a new one. Blocks
 // are keyed by their engine hash, one offloaded block per GPU block
-// (offloaded block size = GPU block size).
+// (offloaded block size = GPU block size, one block per chunk).
 type hostPool struct {
-	capacity int
-	lru      *list.List // of uint64 hashes, front = least recently used
-	at       map[uint64]*list.Element
-	events   []kvevents.Event
-	// blockSize is what the connector's BlockStored events carry.
+	capacity  int
+	lru       *list.List // of uint64 hashes, front = least recently used
+	at        map[uint64]*list.Element
+	events    []kvevents.Event
 	blockSize int
 }
 
@@ -55,19 +54,21 @@ func (h *hostPool) touch(hashes []uint64) {
 	}
 }
 
-// store offloads the blocks of hashes not held yet, as the connector's
-// prepare_store does for one store job: it evicts the least recently used
-// blocks to make room, and stores nothing when the job alone exceeds the
-// pool. It records the events the connector sends for the job: a
-// BlockRemoved of the evicted blocks, then a BlockStored of the stored
-// ones, both on medium CPU. The connector's BlockStored names the blocks by
-// hash alone: no parent, no tokens (the GPU BlockStored of the same hashes
-// carried those), its block size, no LoRA fields, no group index.
-func (h *hostPool) store(hashes []uint64) {
-	var stored []uint64
-	for _, x := range hashes {
-		if !h.has(x) { // a chain's hashes are distinct
-			stored = append(stored, x)
+// store offloads blocks start… of a sequence's chain (its block hashes
+// from the first; tokens its tokens) that the pool does not hold yet, as
+// the connector's prepare_store does for one store job: it evicts the least
+// recently used blocks to make room, and stores nothing when the job alone
+// exceeds the pool. It records the events the connector sends for the job
+// with self_describing_kv_events on (OffloadingEventsTracker, vLLM v0.24+;
+// without it vLLM sends placeholders no consumer can key): one BlockRemoved
+// of the evicted blocks, then one BlockStored per stored block, each on
+// medium CPU and carrying what the GPU pool's BlockStored of the block
+// carried but its extra_keys (the tracker leaves them out).
+func (h *hostPool) store(chain []uint64, start int, tokens []uint32) {
+	var stored []int
+	for i := start; i < len(chain); i++ {
+		if !h.has(chain[i]) { // a chain's hashes are distinct
+			stored = append(stored, i)
 		}
 	}
 	if len(stored) == 0 || len(stored) > h.capacity {
@@ -80,12 +81,26 @@ func (h *hostPool) store(hashes []uint64) {
 			delete(h.at, old)
 			evicted = append(evicted, old)
 		}
-		h.events = append(h.events, kvevents.Event{Kind: kvevents.KindBlockRemoved, BlockHashes: evicted, Medium: mediumCPU})
+		h.events = append(h.events, kvevents.Event{Kind: kvevents.KindBlockRemoved, BlockHashes: evicted,
+			Medium: mediumCPU, HasGroupIdx: true})
 	}
-	for _, x := range stored {
-		h.at[x] = h.lru.PushBack(x)
+	bs := h.blockSize
+	for _, i := range stored {
+		h.at[chain[i]] = h.lru.PushBack(chain[i])
+		ev := kvevents.Event{
+			Kind:        kvevents.KindBlockStored,
+			BlockHashes: chain[i : i+1 : i+1],
+			TokenIDs:    tokens[i*bs : (i+1)*bs : (i+1)*bs],
+			BlockSize:   bs,
+			Medium:      mediumCPU,
+			HasGroupIdx: true,
+			SpecKind:    "full_attention",
+		}
+		if i > 0 {
+			ev.ParentHash, ev.HasParent = chain[i-1], true
+		}
+		h.events = append(h.events, ev)
 	}
-	h.events = append(h.events, kvevents.Event{Kind: kvevents.KindBlockStored, BlockHashes: stored, BlockSize: h.blockSize, Medium: mediumCPU})
 }
 
 // reset forgets every offloaded block.

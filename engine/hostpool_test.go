@@ -40,33 +40,57 @@ func serveOne(t *testing.T, e *Engine, id uint64, prompt []uint32) (time.Duratio
 // mpStr is msgpack's fixstr (enough for these field names).
 func mpStr(s string) []byte { return append([]byte{0xa0 | byte(len(s))}, s...) }
 
-// cpuStoredBytes is, written out by hand, the map a vLLM v0.26
-// OffloadingConnector (CPU backend) sends for a store job: BlockStored with
-// the hashes, no parent, no tokens, the block size, medium "CPU", no LoRA.
-func cpuStoredBytes(hashes []uint64, blockSize byte) []byte {
-	b := []byte{0x88}
-	b = append(append(b, mpStr("type")...), mpStr("BlockStored")...)
-	b = append(append(b, mpStr("block_hashes")...), 0x90|byte(len(hashes)))
-	for _, h := range hashes {
-		b = binary.BigEndian.AppendUint64(append(b, 0xcf), h)
+// mpUint is msgpack's smallest unsigned encoding of v.
+func mpUint(b []byte, v uint64) []byte {
+	switch {
+	case v < 128:
+		return append(b, byte(v))
+	case v < 1<<8:
+		return append(b, 0xcc, byte(v))
+	case v < 1<<16:
+		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(v))
+	case v < 1<<32:
+		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(v))
 	}
-	b = append(append(b, mpStr("parent_block_hash")...), 0xc0)
-	b = append(append(b, mpStr("token_ids")...), 0x90)
-	b = append(append(b, mpStr("block_size")...), blockSize)
+	return binary.BigEndian.AppendUint64(append(b, 0xcf), v)
+}
+
+// cpuStoredBytes is, written out by hand, the map vLLM's OffloadingConnector
+// (CPU backend, self_describing_kv_events) sends for one offloaded block:
+// BlockStored with its hash, parent (nil for the first block), tokens and
+// block size, no LoRA, medium "CPU", group 0, full attention, no extra keys.
+func cpuStoredBytes(hash uint64, parent *uint64, tokens []uint32, blockSize uint64) []byte {
+	b := []byte{0x8a}
+	b = append(append(b, mpStr("type")...), mpStr("BlockStored")...)
+	b = mpUint(append(append(b, mpStr("block_hashes")...), 0x91), hash)
+	b = append(b, mpStr("parent_block_hash")...)
+	if parent == nil {
+		b = append(b, 0xc0)
+	} else {
+		b = mpUint(b, *parent)
+	}
+	b = append(append(b, mpStr("token_ids")...), 0x90|byte(len(tokens)))
+	for _, tok := range tokens {
+		b = mpUint(b, uint64(tok))
+	}
+	b = mpUint(append(b, mpStr("block_size")...), blockSize)
 	b = append(append(b, mpStr("lora_id")...), 0xc0)
 	b = append(append(b, mpStr("medium")...), mpStr("CPU")...)
-	return append(append(b, mpStr("lora_name")...), 0xc0)
+	b = append(append(b, mpStr("lora_name")...), 0xc0)
+	b = append(append(b, mpStr("group_idx")...), 0x00)
+	return append(append(b, mpStr("kv_cache_spec_kind")...), mpStr("full_attention")...)
 }
 
 // cpuRemovedBytes is the connector's BlockRemoved of evicted blocks.
 func cpuRemovedBytes(hashes []uint64) []byte {
-	b := []byte{0x83}
+	b := []byte{0x84}
 	b = append(append(b, mpStr("type")...), mpStr("BlockRemoved")...)
 	b = append(append(b, mpStr("block_hashes")...), 0x90|byte(len(hashes)))
 	for _, h := range hashes {
-		b = binary.BigEndian.AppendUint64(append(b, 0xcf), h)
+		b = mpUint(b, h)
 	}
-	return append(append(b, mpStr("medium")...), mpStr("CPU")...)
+	b = append(append(b, mpStr("medium")...), mpStr("CPU")...)
+	return append(append(b, mpStr("group_idx")...), 0x00)
 }
 
 // eventBytes encodes events in vLLM's map layout, one after another.
@@ -104,8 +128,17 @@ func TestHostTierReloadsEvictedPrefix(t *testing.T) {
 		t.Fatalf("cold A: %v, %d cached; want 1.17ms, 0", ttft, cached)
 	}
 	wire := eventBytes(evs)
-	if len(evs) != 2 || evs[0].Medium != "GPU" || !slices.Equal(evs[0].BlockHashes, ha) || !bytes.Equal(wire[1], cpuStoredBytes(ha, 4)) {
-		t.Fatalf("cold A events %+v,\nCPU event % x,\nwant     % x", evs, wire[len(wire)-1], cpuStoredBytes(ha, 4))
+	if len(evs) != 5 || evs[0].Medium != "GPU" || !slices.Equal(evs[0].BlockHashes, ha) {
+		t.Fatalf("cold A events %+v", evs)
+	}
+	for i := range 4 {
+		var parent *uint64
+		if i > 0 {
+			parent = &ha[i-1]
+		}
+		if want := cpuStoredBytes(ha[i], parent, a[i*4:i*4+4], 4); !bytes.Equal(wire[1+i], want) {
+			t.Fatalf("CPU event of block %d\n% x,\nwant\n% x", i, wire[1+i], want)
+		}
 	}
 
 	// B takes four GPU blocks: two of A's cached ones go (GPU
@@ -120,8 +153,8 @@ func TestHostTierReloadsEvictedPrefix(t *testing.T) {
 	}
 	wire = eventBytes(evs)
 	n := len(evs)
-	if !slices.Equal(gpuRemoved, []uint64{ha[3], ha[2]}) || n < 3 ||
-		!bytes.Equal(wire[n-2], cpuRemovedBytes(ha[:1])) || !bytes.Equal(wire[n-1], cpuStoredBytes(hb, 4)) {
+	if !slices.Equal(gpuRemoved, []uint64{ha[3], ha[2]}) || n < 4 || !bytes.Equal(wire[n-4], cpuRemovedBytes(ha[:1])) ||
+		!bytes.Equal(wire[n-3], cpuStoredBytes(hb[0], nil, b[:4], 4)) || !bytes.Equal(wire[n-1], cpuStoredBytes(hb[2], &hb[1], b[8:12], 4)) {
 		t.Fatalf("B: GPU removed %x (want A's last two), events %+v", gpuRemoved, evs)
 	}
 	if got := e.Offloaded(); !slices.Equal(got, []uint64{ha[1], ha[2], ha[3], hb[0], hb[1], hb[2]}) {
