@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -315,4 +316,27 @@ func TestHostTierOverHTTP(t *testing.T) {
 			t.Errorf("metrics lack %q", line)
 		}
 	}
+}
+
+// FuzzPythonInt: any header value parses without panicking, and an
+// accepted one prints as a number that reads back the same.
+func FuzzPythonInt(f *testing.F) {
+	for _, s := range []string{"2", " -0_1 ", "+", "1__2", "99999999999999999999", "\xa01\x85"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		n, text, ok := pythonInt(s)
+		if !ok {
+			return
+		}
+		n2, text2, ok2 := pythonInt(text)
+		if !ok2 || n2 != n || text2 != text {
+			t.Fatalf("%q → %d %q, which reads back as %d %q %v", s, n, text, n2, text2, ok2)
+		}
+		if len(text) < 18 {
+			if v, err := strconv.ParseInt(text, 10, 64); err != nil || v != n {
+				t.Fatalf("%q → %d %q; strconv reads %d, %v", s, n, text, v, err)
+			}
+		}
+	})
 }
