@@ -19,6 +19,58 @@ import (
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
+// poster posts to the command's HTTP server at addr, with header name and
+// value pairs.
+func poster(addr string) func(path, body string, header ...string) (int, string) {
+	client := &fasthttp.HostClient{Addr: addr}
+	return func(path, body string, header ...string) (int, string) {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseRequest(req)
+		defer fasthttp.ReleaseResponse(resp)
+		req.SetRequestURI("http://" + addr + path)
+		req.Header.SetMethod("POST")
+		for i := 0; i+1 < len(header); i += 2 {
+			req.Header.Set(header[i], header[i+1])
+		}
+		req.SetBodyString(body)
+		if err := client.DoTimeout(req, resp, 5*time.Second); err != nil {
+			return 0, err.Error()
+		}
+		return resp.StatusCode(), string(resp.Body())
+	}
+}
+
+// stopCommand ends the command run started and checks it returned cleanly.
+func stopCommand(t *testing.T, cancel context.CancelFunc, runErr <-chan error) {
+	t.Helper()
+	cancel()
+	select {
+	case err := <-runErr:
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("enginesim did not stop")
+	}
+}
+
+// resetAndSend resets the prefix cache, then sends one completion of 20
+// tokens with the header pairs given, and returns the hashes of its prompt
+// blocks and how many blocks the request fills.
+func resetAndSend(t *testing.T, post func(path, body string, header ...string) (int, string), header ...string) ([]uint64, int) {
+	t.Helper()
+	if code, body := post("/reset_prefix_cache", ""); code != 200 {
+		t.Fatalf("reset: %d %s", code, body)
+	}
+	prompt := strings.Repeat("tokens make blocks and blocks make prefixes ", 10) // 70 pieces
+	if code, body := post("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":20}`, header...); code != 200 {
+		t.Fatalf("completion: %d %s", code, body)
+	}
+	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
+	// Prompt plus 19 computed output tokens fill this many blocks.
+	return blockkey.Append(nil, engine.DefaultHashSeed, ids, 16), (len(ids) + 19) / 16
+}
+
 func freePort(t *testing.T) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -108,19 +160,7 @@ func testEventsOverZMQ(t *testing.T, pubEndpoint string, subCfg kvevents.Subscri
 		runErr <- run(ctx, []string{"--listen", httpAddr, "--model", "sim", "--time-scale", "0", "--kv-blocks", "512",
 			"--max-model-len", "4096", "--kv-events", pubEndpoint, "--kv-topic", "kv@sim", "--log-level", "warn"})
 	}()
-	client := &fasthttp.HostClient{Addr: httpAddr}
-	post := func(path, body string) (int, string) {
-		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-		defer fasthttp.ReleaseRequest(req)
-		defer fasthttp.ReleaseResponse(resp)
-		req.SetRequestURI("http://" + httpAddr + path)
-		req.Header.SetMethod("POST")
-		req.SetBodyString(body)
-		if err := client.DoTimeout(req, resp, 5*time.Second); err != nil {
-			return 0, err.Error()
-		}
-		return resp.StatusCode(), string(resp.Body())
-	}
+	post := poster(httpAddr)
 	// The publisher dials in the background and PUB drops what it sends
 	// before the connection is up: warm up until events arrive, then reset
 	// so what follows is exact.
@@ -144,18 +184,7 @@ func testEventsOverZMQ(t *testing.T, pubEndpoint string, subCfg kvevents.Subscri
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if code, body := post("/reset_prefix_cache", ""); code != 200 {
-		t.Fatalf("reset: %d %s", code, body)
-	}
-	prompt := strings.Repeat("tokens make blocks and blocks make prefixes ", 10) // 70 pieces
-	code, body := post("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":20}`)
-	if code != 200 {
-		t.Fatalf("completion: %d %s", code, body)
-	}
-	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
-	want := blockkey.Append(nil, engine.DefaultHashSeed, ids, 16)
-	// Prompt plus 19 computed output tokens fill this many blocks.
-	full := (len(ids) + 19) / 16
+	want, full := resetAndSend(t, post)
 	deadline = time.Now().Add(5 * time.Second)
 	for {
 		res, _, cleared := h.snapshot()
@@ -171,15 +200,7 @@ func testEventsOverZMQ(t *testing.T, pubEndpoint string, subCfg kvevents.Subscri
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	cancel()
-	select {
-	case err := <-runErr:
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("enginesim did not stop")
-	}
+	stopCommand(t, cancel, runErr)
 	<-subDone
 }
 
@@ -295,22 +316,7 @@ func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
 		runErr <- run(ctx, []string{"--listen", httpAddr, "--model", "sim", "--time-scale", "0", "--kv-blocks", "512",
 			"--max-model-len", "4096", "--data-parallel-size", "2", "--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", base), "--log-level", "warn"})
 	}()
-	client := &fasthttp.HostClient{Addr: httpAddr}
-	post := func(path, body, rank string) (int, string) {
-		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-		defer fasthttp.ReleaseRequest(req)
-		defer fasthttp.ReleaseResponse(resp)
-		req.SetRequestURI("http://" + httpAddr + path)
-		req.Header.SetMethod("POST")
-		if rank != "" {
-			req.Header.Set("X-data-parallel-rank", rank)
-		}
-		req.SetBodyString(body)
-		if err := client.DoTimeout(req, resp, 5*time.Second); err != nil {
-			return 0, err.Error()
-		}
-		return resp.StatusCode(), string(resp.Body())
-	}
+	post := poster(httpAddr)
 	// Each rank's publisher dials on its own: warm both up, then reset.
 	deadline := time.Now().Add(10 * time.Second)
 	for r, h := range handlers {
@@ -320,7 +326,7 @@ func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
 				t.Fatalf("enginesim exited: %v", err)
 			default:
 			}
-			code, body := post("/v1/completions", fmt.Sprintf(`{"prompt":"warm up rank %d try %d with a prompt of more than sixteen tokens so that one block fills","max_tokens":2}`, r, warm), fmt.Sprint(r))
+			code, body := post("/v1/completions", fmt.Sprintf(`{"prompt":"warm up rank %d try %d with a prompt of more than sixteen tokens so that one block fills","max_tokens":2}`, r, warm), "X-data-parallel-rank", fmt.Sprint(r))
 			if _, n, _ := h.snapshot(); n > 0 {
 				break
 			}
@@ -330,16 +336,7 @@ func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
-	if code, body := post("/reset_prefix_cache", "", ""); code != 200 {
-		t.Fatalf("reset: %d %s", code, body)
-	}
-	prompt := strings.Repeat("tokens make blocks and blocks make prefixes ", 10)
-	if code, body := post("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":20}`, "1"); code != 200 {
-		t.Fatalf("completion: %d %s", code, body)
-	}
-	ids, _ := tokenize.Builtin{}.Encode(prompt, true)
-	want := blockkey.Append(nil, engine.DefaultHashSeed, ids, 16)
-	full := (len(ids) + 19) / 16
+	want, full := resetAndSend(t, post, "X-data-parallel-rank", "1")
 	deadline = time.Now().Add(5 * time.Second)
 	for {
 		res1, _, cleared1 := handlers[1].snapshot()
@@ -363,14 +360,6 @@ func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
 		}
 		h.mu.Unlock()
 	}
-	cancel()
-	select {
-	case err := <-runErr:
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("enginesim did not stop")
-	}
+	stopCommand(t, cancel, runErr)
 	subsDone.Wait()
 }
