@@ -3,6 +3,9 @@ package engine
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
+	"maps"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -270,5 +273,134 @@ func TestHostTierConfigErrors(t *testing.T) {
 	e, _ := New(Config{BlockSize: 4, KVBlocks: 8, MaxNumSeqs: 1, MaxNumBatchedTokens: 8, MaxModelLen: 8, CPUBlocks: 8})
 	if got := e.Config().CPULoadUsPerToken; got != DefaultCPULoadUsPerToken {
 		t.Fatalf("default CPU load cost %v", got)
+	}
+}
+
+// mediaRecorder replays events per medium, through the wire codec, and
+// checks each CPU BlockStored describes its block: the hash is the chain's
+// next from its parent (the seed without one) over its tokens.
+type mediaRecorder struct {
+	seed     uint64
+	wire     []byte
+	decoded  kvevents.Batch
+	resident map[string]map[uint64]int
+	removed  map[string]int
+}
+
+func (r *mediaRecorder) Publish(b *kvevents.Batch) error {
+	r.wire = kvevents.AppendBatch(r.wire[:0], b, kvevents.FormatVLLMMap)
+	if err := kvevents.DecodeBatch(r.wire, &r.decoded); err != nil {
+		return err
+	}
+	for _, ev := range r.decoded.Events {
+		switch ev.Kind {
+		case kvevents.KindBlockStored:
+			if ev.Medium == "CPU" {
+				parent := r.seed
+				if ev.HasParent {
+					parent = ev.ParentHash
+				}
+				if len(ev.BlockHashes) != 1 || blockkey.Next(parent, ev.TokenIDs) != ev.BlockHashes[0] {
+					return fmt.Errorf("CPU BlockStored %+v does not describe its block", ev)
+				}
+			}
+			for _, h := range ev.BlockHashes {
+				r.resident[ev.Medium][h]++
+			}
+		case kvevents.KindBlockRemoved:
+			r.removed[ev.Medium] += len(ev.BlockHashes)
+			for _, h := range ev.BlockHashes {
+				m := r.resident[ev.Medium]
+				if m[h]--; m[h] == 0 {
+					delete(m, h)
+				} else if m[h] < 0 {
+					return fmt.Errorf("%s block %x removed more often than stored", ev.Medium, h)
+				}
+			}
+		case kvevents.KindAllBlocksCleared:
+			for _, m := range r.resident {
+				clear(m)
+			}
+		}
+	}
+	return nil
+}
+
+// TestHostTierRandomWorkload: shared prefixes, evictions from both tiers,
+// loads, aborts and resets, checked after every step: replaying the
+// events per medium gives the GPU pool's multiset and the host tier's set.
+func TestHostTierRandomWorkload(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	e, err := New(Config{BlockSize: 4, KVBlocks: 40, CPUBlocks: 90, MaxNumSeqs: 6, MaxNumBatchedTokens: 24, MaxModelLen: 64, Cost: DefaultCost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &mediaRecorder{seed: e.Config().HashSeed, resident: map[string]map[uint64]int{"GPU": {}, "CPU": {}}, removed: map[string]int{}}
+	var next uint64
+	live := map[uint64]bool{}
+	resets := 0
+	for i := range 4000 {
+		if rng.IntN(3) == 0 && len(live) < 20 {
+			next++
+			p := append(seqTokens(rng.IntN(8)*1000, 4*rng.IntN(8)), seqTokens(rng.IntN(1<<20), 1+rng.IntN(12))...)
+			if err := e.Add(Request{ID: next, Prompt: p, MaxTokens: 1 + rng.IntN(10), OutputSeed: next}); err != nil {
+				t.Fatal(err)
+			}
+			live[next] = true
+		}
+		if rng.IntN(60) == 0 && len(live) > 0 {
+			id := slices.Min(slices.Collect(maps.Keys(live))) // the oldest: deterministic
+			e.Abort(id)
+			delete(live, id)
+		}
+		if rng.IntN(500) == 0 {
+			// Drain (vLLM refuses a reset while requests hold blocks),
+			// then reset both tiers.
+			run(t, e, rec, 1000)
+			clear(live)
+			b, ok := e.ResetPrefixCache(float64(i))
+			if !ok {
+				t.Fatalf("step %d: reset refused on an idle engine", i)
+			}
+			resets++
+			if err := rec.Publish(b); err != nil {
+				t.Fatal(err)
+			}
+		}
+		res := e.Step(float64(i))
+		if res.Events != nil {
+			if err := rec.Publish(res.Events); err != nil {
+				t.Fatalf("step %d: %v", i, err)
+			}
+		}
+		for _, o := range res.Outputs {
+			if o.Finished != NotFinished {
+				delete(live, o.ID)
+			}
+		}
+		gpu := e.Resident()
+		if len(gpu) != len(rec.resident["GPU"]) {
+			t.Fatalf("step %d: GPU replay holds %d hashes, engine %d", i, len(rec.resident["GPU"]), len(gpu))
+		}
+		for h, n := range gpu {
+			if rec.resident["GPU"][h] != n {
+				t.Fatalf("step %d: GPU hash %x ×%d replayed, ×%d resident", i, h, rec.resident["GPU"][h], n)
+			}
+		}
+		cpu := e.Offloaded()
+		if len(cpu) != len(rec.resident["CPU"]) || len(cpu) > 90 {
+			t.Fatalf("step %d: CPU replay holds %d hashes, host tier %d", i, len(rec.resident["CPU"]), len(cpu))
+		}
+		for _, h := range cpu {
+			if rec.resident["CPU"][h] != 1 {
+				t.Fatalf("step %d: CPU hash %x ×%d replayed", i, h, rec.resident["CPU"][h])
+			}
+		}
+	}
+	st := e.Stats()
+	t.Logf("%d steps: %d tokens loaded from the host tier of %d queried, %d GPU hits, blocks evicted %v, %d resets",
+		st.Steps, st.ExternalHits, st.ExternalQueries, st.PrefixHits, rec.removed, resets)
+	if st.ExternalHits == 0 || resets == 0 || rec.removed["CPU"] == 0 || rec.removed["GPU"] == 0 {
+		t.Fatalf("workload did not exercise loads (%d tokens), evictions (%v) and resets (%d)", st.ExternalHits, rec.removed, resets)
 	}
 }
