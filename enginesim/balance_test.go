@@ -2,8 +2,10 @@ package enginesim
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -339,4 +341,43 @@ func FuzzPythonInt(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestBalancerAvoidsABusyRank: with fresh snapshots (every pick here), a
+// request without the header goes to the rank with the lower
+// waiting·4 + running, not to the one busy decoding.
+func TestBalancerAvoidsABusyRank(t *testing.T) {
+	ts := startServer(t, Config{TimeScale: 1, DataParallelSize: 2, BalanceInterval: time.Nanosecond})
+	// Rank 0 decodes 2,000 tokens (≈ 11 s); the client leaves once the
+	// short requests are placed, and the request is aborted.
+	ctx, leave := context.WithCancel(context.Background())
+	long := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, "POST", "http://"+ts.addr+"/v1/completions", strings.NewReader(`{"prompt":"a long answer","max_tokens":2000}`))
+		req.Header.Set("X-data-parallel-rank", "0")
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		long <- err
+	}()
+	deadline := time.Now().Add(5 * time.Second)
+	for ts.srv.ranks[0].metrics.stats().Running != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the long request never ran")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i := range 3 {
+		if code, resp := ts.doHeader(t, "/v1/completions", fmt.Sprintf(`{"prompt":"short %d","max_tokens":1}`, i)); code != 200 {
+			t.Fatalf("short request: %d %s", code, resp)
+		}
+	}
+	if got := rankCounts(ts); fmt.Sprint(got) != "[0 3]" {
+		t.Fatalf("finished requests per rank %v while rank 0 was busy, want [0 3]", got)
+	}
+	leave()
+	if err := <-long; err == nil {
+		t.Fatal("the long request ended before its client left")
+	}
 }
