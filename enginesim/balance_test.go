@@ -270,56 +270,6 @@ func TestOneRankRefusesOtherRanks(t *testing.T) {
 	}
 }
 
-// TestHostTierOverHTTP: with --cpu-offload-blocks a prompt the GPU cache
-// lost is served from the host tier: its cached tokens count the loaded
-// ones, /metrics shows vLLM's connector counters, and the events carry
-// medium CPU.
-func TestHostTierOverHTTP(t *testing.T) {
-	rec := &rankRecorder{batches: map[int][][]byte{}}
-	cfg := engine.Config{BlockSize: 16, KVBlocks: 8, CPUBlocks: 64, MaxNumSeqs: 4, MaxNumBatchedTokens: 512, MaxModelLen: 128, Cost: engine.DefaultCost}
-	ts := startServer(t, Config{Engine: cfg, TimeScale: 0, Events: rec})
-	cachedOf := func(prompt string) int {
-		t.Helper()
-		code, resp := ts.doHeader(t, "/v1/completions", `{"prompt":"`+prompt+`","max_tokens":1}`)
-		var r struct{ Usage usage }
-		if code != 200 || json.Unmarshal(resp, &r) != nil {
-			t.Fatalf("status %d: %s", code, resp)
-		}
-		return r.Usage.PromptTokensDetails.CachedTokens
-	}
-	a, b := words("a", 96), words("b", 112) // 97 and 113 tokens with BOS
-	if c := cachedOf(a); c != 0 {
-		t.Fatalf("cold: %d cached", c)
-	}
-	cachedOf(b) // needs all 8 GPU blocks: a is gone from the GPU
-	if c := cachedOf(a); c != 96 {
-		t.Fatalf("from the host tier: %d cached, want 96", c)
-	}
-	var media []string
-	for _, batch := range rec.take()[0] {
-		var d kvevents.Batch
-		if err := kvevents.DecodeBatch(batch, &d); err != nil {
-			t.Fatal(err)
-		}
-		for _, ev := range d.Events {
-			media = append(media, ev.Kind.String()+"/"+ev.Medium)
-		}
-	}
-	if !strings.Contains(strings.Join(media, " "), "BlockStored/GPU BlockStored/CPU") {
-		t.Fatalf("events %v lack a GPU store written through to the CPU", media)
-	}
-	_, m := ts.do(t, "GET", "/metrics", nil)
-	for _, line := range []string{
-		`vllm:external_prefix_cache_hits_total{engine="0",model_name="sim"} 96`,
-		`vllm:external_prefix_cache_queries_total{engine="0",model_name="sim"} 307`,
-		`vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 0`,
-	} {
-		if !strings.Contains(string(m), line+"\n") {
-			t.Errorf("metrics lack %q", line)
-		}
-	}
-}
-
 // FuzzPythonInt: any header value parses without panicking, and an
 // accepted one prints as a number that reads back the same.
 func FuzzPythonInt(f *testing.F) {
