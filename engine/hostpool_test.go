@@ -248,7 +248,7 @@ func TestTTFTByTier(t *testing.T) {
 	p := seqTokens(1, promptLen)
 	recompute, _, _ := serveOne(t, e, 1, p)
 	gpu, gpuCached, _ := serveOne(t, e, 2, p)
-	serveOne(t, e, 3, seqTokens(100000, promptLen)) // pushes all of p out of the GPU pool
+	serveOne(t, e, 3, seqTokens(100000, promptLen+15)) // needs all 501 blocks: pushes all of p out of the GPU pool
 	cpu, cpuCached, _ := serveOne(t, e, 4, p)
 	t.Logf("TTFT of an %d-token prompt: recompute %v, host-tier hit %v (%d cached), GPU hit %v (%d cached)",
 		promptLen, recompute.Round(10*time.Microsecond), cpu.Round(10*time.Microsecond), cpuCached, gpu.Round(10*time.Microsecond), gpuCached)

@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -60,25 +61,43 @@ func TestHostTierOverHTTP(t *testing.T) {
 	}
 }
 
+// simTTFT is the simulated time to first token of the request ts served
+// last, from rank 0's histogram sum before and after it.
+func simTTFT(ts *testServer, serve func()) time.Duration {
+	m := ts.srv.ranks[0].metrics
+	m.mu.Lock()
+	before := m.ttft.sum
+	m.mu.Unlock()
+	serve()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return time.Duration((m.ttft.sum - before) * 1e9).Round(10 * time.Microsecond)
+}
+
 // TestTTFTByTierOverHTTP is the figure end to end, in real time (time
 // scale 1): an 8,000-token prompt cold, with its prefix on the GPU, and
 // with its prefix loaded from the host tier after another prompt pushed it
-// out of the 501-block GPU cache.
+// out of the 501-block GPU cache. The engine's simulated TTFTs are exact;
+// the wall-clock ones, which add HTTP, tokenizing and this machine's
+// neighbours, are logged.
 func TestTTFTByTierOverHTTP(t *testing.T) {
 	cfg := engine.Config{BlockSize: 16, KVBlocks: 501, CPUBlocks: 2000, MaxNumSeqs: 8, MaxNumBatchedTokens: 8192, MaxModelLen: 8016, Cost: engine.DefaultCost}
 	ts := startServer(t, Config{Engine: cfg, TimeScale: 1})
 	p, q := words("p", 7999), words("q", 7999) // 8,000 tokens with BOS
-	cold, u := streamTTFT(t, ts.addr, p, 2)
-	gpu, ug := streamTTFT(t, ts.addr, p, 2)
+	var wall [3]time.Duration
+	var use [3]usage
+	var sim [3]time.Duration
+	sim[0] = simTTFT(ts, func() { wall[0], use[0] = streamTTFT(t, ts.addr, p, 2) })
+	sim[1] = simTTFT(ts, func() { wall[1], use[1] = streamTTFT(t, ts.addr, p, 2) })
 	streamTTFT(t, ts.addr, q, 2)
-	cpu, uc := streamTTFT(t, ts.addr, p, 2)
-	t.Logf("TTFT over HTTP, 8,000-token prompt: cold %v, host-tier hit %v (%d cached), GPU hit %v (%d cached)",
-		cold.Round(100*time.Microsecond), cpu.Round(100*time.Microsecond), uc.PromptTokensDetails.CachedTokens, gpu.Round(100*time.Microsecond), ug.PromptTokensDetails.CachedTokens)
-	if u.PromptTokens != 8000 || u.PromptTokensDetails.CachedTokens != 0 || ug.PromptTokensDetails.CachedTokens != 7984 || uc.PromptTokensDetails.CachedTokens != 7984 {
-		t.Fatalf("usage cold %+v, GPU %+v, CPU %+v", u, ug, uc)
+	sim[2] = simTTFT(ts, func() { wall[2], use[2] = streamTTFT(t, ts.addr, p, 2) })
+	t.Logf("TTFT of an 8,000-token prompt, simulated (wall over HTTP): cold %v (%v), GPU hit %v (%v), host-tier hit %v (%v)",
+		sim[0], wall[0].Round(100*time.Microsecond), sim[1], wall[1].Round(100*time.Microsecond), sim[2], wall[2].Round(100*time.Microsecond))
+	if use[0].PromptTokens != 8000 || use[0].PromptTokensDetails.CachedTokens != 0 || use[1].PromptTokensDetails.CachedTokens != 7984 || use[2].PromptTokensDetails.CachedTokens != 7984 {
+		t.Fatalf("usage cold %+v, GPU %+v, host tier %+v", use[0], use[1], use[2])
 	}
-	// Noise only adds delay: the hits must stay far below the ≈ 260 ms cold.
-	if cpu > cold/2 || gpu > cold/2 || cold < 250*time.Millisecond {
-		t.Fatalf("cold %v, host-tier hit %v, GPU hit %v", cold, cpu, gpu)
+	// The engine's own figures (TestTTFTByTier in package engine).
+	if fmt.Sprint(sim) != "[259.94ms 5.57ms 26.33ms]" {
+		t.Fatalf("simulated TTFTs %v, want [259.94ms 5.57ms 26.33ms]", sim)
 	}
 }
