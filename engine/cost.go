@@ -48,9 +48,6 @@ type stepWork struct {
 	attentionPairs float64
 	decodeSeqs     int64
 	decodeContext  int64
-	// loadTokens come from the host tier: not computed, priced per token
-	// by Config.CPULoadUsPerToken.
-	loadTokens int64
 }
 
 // Duration prices one step's work.

@@ -14,8 +14,12 @@
 // With a host tier (Config.CPUBlocks) the engine also plays vLLM's
 // OffloadingConnector with its CPU backend: blocks are written through to
 // a larger host pool, and a prompt whose prefix the GPU pool evicted but
-// the host pool still holds loads those blocks back at a cost per token
-// instead of computing them, with the connector's CPU events.
+// the host pool still holds loads those blocks back instead of computing
+// them, with the connector's CPU events. Loads are asynchronous, as the
+// connector's are: the request waits (vLLM's WAITING_FOR_REMOTE_KVS) while
+// its blocks cross one host link at a cost per token and others are
+// scheduled; the engine keeps its own clock, the sum of the durations it
+// returned, to know when a load is done.
 package engine
 
 import (
@@ -52,8 +56,8 @@ type Config struct {
 	// CPUBlocks is the host tier's capacity in blocks (vLLM's
 	// OffloadingConnector, CPU backend, num_cpu_blocks); 0 disables it.
 	CPUBlocks int
-	// CPULoadUsPerToken is what loading a block back from the host tier
-	// costs per token, in µs, added to the step that loads it; 0 means
+	// CPULoadUsPerToken is how long loading a block back from the host
+	// tier takes per token, in µs, loads queueing on one link; 0 means
 	// DefaultCPULoadUsPerToken.
 	CPULoadUsPerToken float64
 }
@@ -153,6 +157,16 @@ var (
 
 type seqState uint8
 
+// loadState is where a waiting sequence is with a load from the host
+// tier.
+type loadState uint8
+
+const (
+	loadNone     loadState = iota
+	loadInFlight           // blocks allocated, KV crossing the link until loadReady
+	loadDone               // KV on the GPU, the sequence ready to be admitted
+)
+
 const (
 	stateWaiting seqState = iota
 	stateRunning
@@ -174,6 +188,11 @@ type seq struct {
 	cachedToks  int // prefix hit at first schedule, -1 before
 	generated   int
 	scheduledAt int // tokens scheduled this step
+
+	load       loadState
+	loadReady  time.Duration // engine clock when the load is done
+	loadedTo   int           // tokens on the GPU once it is
+	loadHashes []uint64      // the loaded blocks, pinned in the host tier
 }
 
 // Engine is the simulated engine. It is not safe for concurrent use: one
@@ -189,6 +208,9 @@ type Engine struct {
 	outputs []Output
 	stats   Stats
 	arrived uint64 // requests added
+	// clock is the sum of the durations Step returned; linkFree is when
+	// the host link is done with the loads queued on it.
+	clock, linkFree time.Duration
 }
 
 // New checks cfg and returns an idle engine.
@@ -312,6 +334,10 @@ func removeSeq(list []*seq, s *seq) []*seq {
 }
 
 func (e *Engine) release(s *seq) {
+	if s.load == loadInFlight {
+		e.host.unpin(s.loadHashes)
+	}
+	s.load, s.loadHashes = loadNone, nil
 	e.pool.free(s.blocks)
 	s.blocks = s.blocks[:0]
 	s.cachedBlks = 0
@@ -393,18 +419,35 @@ func (e *Engine) Step(ts float64) StepResult {
 	var work stepWork
 	scheduled := e.schedule(&work)
 	if len(scheduled) == 0 {
-		return StepResult{Events: e.takeEvents(ts)}
+		// Nothing to compute: wait for the next load, if any.
+		wait := e.nextLoad() - e.clock
+		e.clock += max(wait, 0)
+		return StepResult{Duration: max(wait, 0), Events: e.takeEvents(ts)}
 	}
 	e.stats.Steps++
 	for _, s := range scheduled {
 		e.advance(s)
 	}
+	d := e.cfg.Cost.duration(work)
+	e.clock += d
 	return StepResult{
-		Duration:  e.cfg.Cost.duration(work) + time.Duration(e.cfg.CPULoadUsPerToken*1e3*float64(work.loadTokens)),
+		Duration:  d,
 		Outputs:   e.outputs,
 		Events:    e.takeEvents(ts),
 		Scheduled: len(scheduled),
 	}
+}
+
+// nextLoad is when the first load in flight is done, or the clock when
+// none is.
+func (e *Engine) nextLoad() time.Duration {
+	next := e.clock
+	for _, s := range e.waiting {
+		if s.load == loadInFlight && (next == e.clock || s.loadReady < next) {
+			next = s.loadReady
+		}
+	}
+	return next
 }
 
 // schedule picks this step's work (vLLM V1 order) and allocates its blocks.
@@ -455,30 +498,55 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 	if preempted {
 		return scheduled
 	}
-	for len(e.waiting) > 0 && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs {
-		s := e.waiting[0]
-		hit := e.longestHit(s)
-		loaded := e.hostHit(s, hit)
-		n := min(len(s.tokens)-(hit+loaded)*e.cfg.BlockSize, budget)
-		if !e.allocateWithHit(s, hit, loaded, n) {
-			break // FCFS: nobody overtakes the head of the queue
-		}
-		work.loadTokens += int64(loaded * e.cfg.BlockSize)
-		if s.cachedToks < 0 {
-			// vLLM's num_cached_tokens counts the connector's tokens
-			// too; its prefix-cache counters only the GPU pool's.
-			s.cachedToks = (hit + loaded) * e.cfg.BlockSize
-			e.stats.PrefixQueries += uint64(len(s.tokens))
-			e.stats.PrefixHits += uint64(hit * e.cfg.BlockSize)
-			e.stats.PromptTokens += uint64(s.promptLen)
-			if e.host != nil {
-				// What the GPU pool missed is asked of the connector.
-				e.stats.ExternalQueries += uint64(len(s.tokens) - hit*e.cfg.BlockSize)
-				e.stats.ExternalHits += uint64(loaded * e.cfg.BlockSize)
+	bs := e.cfg.BlockSize
+	// blocked: a request that needs blocks did not get them; none behind
+	// it may take blocks (FCFS), but loaded requests, which hold theirs,
+	// are still admitted.
+	blocked := false
+admission:
+	for i := 0; i < len(e.waiting) && budget > 0 && len(e.running) < e.cfg.MaxNumSeqs; {
+		s := e.waiting[i]
+		var n int
+		switch s.load {
+		case loadInFlight:
+			if e.clock < s.loadReady {
+				i++ // vLLM passes over a request waiting for its KV
+				continue
 			}
+			e.host.unpin(s.loadHashes)
+			s.load, s.loadHashes, s.computed = loadDone, nil, s.loadedTo
+			fallthrough
+		case loadDone:
+			// Its blocks cover the prompt: allocate only caches them.
+			n = min(len(s.tokens)-s.computed, budget)
+			if !e.allocate(s, n) {
+				break admission
+			}
+		case loadNone:
+			if blocked {
+				i++
+				continue
+			}
+			hit := e.longestHit(s)
+			if loaded := e.hostHit(s, hit); loaded > 0 {
+				if e.startLoad(s, hit, loaded) {
+					e.countFirstSchedule(s, hit, loaded)
+				} else {
+					blocked = true
+				}
+				i++
+				continue
+			}
+			n = min(len(s.tokens)-hit*bs, budget)
+			if !e.allocateWithHit(s, hit, n) {
+				blocked = true
+				i++
+				continue
+			}
+			e.countFirstSchedule(s, hit, 0)
 		}
-		e.waiting[0] = nil
-		e.waiting = e.waiting[1:]
+		e.waiting = slices.Delete(e.waiting, i, i+1)
+		s.load = loadNone
 		s.state = stateRunning
 		e.running = append(e.running, s)
 		e.account(s, n, work)
@@ -486,6 +554,44 @@ func (e *Engine) schedule(work *stepWork) []*seq {
 		scheduled = append(scheduled, s)
 	}
 	return scheduled
+}
+
+// countFirstSchedule counts a request's prefix-cache lookup the first time
+// it is scheduled (hit blocks from the GPU pool, loaded from the host tier).
+func (e *Engine) countFirstSchedule(s *seq, hit, loaded int) {
+	if s.cachedToks >= 0 {
+		return
+	}
+	bs := e.cfg.BlockSize
+	// vLLM's num_cached_tokens counts the connector's tokens too; its
+	// prefix-cache counters only the GPU pool's.
+	s.cachedToks = (hit + loaded) * bs
+	e.stats.PrefixQueries += uint64(len(s.tokens))
+	e.stats.PrefixHits += uint64(hit * bs)
+	e.stats.PromptTokens += uint64(s.promptLen)
+	if e.host != nil {
+		// What the GPU pool missed is asked of the connector.
+		e.stats.ExternalQueries += uint64(len(s.tokens) - hit*bs)
+		e.stats.ExternalHits += uint64(loaded * bs)
+	}
+}
+
+// startLoad gives a waiting sequence its hit blocks and fresh blocks for
+// the rest of its prompt, and queues the load of its next loaded blocks
+// from the host tier on the link, or changes nothing and returns false.
+// Holding blocks for the whole prompt, a loaded sequence can always be
+// admitted once its load is done.
+func (e *Engine) startLoad(s *seq, hit, loaded int) bool {
+	if !e.takeHitBlocks(s, hit, e.blocksFor(len(s.tokens))-hit) {
+		return false
+	}
+	s.blocks = e.pool.alloc(s.blocks, e.blocksFor(len(s.tokens))-hit)
+	bs := e.cfg.BlockSize
+	s.loadHashes = s.hashes[hit : hit+loaded : hit+loaded]
+	e.host.pin(s.loadHashes)
+	e.linkFree = max(e.linkFree, e.clock) + time.Duration(e.cfg.CPULoadUsPerToken*1e3*float64(loaded*bs))
+	s.load, s.loadReady, s.loadedTo = loadInFlight, e.linkFree, (hit+loaded)*bs
+	return true
 }
 
 // longestHit counts the leading blocks of s found in the cache. Like vLLM
@@ -525,10 +631,18 @@ func (e *Engine) blocksFor(tokens int) int {
 	return (tokens + e.cfg.BlockSize - 1) / e.cfg.BlockSize
 }
 
-// allocateWithHit gives a waiting sequence its hit blocks, fresh blocks for
-// the loaded blocks it takes from the host tier, and room for n new tokens,
-// or changes nothing and returns false.
-func (e *Engine) allocateWithHit(s *seq, hit, loaded, n int) bool {
+// allocateWithHit gives a waiting sequence its hit blocks plus room for n
+// new tokens, or changes nothing and returns false.
+func (e *Engine) allocateWithHit(s *seq, hit, n int) bool {
+	if !e.takeHitBlocks(s, hit, e.blocksFor(hit*e.cfg.BlockSize+n)-hit) {
+		return false
+	}
+	return e.allocate(s, n)
+}
+
+// takeHitBlocks gives s its first hit blocks from the cache if need more
+// blocks can be allocated after them, or changes nothing and returns false.
+func (e *Engine) takeHitBlocks(s *seq, hit, need int) bool {
 	// Hit blocks nobody references sit in the free queue; touching them
 	// takes them out, so they count against what is free.
 	evictableHits := 0
@@ -538,7 +652,6 @@ func (e *Engine) allocateWithHit(s *seq, hit, loaded, n int) bool {
 			evictableHits++
 		}
 	}
-	need := e.blocksFor((hit+loaded)*e.cfg.BlockSize+n) - hit
 	if need+evictableHits > e.pool.numFree {
 		return false
 	}
@@ -551,11 +664,9 @@ func (e *Engine) allocateWithHit(s *seq, hit, loaded, n int) bool {
 		// The connector's lookup marks the blocks it was asked about.
 		e.host.touch(s.hashes[hit:e.hitLimit(s)])
 	}
-	// Loaded blocks count as computed: allocate gives them GPU blocks and
-	// caches them with the blocks the new tokens fill.
-	s.computed = (hit + loaded) * e.cfg.BlockSize
+	s.computed = hit * e.cfg.BlockSize
 	s.cachedBlks = hit
-	return e.allocate(s, n)
+	return true
 }
 
 // allocate makes room for n more tokens of s and caches the blocks those

@@ -28,15 +28,19 @@ const mediumCPU = "CPU"
 // are keyed by their engine hash, one offloaded block per GPU block
 // (offloaded block size = GPU block size, one block per chunk).
 type hostPool struct {
-	capacity  int
-	lru       *list.List // of uint64 hashes, front = least recently used
-	at        map[uint64]*list.Element
+	capacity int
+	lru      *list.List // of uint64 hashes, front = least recently used
+	at       map[uint64]*list.Element
+	// pinned blocks are being loaded: not evictable (the manager's
+	// ref_cnt, taken by prepare_load).
+	pinned    map[uint64]int
 	events    []kvevents.Event
 	blockSize int
 }
 
 func newHostPool(capacity, blockSize int) *hostPool {
-	return &hostPool{capacity: capacity, lru: list.New(), at: make(map[uint64]*list.Element, capacity), blockSize: blockSize}
+	return &hostPool{capacity: capacity, lru: list.New(), at: make(map[uint64]*list.Element, capacity),
+		pinned: map[uint64]int{}, blockSize: blockSize}
 }
 
 func (h *hostPool) has(hash uint64) bool {
@@ -54,11 +58,26 @@ func (h *hostPool) touch(hashes []uint64) {
 	}
 }
 
+// pin protects hashes from eviction while they are loaded.
+func (h *hostPool) pin(hashes []uint64) {
+	for _, x := range hashes {
+		h.pinned[x]++
+	}
+}
+
+func (h *hostPool) unpin(hashes []uint64) {
+	for _, x := range hashes {
+		if h.pinned[x]--; h.pinned[x] <= 0 {
+			delete(h.pinned, x)
+		}
+	}
+}
+
 // store offloads blocks start… of a sequence's chain (its block hashes
 // from the first; tokens its tokens) that the pool does not hold yet, as
 // the connector's prepare_store does for one store job: it evicts the least
-// recently used blocks to make room, and stores nothing when the job alone
-// exceeds the pool. It records the events the connector sends for the job
+// recently used blocks not being loaded to make room, and stores nothing
+// when it cannot make room for the whole job. It records the events the connector sends for the job
 // with self_describing_kv_events on (OffloadingEventsTracker, vLLM v0.24+;
 // without it vLLM sends placeholders no consumer can key): one BlockRemoved
 // of the evicted blocks, then one BlockStored per stored block, each on
@@ -75,9 +94,18 @@ func (h *hostPool) store(chain []uint64, start int, tokens []uint32) {
 		return
 	}
 	if n := h.lru.Len() + len(stored) - h.capacity; n > 0 {
+		var victims []*list.Element
+		for el := h.lru.Front(); el != nil && len(victims) < n; el = el.Next() {
+			if h.pinned[el.Value.(uint64)] == 0 {
+				victims = append(victims, el)
+			}
+		}
+		if len(victims) < n {
+			return
+		}
 		evicted := make([]uint64, 0, n)
-		for range n {
-			old := h.lru.Remove(h.lru.Front()).(uint64)
+		for _, el := range victims {
+			old := h.lru.Remove(el).(uint64)
 			delete(h.at, old)
 			evicted = append(evicted, old)
 		}
@@ -107,6 +135,7 @@ func (h *hostPool) store(chain []uint64, start int, tokens []uint32) {
 func (h *hostPool) reset() {
 	h.lru.Init()
 	clear(h.at)
+	clear(h.pinned)
 }
 
 // takeEvents returns and clears the recorded events.

@@ -368,6 +368,9 @@ func TestHostTierRandomWorkload(t *testing.T) {
 			}
 		}
 		res := e.Step(float64(i))
+		if e.HasWork() && res.Scheduled == 0 && res.Duration == 0 {
+			t.Fatalf("step %d: work left but the step neither computed nor waited: %+v", i, e.Stats())
+		}
 		if res.Events != nil {
 			if err := rec.Publish(res.Events); err != nil {
 				t.Fatalf("step %d: %v", i, err)
