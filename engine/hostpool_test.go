@@ -407,3 +407,42 @@ func TestHostTierRandomWorkload(t *testing.T) {
 		t.Fatalf("workload did not exercise loads (%d tokens), evictions (%v) and resets (%d)", st.ExternalHits, rec.removed, resets)
 	}
 }
+
+// TestHostTierLoadOverlapsCompute: a request loading its prefix from the
+// host tier waits while another is computed, then is admitted; the load
+// (8 tokens × 100 µs) hides under the other's step.
+func TestHostTierLoadOverlapsCompute(t *testing.T) {
+	cost := CostProfile{FloorMs: 1, PrefillUsPerToken: 10}
+	e, err := New(Config{BlockSize: 4, KVBlocks: 8, CPUBlocks: 16, CPULoadUsPerToken: 100, MaxNumSeqs: 4,
+		MaxNumBatchedTokens: 64, MaxModelLen: 32, Cost: cost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := seqTokens(1000, 17)
+	serveOne(t, e, 1, a)
+	serveOne(t, e, 2, seqTokens(2000, 21)) // evicts A's last two blocks from the GPU
+	mustAdd(t, e, 3, a, 1)
+	mustAdd(t, e, 4, seqTokens(3000, 5), 1)
+	first := func(res StepResult) []uint64 {
+		var ids []uint64
+		for _, o := range res.Outputs {
+			if o.First {
+				ids = append(ids, o.ID)
+			}
+		}
+		return ids
+	}
+	// Step 1: A's two blocks start loading (0.8 ms), C is computed.
+	res := e.Step(0)
+	if got := first(res); res.Duration != 1050*time.Microsecond || !slices.Equal(got, []uint64{4}) {
+		t.Fatalf("step 1: %v, first tokens of %v; want 1.05ms and C's", res.Duration, got)
+	}
+	if st := e.Stats(); st.Waiting != 1 || st.ExternalHits != 8 {
+		t.Fatalf("step 1: %+v", st)
+	}
+	// Step 2: A's load is done (0.8 ms ≤ 1.05 ms): admitted, one token left.
+	res = e.Step(0)
+	if got := first(res); res.Duration != 1010*time.Microsecond || !slices.Equal(got, []uint64{3}) || res.Outputs[0].CachedTokens != 16 {
+		t.Fatalf("step 2: %v, outputs %+v; want 1.01ms and A's with 16 cached", res.Duration, res.Outputs)
+	}
+}
