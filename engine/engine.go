@@ -419,10 +419,11 @@ func (e *Engine) Step(ts float64) StepResult {
 	var work stepWork
 	scheduled := e.schedule(&work)
 	if len(scheduled) == 0 {
-		// Nothing to compute: wait for the next load, if any.
-		wait := e.nextLoad() - e.clock
-		e.clock += max(wait, 0)
-		return StepResult{Duration: max(wait, 0), Events: e.takeEvents(ts)}
+		// Nothing to compute: wait for the next load, if any, a slice at
+		// a time so that requests arriving meanwhile are not held up.
+		wait := min(max(e.nextLoad()-e.clock, 0), loadWaitSlice)
+		e.clock += wait
+		return StepResult{Duration: wait, Events: e.takeEvents(ts)}
 	}
 	e.stats.Steps++
 	for _, s := range scheduled {
@@ -437,6 +438,10 @@ func (e *Engine) Step(ts float64) StepResult {
 		Scheduled: len(scheduled),
 	}
 }
+
+// loadWaitSlice bounds the step that only waits for a load: vLLM's engine
+// core polls for new requests while its transfers run.
+const loadWaitSlice = time.Millisecond
 
 // nextLoad is when the first load in flight is done, or the clock when
 // none is.

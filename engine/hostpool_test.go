@@ -400,6 +400,10 @@ func TestHostTierRandomWorkload(t *testing.T) {
 			}
 		}
 	}
+	run(t, e, rec, 1000)
+	if len(e.host.pinned) != 0 {
+		t.Fatalf("drained engine still pins %d host blocks", len(e.host.pinned))
+	}
 	st := e.Stats()
 	t.Logf("%d steps: %d tokens loaded from the host tier of %d queried, %d GPU hits, blocks evicted %v, %d resets",
 		st.Steps, st.ExternalHits, st.ExternalQueries, st.PrefixHits, rec.removed, resets)
