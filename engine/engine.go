@@ -211,6 +211,9 @@ type Engine struct {
 	// clock is the sum of the durations Step returned; linkFree is when
 	// the host link is done with the loads queued on it.
 	clock, linkFree time.Duration
+	// loading counts the waiting sequences with a load started, in flight
+	// or done.
+	loading int
 }
 
 // New checks cfg and returns an idle engine.
@@ -337,6 +340,9 @@ func (e *Engine) release(s *seq) {
 	if s.load == loadInFlight {
 		e.host.unpin(s.loadHashes)
 	}
+	if s.load != loadNone {
+		e.loading--
+	}
 	s.load, s.loadHashes = loadNone, nil
 	e.pool.free(s.blocks)
 	s.blocks = s.blocks[:0]
@@ -447,6 +453,9 @@ const loadWaitSlice = time.Millisecond
 // none is.
 func (e *Engine) nextLoad() time.Duration {
 	next := e.clock
+	if e.loading == 0 {
+		return next
+	}
 	for _, s := range e.waiting {
 		if s.load == loadInFlight && (next == e.clock || s.loadReady < next) {
 			next = s.loadReady
@@ -529,6 +538,9 @@ admission:
 			}
 		case loadNone:
 			if blocked {
+				if e.loading == 0 {
+					break admission // nobody behind can be admitted
+				}
 				i++
 				continue
 			}
@@ -550,8 +562,16 @@ admission:
 			}
 			e.countFirstSchedule(s, hit, 0)
 		}
-		e.waiting = slices.Delete(e.waiting, i, i+1)
-		s.load = loadNone
+		if i == 0 {
+			e.waiting[0] = nil
+			e.waiting = e.waiting[1:]
+		} else {
+			e.waiting = slices.Delete(e.waiting, i, i+1)
+		}
+		if s.load != loadNone {
+			e.loading--
+			s.load = loadNone
+		}
 		s.state = stateRunning
 		e.running = append(e.running, s)
 		e.account(s, n, work)
@@ -596,6 +616,7 @@ func (e *Engine) startLoad(s *seq, hit, loaded int) bool {
 	e.host.pin(s.loadHashes)
 	e.linkFree = max(e.linkFree, e.clock) + time.Duration(e.cfg.CPULoadUsPerToken*1e3*float64(loaded*bs))
 	s.load, s.loadReady, s.loadedTo = loadInFlight, e.linkFree, (hit+loaded)*bs
+	e.loading++
 	return true
 }
 

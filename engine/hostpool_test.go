@@ -401,8 +401,8 @@ func TestHostTierRandomWorkload(t *testing.T) {
 		}
 	}
 	run(t, e, rec, 1000)
-	if len(e.host.pinned) != 0 {
-		t.Fatalf("drained engine still pins %d host blocks", len(e.host.pinned))
+	if len(e.host.pinned) != 0 || e.loading != 0 {
+		t.Fatalf("drained engine still pins %d host blocks, counts %d loading", len(e.host.pinned), e.loading)
 	}
 	st := e.Stats()
 	t.Logf("%d steps: %d tokens loaded from the host tier of %d queried, %d GPU hits, blocks evicted %v, %d resets",
