@@ -60,6 +60,10 @@ type Config struct {
 	// tier takes per token, in µs, loads queueing on one link; 0 means
 	// DefaultCPULoadUsPerToken.
 	CPULoadUsPerToken float64
+	// CPUPlaceholderEvents makes the host tier's BlockStored events the
+	// placeholders vLLM's connector sends without
+	// self_describing_kv_events (its default): hash only, no tokens.
+	CPUPlaceholderEvents bool
 }
 
 // DefaultHashSeed is the HashSeed a zero Config gets.
@@ -245,7 +249,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{cfg: cfg, seqs: make(map[uint64]*seq)}
 	e.pool = newPool(cfg.KVBlocks, &e.events)
 	if cfg.CPUBlocks > 0 {
-		e.host = newHostPool(cfg.CPUBlocks, cfg.BlockSize)
+		e.host = newHostPool(cfg.CPUBlocks, cfg.BlockSize, cfg.CPUPlaceholderEvents)
 	}
 	return e, nil
 }

@@ -36,11 +36,13 @@ type hostPool struct {
 	pinned    map[uint64]int
 	events    []kvevents.Event
 	blockSize int
+	// placeholders: BlockStored events without self_describing_kv_events.
+	placeholders bool
 }
 
-func newHostPool(capacity, blockSize int) *hostPool {
+func newHostPool(capacity, blockSize int, placeholders bool) *hostPool {
 	return &hostPool{capacity: capacity, lru: list.New(), at: make(map[uint64]*list.Element, capacity),
-		pinned: map[uint64]int{}, blockSize: blockSize}
+		pinned: map[uint64]int{}, blockSize: blockSize, placeholders: placeholders}
 }
 
 func (h *hostPool) has(hash uint64) bool {
@@ -77,12 +79,14 @@ func (h *hostPool) unpin(hashes []uint64) {
 // from the first; tokens its tokens) that the pool does not hold yet, as
 // the connector's prepare_store does for one store job: it evicts the least
 // recently used blocks not being loaded to make room, and stores nothing
-// when it cannot make room for the whole job. It records the events the connector sends for the job
-// with self_describing_kv_events on (OffloadingEventsTracker, vLLM v0.24+;
-// without it vLLM sends placeholders no consumer can key): one BlockRemoved
-// of the evicted blocks, then one BlockStored per stored block, each on
-// medium CPU and carrying what the GPU pool's BlockStored of the block
-// carried but its extra_keys (the tracker leaves them out).
+// when it cannot make room for the whole job. It records the events the
+// connector sends for the job (OffloadingEventsTracker, vLLM v0.24+): one
+// BlockRemoved of the evicted blocks, then one BlockStored per stored
+// block, both on medium CPU with group 0. With self_describing_kv_events a
+// BlockStored carries what the GPU pool's BlockStored of the block carried
+// but its extra_keys (the tracker leaves them out); without it, vLLM's
+// default, a placeholder: the hash alone, no parent, no tokens, block size
+// 0, which a consumer can key only from the same hash on another medium.
 func (h *hostPool) store(chain []uint64, start int, tokens []uint32) {
 	var stored []int
 	for i := start; i < len(chain); i++ {
@@ -115,6 +119,11 @@ func (h *hostPool) store(chain []uint64, start int, tokens []uint32) {
 	bs := h.blockSize
 	for _, i := range stored {
 		h.at[chain[i]] = h.lru.PushBack(chain[i])
+		if h.placeholders {
+			h.events = append(h.events, kvevents.Event{Kind: kvevents.KindBlockStored, BlockHashes: chain[i : i+1 : i+1],
+				Medium: mediumCPU, HasGroupIdx: true})
+			continue
+		}
 		ev := kvevents.Event{
 			Kind:        kvevents.KindBlockStored,
 			BlockHashes: chain[i : i+1 : i+1],

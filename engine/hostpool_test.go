@@ -450,3 +450,33 @@ func TestHostTierLoadOverlapsCompute(t *testing.T) {
 		t.Fatalf("step 2: %v, outputs %+v; want 1.01ms and A's with 16 cached", res.Duration, res.Outputs)
 	}
 }
+
+// TestHostTierPlaceholderEvents: without self_describing_kv_events, vLLM's
+// default, the connector's BlockStored is a placeholder naming the block by
+// hash alone (_placeholder_stored): no parent, no tokens, block size 0.
+func TestHostTierPlaceholderEvents(t *testing.T) {
+	e, err := New(Config{BlockSize: 4, KVBlocks: 8, CPUBlocks: 8, CPUPlaceholderEvents: true, MaxNumSeqs: 4,
+		MaxNumBatchedTokens: 64, MaxModelLen: 32, Cost: DefaultCost})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := seqTokens(1000, 9)
+	ha := blockkey.Append(nil, e.Config().HashSeed, a, 4)
+	_, _, evs := serveOne(t, e, 1, a)
+	wire := eventBytes(evs)
+	placeholder := func(h uint64) []byte {
+		b := []byte{0x89}
+		b = append(append(b, mpStr("type")...), mpStr("BlockStored")...)
+		b = mpUint(append(append(b, mpStr("block_hashes")...), 0x91), h)
+		b = append(append(b, mpStr("parent_block_hash")...), 0xc0)
+		b = append(append(b, mpStr("token_ids")...), 0x90)
+		b = append(append(b, mpStr("block_size")...), 0x00)
+		b = append(append(b, mpStr("lora_id")...), 0xc0)
+		b = append(append(b, mpStr("medium")...), mpStr("CPU")...)
+		b = append(append(b, mpStr("lora_name")...), 0xc0)
+		return append(append(b, mpStr("group_idx")...), 0x00)
+	}
+	if len(wire) != 3 || !bytes.Equal(wire[1], placeholder(ha[0])) || !bytes.Equal(wire[2], placeholder(ha[1])) {
+		t.Fatalf("events %+v,\nCPU % x\nwant % x", evs, wire[1:], placeholder(ha[0]))
+	}
+}

@@ -50,6 +50,7 @@ type options struct {
 	dataParallelSize             int
 	cpuOffloadBlocks             int
 	cpuLoadUsPerToken            float64
+	cpuOffloadEvents             string
 	kvMaxMessageBytes            int64
 	kvHandshakeTimeout           time.Duration
 	timeScale                    float64
@@ -80,6 +81,7 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&o.dataParallelSize, "data-parallel-size", 1, "independent engines (vLLM data-parallel ranks) behind the one HTTP server, each with its own KV cache, scheduler and KV-event publisher on --kv-events (and --kv-replay) with the port shifted by the rank; X-data-parallel-rank picks a rank, otherwise vLLM's internal balancer does")
 	fs.IntVar(&o.cpuOffloadBlocks, "cpu-offload-blocks", 0, "host-memory KV tier in blocks, as vLLM's OffloadingConnector with its CPU backend: every GPU block is written through to it (LRU), a prefix the GPU cache lost but the host holds is loaded back instead of recomputed, and its KV events carry medium CPU; 0 disables it")
 	fs.Float64Var(&o.cpuLoadUsPerToken, "cpu-load-us-per-token", engine.DefaultCPULoadUsPerToken, "cost in µs per token of loading KV back from the host tier, instead of computing it; the default is 131,072 B/token of an 8B model over ≈50 GB/s of PCIe Gen5 x16")
+	fs.StringVar(&o.cpuOffloadEvents, "cpu-offload-events", "self-describing", "the host tier's BlockStored events: self-describing (vLLM v0.24+ with self_describing_kv_events: parent, tokens, block size) or placeholder (vLLM's default: the hash alone)")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -93,6 +95,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if o.cpuOffloadBlocks < 0 || !(o.cpuLoadUsPerToken > 0) {
 		return fmt.Errorf("--cpu-offload-blocks %d, --cpu-load-us-per-token %v: want ≥ 0 and > 0", o.cpuOffloadBlocks, o.cpuLoadUsPerToken)
+	}
+	if o.cpuOffloadEvents != "self-describing" && o.cpuOffloadEvents != "placeholder" {
+		return fmt.Errorf("--cpu-offload-events %q: want self-describing or placeholder", o.cpuOffloadEvents)
 	}
 	if o.dataParallelSize < 1 {
 		return fmt.Errorf("--data-parallel-size %d: want ≥ 1", o.dataParallelSize)
@@ -122,6 +127,7 @@ func run(ctx context.Context, args []string) error {
 			MaxNumSeqs: o.maxNumSeqs, MaxNumBatchedTokens: o.maxBatchedTokens,
 			MaxModelLen: o.maxModelLen, Cost: cost, PriorityScheduling: o.schedulingPolicy == "priority",
 			CPUBlocks: o.cpuOffloadBlocks, CPULoadUsPerToken: o.cpuLoadUsPerToken,
+			CPUPlaceholderEvents: o.cpuOffloadEvents == "placeholder",
 		},
 		TimeScale:        o.timeScale,
 		DataParallelSize: o.dataParallelSize,

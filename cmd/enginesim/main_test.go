@@ -217,6 +217,7 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"--listen", "256.0.0.1:1"},
 		{"--data-parallel-size", "0"},
 		{"--cpu-offload-blocks", "-1"},
+		{"--cpu-offload-events", "full"},
 		{"--cpu-offload-blocks", "100", "--cpu-load-us-per-token", "0"},
 		{"--data-parallel-size", "2", "--kv-events", "ipc:///tmp/enginesim-dp-test.sock"},
 	} {
