@@ -54,13 +54,15 @@ func (b *rankBalancer) pick(now time.Time) int {
 }
 
 // dataParallelRankHeader names the rank a request must go to (vLLM's
-// OpenAIServing._get_data_parallel_rank).
+// OpenAIServing._get_data_parallel_rank, vllm/entrypoints/openai/engine/
+// serving.py, v0.26 era).
 const dataParallelRankHeader = "X-data-parallel-rank"
 
 // pickRank chooses the rank serving a generation request: the one its
 // X-data-parallel-rank header names, or the balancer's choice without one.
 // A rank outside [0, size) is vLLM's 400, "data_parallel_rank R is out of
-// range [0, N)." (InputProcessor.process_inputs), with one rank too.
+// range [0, N)." (InputProcessor.process_inputs, vllm/v1/engine/
+// input_processor.py at commit 009daaee), with one rank too.
 func (s *Server) pickRank(ctx *fasthttp.RequestCtx) (*rank, *requestError) {
 	v := ctx.Request.Header.Peek(dataParallelRankHeader)
 	if v != nil {

@@ -52,7 +52,8 @@ type metrics struct {
 
 // newMetrics makes rank's metrics. vLLM labels every sample with its
 // engine index; with several ranks its cache_config_info carries the
-// engine label too (log_metrics_info, one sample per engine).
+// engine label too (PrometheusStatLogger.log_metrics_info in
+// vllm/v1/metrics/loggers.py, one sample per engine index).
 func newMetrics(model string, cfg engine.Config, rank int, dataParallel bool) *metrics {
 	engineLabel := `engine="` + strconv.Itoa(rank) + `"`
 	m := &metrics{
