@@ -22,13 +22,14 @@ const mediumCPU = "CPU"
 // hostPool is the host-memory tier of vLLM's OffloadingConnector with its
 // CPU backend and LRU policy (vllm/v1/kv_offload and
 // distributed/kv_transfer/kv_connector/v1/offloading, read at vLLM main
-// 030ea52e and the v0.24+ OffloadingEventsTracker before its locality and
-// ownership fields, which vLLM omits when unset): every block the GPU pool caches is also stored here
-// (write-through, as the connector stores each block once it is computed),
-// so a block the GPU pool evicts stays loadable from here until this pool,
-// full, evicts its least recently used block to store a new one. Blocks
-// are keyed by their engine hash, one offloaded block per GPU block
-// (offloaded block size = GPU block size, one block per chunk).
+// 030ea52e and at the v0.24+ OffloadingEventsTracker before its locality
+// and ownership fields, which vLLM omits when unset). Every block the GPU
+// pool caches is also stored here (write-through, as the connector stores
+// each block once it is computed), so a block the GPU pool evicts stays
+// loadable from here until this pool, full, evicts its least recently used
+// block to store a new one. Blocks are keyed by their engine hash, one
+// offloaded block per GPU block (offloaded block size = GPU block size,
+// one block per chunk).
 type hostPool struct {
 	capacity int
 	lru      *list.List // of uint64 hashes, front = least recently used
