@@ -16,7 +16,7 @@ import (
 	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
-	"github.com/kvmesh/kvmesh/tokenize"
+	"github.com/kvmesh/kvmesh/request"
 )
 
 func writeJSON(ctx *fasthttp.RequestCtx, v any) {
@@ -82,7 +82,7 @@ func (g *Gateway) serveModels(ctx *fasthttp.RequestCtx, id string) {
 		writeJSON(ctx, cards[i])
 		return
 	}
-	g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", id)})
+	g.fail(ctx, &request.Error{Status: 404, Type: "not_found_error", Message: fmt.Sprintf("model %q is not served here", id)})
 }
 
 // serveTokenize answers vLLM's /tokenize with the router's own tokenizer.
@@ -92,15 +92,7 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 		g.fail(ctx, err)
 		return
 	}
-	body := ctx.PostBody()
-	var kind kind = kindCompletion
-	var probe struct {
-		Messages json.RawMessage `json:"messages"`
-	}
-	if err := json.Unmarshal(body, &probe); err == nil && !isNull(probe.Messages) {
-		kind = kindChat
-	}
-	p, err := parseRequest(body, kind)
+	p, err := request.ParseTokenize(ctx.PostBody())
 	if err != nil {
 		g.fail(ctx, err)
 		return
@@ -111,34 +103,27 @@ func (g *Gateway) serveTokenize(ctx *fasthttp.RequestCtx) {
 	} else if _, configured := s.Models[p.Model]; !configured && !servedBy(snap, p.Model) {
 		// As vLLM and the completions: a default tokenizer ("*") would
 		// answer for any name, a typo included.
-		g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", p.Model)})
+		g.fail(ctx, &request.Error{Status: 404, Type: "not_found_error", Message: fmt.Sprintf("model %q is not served here", p.Model)})
 		return
 	}
 	tk := s.tokenizer(s.Models[p.Model])
 	if tk == nil {
-		g.fail(ctx, &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("no tokenizer for model %q", p.Model)})
+		g.fail(ctx, &request.Error{Status: 404, Type: "not_found_error", Message: fmt.Sprintf("no tokenizer for model %q", p.Model)})
 		return
 	}
 	var ids []uint32
 	switch {
-	case kind == kindChat:
+	case p.Kind.RendersAsChat():
 		// vLLM's chat tokenize: add_generation_prompt defaults to true,
 		// add_special_tokens to false.
-		_, ids, err = tk.EncodeChat(tokenize.Chat{
-			Messages:             p.Messages,
-			Tools:                nullToNil(p.Tools),
-			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
-			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
-			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
-			AddSpecialTokens:     p.AddSpecialTokens != nil && *p.AddSpecialTokens,
-		})
-	case p.promptIDs != nil:
-		ids = p.promptIDs
+		_, ids, err = tk.EncodeChat(p.ChatInput())
+	case p.PromptIDs != nil:
+		ids = p.PromptIDs
 	default:
-		ids, err = tk.Encode(p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens)
+		ids, err = tk.Encode(p.PromptText, p.PromptSpecialTokens())
 	}
 	if err != nil {
-		g.fail(ctx, badRequest("cannot tokenize: %v", err))
+		g.fail(ctx, request.Invalid("cannot tokenize: %v", err))
 		return
 	}
 	if ids == nil {
@@ -293,12 +278,12 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 		got := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)
 		want := []byte("Bearer " + s.AdminToken)
 		if subtle.ConstantTimeCompare(got, want) != 1 {
-			g.fail(ctx, &requestError{status: 401, typ: "invalid_request_error", msg: "admin token required: send Authorization: Bearer followed by the router's --admin-token"})
+			g.fail(ctx, &request.Error{Status: 401, Type: "invalid_request_error", Message: "admin token required: send Authorization: Bearer followed by the router's --admin-token"})
 			return
 		}
 	case !s.AdminOpen:
-		g.fail(ctx, &requestError{status: 403, typ: "permission_error",
-			msg: "route clearing is disabled: start the router with --admin-token (KVMESH_ADMIN_TOKEN) and send it as a bearer token, or with --admin-open (KVMESH_ADMIN_OPEN) to let anyone who reaches this port clear"})
+		g.fail(ctx, &request.Error{Status: 403, Type: "permission_error",
+			Message: "route clearing is disabled: start the router with --admin-token (KVMESH_ADMIN_TOKEN) and send it as a bearer token, or with --admin-open (KVMESH_ADMIN_OPEN) to let anyone who reaches this port clear"})
 		return
 	}
 	var req struct {
@@ -306,15 +291,15 @@ func (g *Gateway) serveClear(ctx *fasthttp.RequestCtx) {
 	}
 	if body := ctx.PostBody(); len(body) > 0 {
 		if err := json.Unmarshal(body, &req); err != nil {
-			g.fail(ctx, badRequest(`want {} or {"replicas":["name",...]}: %v`, err))
+			g.fail(ctx, request.Invalid(`want {} or {"replicas":["name",...]}: %v`, err))
 			return
 		}
 	}
 	names := req.Replicas
 	snap := g.table.Snapshot()
 	if unknown := unknownReplicas(snap, names); len(unknown) > 0 {
-		g.fail(ctx, &requestError{status: 404, typ: "not_found_error",
-			msg: fmt.Sprintf("no replica named %s in this router's table (GET /admin/replicas lists them); nothing was cleared", strings.Join(unknown, ", "))})
+		g.fail(ctx, &request.Error{Status: 404, Type: "not_found_error",
+			Message: fmt.Sprintf("no replica named %s in this router's table (GET /admin/replicas lists them); nothing was cleared", strings.Join(unknown, ", "))})
 		return
 	}
 	if g.cluster != nil {

@@ -3,6 +3,8 @@ package gateway
 import (
 	"runtime"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/request"
 )
 
 // TestDecisionBoundedOnHugeBodies: deciding on the largest bodies of each
@@ -18,7 +20,7 @@ func TestDecisionBoundedOnHugeBodies(t *testing.T) {
 		g := benchGateway(t, tk)
 		s := g.Settings()
 		for _, shape := range bodies {
-			p, err := parseRequest(shape.body, shape.kind)
+			p, err := request.Parse(shape.body, shape.kind)
 			if err != nil {
 				t.Fatal(err)
 			}

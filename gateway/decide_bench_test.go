@@ -18,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -173,7 +174,7 @@ func BenchmarkDecision(b *testing.B) {
 				for i := 0; i < b.N; i++ {
 					body := body(i)
 					t0 := time.Now()
-					p, err := parseRequest(body, kindChat)
+					p, err := request.Parse(body, request.Chat)
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -230,7 +231,7 @@ const maxBodyBytes = 64 << 20
 // one-word messages as fit.
 func maxBodies(n int) []struct {
 	name string
-	kind kind
+	kind request.Kind
 	body []byte
 } {
 	salad := text(99, n-128)
@@ -245,12 +246,12 @@ func maxBodies(n int) []struct {
 	messages = append(messages[:len(messages)-1], `]}`...)
 	return []struct {
 		name string
-		kind kind
+		kind request.Kind
 		body []byte
 	}{
-		{"prompt", kindCompletion, prompt},
-		{"message", kindChat, message},
-		{"messages", kindChat, messages},
+		{"prompt", request.Completion, prompt},
+		{"message", request.Chat, message},
+		{"messages", request.Chat, messages},
 	}
 }
 
@@ -286,7 +287,7 @@ func BenchmarkDecisionMaxBody(b *testing.B) {
 				var parse, decide time.Duration
 				for b.Loop() {
 					t0 := time.Now()
-					p, err := parseRequest(shape.body, shape.kind)
+					p, err := request.Parse(shape.body, shape.kind)
 					if err != nil {
 						b.Fatal(err)
 					}

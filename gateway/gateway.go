@@ -26,6 +26,7 @@ import (
 	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -246,9 +247,9 @@ func (g *Gateway) serveAPI(ctx *fasthttp.RequestCtx, path []byte) {
 	post := ctx.IsPost()
 	switch {
 	case post && string(path) == "/v1/chat/completions":
-		g.serveCompletion(ctx, kindChat)
+		g.serveCompletion(ctx, request.Chat)
 	case post && string(path) == "/v1/completions":
-		g.serveCompletion(ctx, kindCompletion)
+		g.serveCompletion(ctx, request.Completion)
 	case string(path) == "/v1/models":
 		g.serveModels(ctx, "")
 	case !post && bytes.HasPrefix(path, modelPrefix):
@@ -256,7 +257,7 @@ func (g *Gateway) serveAPI(ctx *fasthttp.RequestCtx, path []byte) {
 	case post && string(path) == "/tokenize":
 		g.serveTokenize(ctx)
 	case post && passedThrough(path):
-		g.serveCompletion(ctx, kindOther)
+		g.serveCompletion(ctx, request.Passthrough)
 	case !post && postOnly(path):
 		onlyPost(ctx, path)
 	default:
@@ -336,12 +337,12 @@ func (g *Gateway) ErrorHandler(ctx *fasthttp.RequestCtx, err error) {
 }
 
 func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
-	var re *requestError
+	var re *request.Error
 	if !errors.As(err, &re) {
-		re = &requestError{status: 500, typ: "internal_error", msg: err.Error()}
+		re = &request.Error{Status: 500, Type: "internal_error", Message: err.Error()}
 	}
 	label := "bad_request"
-	switch re.status {
+	switch re.Status {
 	case 401:
 		label = "unauthorized"
 	case 403:
@@ -353,7 +354,7 @@ func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
 		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
 	}
 	g.metrics.errors.WithLabelValues(label).Inc()
-	proxy.WriteError(ctx, re.status, re.typ, re.msg)
+	proxy.WriteError(ctx, re.Status, re.Type, re.Message)
 }
 
 // authorize checks the client's bearer token against the configured keys.
@@ -363,7 +364,7 @@ func (s *Settings) authorize(ctx *fasthttp.RequestCtx) error {
 	}
 	tok, ok := bytes.CutPrefix(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization), []byte("Bearer "))
 	if !ok || !s.APIKeys[string(bytes.TrimSpace(tok))] {
-		return &requestError{status: 401, typ: "invalid_request_error", msg: "missing or invalid API key"}
+		return &request.Error{Status: 401, Type: "invalid_request_error", Message: "missing or invalid API key"}
 	}
 	return nil
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -837,7 +838,7 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 			if r.IntN(8) == 0 {
 				msgs = append(msgs, `{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}`)
 			}
-			p := &parsed{kind: kindChat}
+			p := &request.Request{Kind: request.Chat}
 			p.Messages = json.RawMessage("[" + strings.Join(msgs, ",") + "]")
 			if r.IntN(6) == 0 {
 				p.Tools = json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
@@ -848,10 +849,10 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 			if cap(ex.promptBuf) > before && before > 0 {
 				grew++
 			}
-			chat := tokenize.Chat{Messages: p.Messages, Tools: nullToNil(p.Tools), AddGenerationPrompt: true}
+			chat := tokenize.Chat{Messages: p.Messages, Tools: p.Tools, AddGenerationPrompt: true}
 			_, want, werr := tk.EncodeChat(chat)
 			if k, media := tokenize.MediaMessage(werr); media && k > 0 {
-				chat.Messages, chat.AddGenerationPrompt = leadingElements(p.Messages, k), false
+				chat.Messages, chat.AddGenerationPrompt = request.LeadingElements(p.Messages, k), false
 				_, want, werr = tk.EncodeChat(chat)
 			}
 			if fmt.Sprint(err) != fmt.Sprint(werr) || !slices.Equal(ids, want) {

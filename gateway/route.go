@@ -13,6 +13,7 @@ import (
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -120,7 +121,7 @@ func (g *Gateway) putExchange(ex *exchange) {
 	g.exchanges.Put(ex)
 }
 
-func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
+func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	var idBuf [maxRequestIDLen]byte
 	id := requestID(&ctx.Request.Header, idBuf[:0])
 	ctx.Response.Header.SetCanonical(hdrRequestID, id) // errors carry it too
@@ -129,14 +130,14 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		g.fail(ctx, err)
 		return
 	}
-	var p *parsed
+	var p *request.Request
 	var err error
 	path := string(ctx.Path())
-	if k == kindOther {
-		p, err = parseOther(ctx)
+	if k == request.Passthrough {
+		p, err = request.ParsePassthrough(ctx.PostBody(), string(ctx.Request.Header.MultipartFormBoundary()))
 		path = string(ctx.RequestURI()) // with its query, if any
 	} else {
-		p, err = parseRequest(ctx.PostBody(), k)
+		p, err = request.Parse(ctx.PostBody(), k)
 	}
 	if err != nil {
 		g.fail(ctx, err)
@@ -145,7 +146,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 	snap := g.table.Snapshot()
 	if p.Model == "" {
 		if p.Model = soleModel(snap); p.Model == "" {
-			g.fail(ctx, badRequest("model is required"))
+			g.fail(ctx, request.Invalid("model is required"))
 			return
 		}
 	}
@@ -157,11 +158,11 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		g.fail(ctx, err)
 		return
 	}
-	ex.measuresTTFT = p.stream && k != kindOther
+	ex.measuresTTFT = p.Stream && k != request.Passthrough
 	body := ctx.PostBody()
 	strip := false
-	if p.stream && !p.wantsUsage && k != kindOther {
-		if b, err := withIncludeUsage(body, p.StreamOptions); err == nil {
+	if p.Stream && !p.WantsUsage && k != request.Passthrough {
+		if b, err := request.WithIncludeUsage(body, p.StreamOptions); err == nil {
 			body, strip = b, true
 		}
 	}
@@ -172,11 +173,11 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 		Body:              body,
 		StripUsage:        strip,
 		DropAuthorization: len(s.APIKeys) > 0,
-		Stream:            p.stream,
+		Stream:            p.Stream,
 	}
-	if p.stream && s.ResumeStreams && k != kindOther {
+	if p.Stream && s.ResumeStreams && k != request.Passthrough {
 		// The stream may outlive ctx's buffers (a client gone mid-way).
-		orig, k := bytes.Clone(body), p.kind
+		orig, k := bytes.Clone(body), p.Kind
 		tk := s.tokenizer(s.Models[p.Model])
 		req.Resume = func(text []byte, chunks int) ([]byte, bool) {
 			// An engine may send several tokens per event: count the text's
@@ -187,10 +188,10 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k kind) {
 					chunks = max(chunks, len(ids))
 				}
 			}
-			return continuation(orig, k, text, chunks)
+			return request.Continuation(orig, k, text, chunks)
 		}
 	}
-	if p.stream || !p.shortAnswer() {
+	if p.Stream || !p.ShortAnswer() {
 		// A client that leaves while the engine works must stop the
 		// engine too; the proxy only hears of it through an Abort (a
 		// stream writes nothing before its first event). Watched until
@@ -233,7 +234,7 @@ func serves(r *fleet.Replica, model string) bool {
 }
 
 // decide builds candidates, routes, and fills the targets to try.
-func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
+func (ex *exchange) decide(snap *fleet.Snapshot, p *request.Request) error {
 	g, s := ex.g, ex.s
 	// The decision time is only logged (debug): clock reads cost on every
 	// request otherwise.
@@ -276,7 +277,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		}
 	}
 	if !known {
-		return &requestError{status: 404, typ: "not_found_error", msg: fmt.Sprintf("model %q is not served here", ex.model)}
+		return &request.Error{Status: 404, Type: "not_found_error", Message: fmt.Sprintf("model %q is not served here", ex.model)}
 	}
 	if len(ex.cands) == 0 {
 		// No replica is known to be up. Those whose sidecar merely fell
@@ -293,7 +294,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 	}
 	if len(ex.cands) == 0 {
 		if len(ms.Fallback) == 0 {
-			return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
+			return &request.Error{Status: 503, Type: "service_unavailable", Message: fmt.Sprintf("no replica of %q is available", ex.model)}
 		}
 		ex.tokens(p, ms)
 		ex.d = routing.Decision{Pick: -1, Order: ex.d.Order[:0], Mode: routing.ModeFallback, Reason: "no replica online"}
@@ -360,7 +361,7 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *parsed) error {
 		ex.addFallback(ms)
 	}
 	if len(ex.targets) == 0 {
-		return &requestError{status: 503, typ: "service_unavailable", msg: fmt.Sprintf("no replica of %q is available", ex.model)}
+		return &request.Error{Status: 503, Type: "service_unavailable", Message: fmt.Sprintf("no replica of %q is available", ex.model)}
 	}
 	return nil
 }
@@ -386,7 +387,7 @@ func (ex *exchange) addFallback(ms Model) {
 func (ex *exchange) snapIndex(ci int) int { return ex.snapIdx[ci] }
 
 // tokens tokenizes the prompt; a failure degrades to load-only routing.
-func (ex *exchange) tokens(p *parsed, ms Model) {
+func (ex *exchange) tokens(p *request.Request, ms Model) {
 	pre, err := ex.encode(p, ms)
 	if err != nil {
 		if errors.Is(err, tokenize.ErrPromptTooLong) {
@@ -402,12 +403,8 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 	}
 	ex.ids = pre.IDs
 	ex.promptTokens, ex.promptEstimated = pre.Total, pre.Estimated
-	salt := ""
-	if p.CacheSalt != nil {
-		salt = *p.CacheSalt
-	}
 	ex.req.AffinityKey = 0
-	ex.seed = blockkey.Seed(ms.Adapter, salt)
+	ex.seed = blockkey.Seed(ms.Adapter, p.CacheSalt)
 }
 
 // encode returns the prompt's leading token ids and count, rendering and
@@ -415,7 +412,7 @@ func (ex *exchange) tokens(p *parsed, ms Model) {
 // A tokenizer that panics on some input is an error like any other: that
 // request is routed by load, the router stays up, and the panic is counted
 // and logged with its stack.
-func (ex *exchange) encode(p *parsed, ms Model) (pre tokenize.Prefixed, err error) {
+func (ex *exchange) encode(p *request.Request, ms Model) (pre tokenize.Prefixed, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			pre, err = tokenize.Prefixed{}, fmt.Errorf("tokenizer panic: %v", r)
@@ -426,32 +423,24 @@ func (ex *exchange) encode(p *parsed, ms Model) (pre tokenize.Prefixed, err erro
 	tk := ex.s.tokenizer(ms)
 	bounds := tokenize.Bounds{MaxTokens: ex.s.MaxPrefixTokens, MaxBytes: ex.s.MaxPrefixBytes}
 	switch {
-	case p.kind == kindOther:
+	case p.Kind == request.Passthrough:
 		err = errLoadOnly
-	case p.kind == kindCompletion && p.promptIDs != nil:
-		pre = tokenize.Prefixed{IDs: p.promptIDs, Total: len(p.promptIDs)}
+	case p.Kind == request.Completion && p.PromptIDs != nil:
+		pre = tokenize.Prefixed{IDs: p.PromptIDs, Total: len(p.PromptIDs)}
 	case tk == nil:
 		err = errNoTokenizer
-	case p.kind == kindCompletion:
-		pre, err = tokenize.EncodePrefix(tk, p.promptText, p.AddSpecialTokens == nil || *p.AddSpecialTokens, bounds)
+	case p.Kind == request.Completion:
+		pre, err = tokenize.EncodePrefix(tk, p.PromptText, p.PromptSpecialTokens(), bounds)
 	default:
-		chat := tokenize.Chat{
-			Messages:             p.Messages,
-			Tools:                nullToNil(p.Tools),
-			AddGenerationPrompt:  p.AddGenerationPrompt == nil || *p.AddGenerationPrompt,
-			ContinueFinalMessage: p.ContinueFinalMessage != nil && *p.ContinueFinalMessage,
-			TemplateKwargs:       nullToNil(p.ChatTemplateKwargs),
-			AddSpecialTokens:     p.AddSpecialTokens != nil && *p.AddSpecialTokens,
-			IDs:                  ex.idsBuf,
-			Prompt:               &ex.promptBuf,
-		}
+		chat := p.ChatInput()
+		chat.IDs, chat.Prompt = ex.idsBuf, &ex.promptBuf
 		pre, err = tokenize.EncodeChatPrefix(tk, chat, bounds)
 		if k, media := tokenize.MediaMessage(err); media && k > 0 {
 			// The engine expands media into tokens the router cannot know,
 			// but the messages before the first media part are rendered
 			// the same in any conversation that starts with them: route on
 			// their blocks (a shared system prompt, earlier text turns).
-			chat.Messages = leadingElements(p.Messages, k)
+			chat.Messages = request.LeadingElements(p.Messages, k)
 			chat.AddGenerationPrompt, chat.ContinueFinalMessage = false, false
 			pre, err = tokenize.EncodeChatPrefix(tk, chat, bounds)
 			ex.mediaPrefix = err == nil
@@ -470,13 +459,6 @@ var (
 	errNoTokenizer = fmt.Errorf("no tokenizer for this model")
 	errLoadOnly    = fmt.Errorf("endpoint routed by load only")
 )
-
-func nullToNil(raw []byte) []byte {
-	if isNull(raw) {
-		return nil
-	}
-	return raw
-}
 
 // match computes block keys and each candidate's matched prefix and load.
 func (ex *exchange) match(snap *fleet.Snapshot) {

@@ -1,4 +1,4 @@
-package gateway
+package request
 
 import (
 	"bytes"
@@ -12,10 +12,10 @@ import (
 // routing needs and keeping the large ones (messages, prompt, tools) as
 // raw spans. Later duplicates win, as with encoding/json. Keys are matched
 // as written (a key spelled with escapes is not recognised).
-func decodeTop(body []byte, r *apiRequest) error {
+func decodeTop(body []byte, r *fields) error {
 	i := skipSpace(body, 0)
 	if i >= len(body) || body[i] != '{' {
-		return badRequest("request body must be a JSON object")
+		return Invalid("request body must be a JSON object")
 	}
 	i++
 	for {
@@ -24,18 +24,18 @@ func decodeTop(body []byte, r *apiRequest) error {
 			return nil
 		}
 		if i >= len(body) || body[i] != '"' {
-			return badRequest("malformed JSON object")
+			return Invalid("malformed JSON object")
 		}
 		kEnd := valueEnd(body, i)
 		key := body[i+1 : kEnd-1]
 		i = skipSpace(body, kEnd)
 		if i >= len(body) || body[i] != ':' {
-			return badRequest("malformed JSON object")
+			return Invalid("malformed JSON object")
 		}
 		i = skipSpace(body, i+1)
 		vEnd := valueEnd(body, i)
 		if vEnd <= i {
-			return badRequest("malformed JSON object")
+			return Invalid("malformed JSON object")
 		}
 		if err := r.set(key, body[i:vEnd]); err != nil {
 			return err
@@ -47,7 +47,7 @@ func decodeTop(body []byte, r *apiRequest) error {
 	}
 }
 
-func (r *apiRequest) set(key, v []byte) error {
+func (r *fields) set(key, v []byte) error {
 	var err error
 	switch string(key) {
 	case "model":
@@ -100,7 +100,7 @@ func wrongType(field string, v []byte, want string) error {
 	default:
 		got = "number"
 	}
-	return badRequest("field %q has the wrong type: got %s, want %s", field, got, want)
+	return Invalid("field %q has the wrong type: got %s, want %s", field, got, want)
 }
 
 // setString sets *dst from a JSON string (null leaves it unchanged).
@@ -114,7 +114,7 @@ func setString(dst *string, v []byte, field string) error {
 			return nil
 		}
 		if err := json.Unmarshal(v, dst); err != nil {
-			return badRequest("field %q: %v", field, err)
+			return Invalid("field %q: %v", field, err)
 		}
 		return nil
 	}

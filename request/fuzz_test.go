@@ -1,4 +1,4 @@
-package gateway
+package request
 
 import (
 	"bytes"
@@ -7,9 +7,9 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
-
-	"github.com/valyala/fasthttp"
 )
+
+const chatBody = `{"model":"sim","messages":[{"role":"system","content":"You are a careful assistant."},{"role":"user","content":"Hello"}]}`
 
 // FuzzParseRequest feeds arbitrary bodies to the request parser: it must
 // answer a request error or a request, never panic, and when it adds
@@ -21,21 +21,21 @@ func FuzzParseRequest(f *testing.F) {
 	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"tools":[]}`), true)
 	f.Add([]byte("{\"model\":\"\xff\"}"), true)
 	f.Fuzz(func(t *testing.T, body []byte, chat bool) {
-		k := kindCompletion
+		k := Completion
 		if chat {
-			k = kindChat
+			k = Chat
 		}
-		p, err := parseRequest(body, k)
+		p, err := Parse(body, k)
 		if err != nil {
-			if _, ok := err.(*requestError); !ok {
+			if _, ok := err.(*Error); !ok {
 				t.Fatalf("error of type %T", err)
 			}
 			return
 		}
-		if !p.stream || p.wantsUsage {
+		if !p.Stream || p.WantsUsage {
 			return
 		}
-		out, err := withIncludeUsage(body, p.StreamOptions)
+		out, err := WithIncludeUsage(body, p.StreamOptions)
 		if err != nil {
 			return
 		}
@@ -81,18 +81,18 @@ func FuzzDecodeTop(f *testing.F) {
 	f.Add([]byte(`{"model":"a\"b","stream":true,"stream":false,"cache_salt":"s","prompt":[1,2],"x":{"model":1}}`))
 	f.Add([]byte(`{"model":null,"add_special_tokens":1}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
-		// parseRequest rejects invalid UTF-8 before decoding; encoding/json
+		// Parse rejects invalid UTF-8 before decoding; encoding/json
 		// would replace it instead.
 		if !utf8.Valid(body) || !json.Valid(body) || bytes.Contains(body, []byte(`\u`)) || bytes.ContainsFunc(body, func(r rune) bool { return r >= 'A' && r <= 'Z' }) {
 			return
 		}
-		var want apiRequest
+		var want fields
 		wantErr := json.Unmarshal(body, &want)
-		var got apiRequest
+		var got fields
 		gotErr := decodeTop(body, &got)
 		if (wantErr == nil) != (gotErr == nil) {
 			if t := bytes.TrimSpace(body); len(t) > 0 && t[0] != '{' {
-				return // not an object: parseRequest rejects it before
+				return // not an object: Parse rejects it before
 			}
 			t.Fatalf("%s: encoding/json error %v, decodeTop error %v", body, wantErr, gotErr)
 		}
@@ -107,7 +107,7 @@ func FuzzDecodeTop(f *testing.F) {
 	})
 }
 
-// FuzzValidMatchesStdlib: parseRequest validates bodies with validJSON for
+// FuzzValidMatchesStdlib: Parse validates bodies with validJSON for
 // speed; it must accept exactly what encoding/json accepts, however deep
 // the body nests (depth wraps it in that many arrays: encoding/json stops
 // at 10,000, segmentio's Valid alone does not).
@@ -134,13 +134,8 @@ func FuzzPassThroughFields(f *testing.F) {
 	f.Add([]byte(`{"model":"m","input":"x","stream":true}`), "", "m")
 	f.Add([]byte("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--b--\r\n"), "b", "whisper")
 	f.Fuzz(func(t *testing.T, body []byte, boundary, model string) {
-		var ctx fasthttp.RequestCtx
-		ctx.Request.SetBody(body)
-		if boundary != "" {
-			ctx.Request.Header.SetContentType("multipart/form-data; boundary=" + boundary)
-		}
-		if _, err := parseOther(&ctx); err != nil {
-			if _, ok := err.(*requestError); !ok {
+		if _, err := ParsePassthrough(body, boundary); err != nil {
+			if _, ok := err.(*Error); !ok {
 				t.Fatalf("error of type %T", err)
 			}
 		}
@@ -151,7 +146,7 @@ func FuzzPassThroughFields(f *testing.F) {
 		mw := multipart.NewWriter(&form)
 		_ = mw.WriteField("model", model)
 		_ = mw.Close()
-		var p parsed
+		var p Request
 		if err := p.formFields(form.Bytes(), mw.Boundary()); err != nil || p.Model != model {
 			t.Fatalf("model %q: got %q, %v", model, p.Model, err)
 		}
