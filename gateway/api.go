@@ -152,7 +152,7 @@ func (g *Gateway) serveReady(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	snap := g.table.Snapshot()
-	loads := g.loadsOf(snap)
+	loads := g.loadsOf(snap).loads
 	now := g.now().UnixNano()
 	live, waiting, ejected := 0, 0, 0
 	for i := range snap.Replicas {

@@ -37,9 +37,9 @@ func TestDecisionBoundedOnHugeBodies(t *testing.T) {
 				t.Errorf("%s/%s: the decision allocated %d MB", name, shape.name, allocated>>20)
 			}
 			// A token takes 2 to 8 bytes of these bodies.
-			if ex.tokenizeErr != nil || !ex.promptEstimated || len(ex.ids) != s.MaxPrefixTokens ||
-				ex.promptTokens < size/8 || ex.promptTokens > size/2 {
-				t.Errorf("%s/%s: %d ids, %d prompt tokens (estimated %v), %v", name, shape.name, len(ex.ids), ex.promptTokens, ex.promptEstimated, ex.tokenizeErr)
+			if pr := ex.plan.Prompt; pr.Err != nil || !pr.Estimated || len(pr.IDs) != s.MaxPrefixTokens ||
+				pr.Tokens < size/8 || pr.Tokens > size/2 {
+				t.Errorf("%s/%s: %d ids, %d prompt tokens (estimated %v), %v", name, shape.name, len(pr.IDs), pr.Tokens, pr.Estimated, pr.Err)
 			}
 			g.putExchange(ex)
 		}

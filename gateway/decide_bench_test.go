@@ -188,8 +188,8 @@ func BenchmarkDecision(b *testing.B) {
 					durations = append(durations, time.Since(t1))
 					cpu = append(cpu, threadCPU()-c1)
 					parse += t1.Sub(t0)
-					if ex.tokenizeErr != nil || ex.promptTokens < 500 {
-						b.Fatalf("tokens %d err %v", ex.promptTokens, ex.tokenizeErr)
+					if pr := ex.plan.Prompt; pr.Err != nil || pr.Tokens < 500 {
+						b.Fatalf("tokens %d err %v", pr.Tokens, pr.Err)
 					}
 					g.putExchange(ex)
 				}
@@ -299,8 +299,8 @@ func BenchmarkDecisionMaxBody(b *testing.B) {
 					}
 					decide += time.Since(t1)
 					parse += t1.Sub(t0)
-					if ex.tokenizeErr != nil || ex.promptTokens < s.MaxPrefixTokens {
-						b.Fatalf("tokens %d err %v", ex.promptTokens, ex.tokenizeErr)
+					if pr := ex.plan.Prompt; pr.Err != nil || pr.Tokens < s.MaxPrefixTokens {
+						b.Fatalf("tokens %d err %v", pr.Tokens, pr.Err)
 					}
 					g.putExchange(ex)
 				}

@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
@@ -81,6 +82,11 @@ type Settings struct {
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.
 	ResumeStreams bool
+
+	// plan and planModels are the above as the planner reads them
+	// (withDefaults).
+	plan       plan.Settings
+	planModels map[string]plan.Model
 }
 
 // Model is per-model routing knowledge.
@@ -122,7 +128,24 @@ func (s *Settings) withDefaults() *Settings {
 	if c.Policy == nil {
 		c.Policy, _ = routing.New("kvaware", routing.Config{})
 	}
+	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts}
+	c.planModels = make(map[string]plan.Model, len(c.Models))
+	for name, ms := range c.Models {
+		pm := plan.Model{Tokenizer: c.tokenizer(ms), Adapter: ms.Adapter, Base: ms.Base, SpillAfter: ms.SpillAfter}
+		for _, up := range ms.Fallback {
+			pm.Fallback = append(pm.Fallback, up.Name)
+		}
+		c.planModels[name] = pm
+	}
 	return &c
+}
+
+// planModel is how the planner treats model, whose settings are ms.
+func (s *Settings) planModel(model string, ms Model) plan.Model {
+	if pm, ok := s.planModels[model]; ok {
+		return pm
+	}
+	return plan.Model{Tokenizer: s.tokenizer(ms), Adapter: ms.Adapter, Base: ms.Base, SpillAfter: ms.SpillAfter}
 }
 
 // Clusterer spreads what one router learns to the others (gossip); nil

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -23,7 +22,6 @@ import (
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/proxy"
-	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -803,65 +801,6 @@ func TestEngineTokenizerForgetsDepartedEngines(t *testing.T) {
 	var picked [maxEngineTries]*tokenizingEngine
 	if n := tk.engines(time.Now().Add(2*time.Minute), &picked); n != 1 || len(tk.byURL) != 1 || tk.byURL[podB] == nil {
 		t.Fatalf("%d picked, engines %v: pod-a's should be gone, pod-b's there", n, tk.byURL)
-	}
-}
-
-// TestReusedPromptBufferKeepsIdsExact encodes chats of every size through
-// one exchange, whose prompt buffer each reuses and some outgrow, with
-// media (the retried render) and tools (jinja's path) among them: the ids
-// are always those of a render into a new prompt.
-func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
-	for _, model := range []string{"llama3", "qwen2.5"} {
-		dir := filepath.Join("..", "..", "shared", "tokenizers", model)
-		if _, err := os.Stat(dir); err != nil {
-			t.Skipf("real tokenizer files not found (%v): they live in ../shared/tokenizers beside the repository", err)
-		}
-		tk, err := tokenize.LoadDir(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ex := &exchange{s: &Settings{DefaultTokenizer: tk}}
-		r := rand.New(rand.NewPCG(5, 6))
-		words := []string{"hello", " ", "world", "\n", "é", "日本", "<|eot_id|>", "  ", "\u00a0", "tool"}
-		grew := 0
-		for i := range 300 {
-			var msgs []string
-			for range 1 + r.IntN(5) {
-				var b strings.Builder
-				for range r.IntN(1 + r.IntN(3)*2000) {
-					b.WriteString(words[r.IntN(len(words))])
-				}
-				content, _ := json.Marshal(b.String())
-				role := []string{"system", "user", "assistant", "tool"}[r.IntN(4)]
-				msgs = append(msgs, fmt.Sprintf(`{"role":%q,"content":%s}`, role, content))
-			}
-			if r.IntN(8) == 0 {
-				msgs = append(msgs, `{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}`)
-			}
-			p := &request.Request{Kind: request.Chat}
-			p.Messages = json.RawMessage("[" + strings.Join(msgs, ",") + "]")
-			if r.IntN(6) == 0 {
-				p.Tools = json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)
-			}
-			before := cap(ex.promptBuf)
-			pre, err := ex.encode(p, Model{})
-			ids := pre.IDs
-			if cap(ex.promptBuf) > before && before > 0 {
-				grew++
-			}
-			chat := tokenize.Chat{Messages: p.Messages, Tools: p.Tools, AddGenerationPrompt: true}
-			_, want, werr := tk.EncodeChat(chat)
-			if k, media := tokenize.MediaMessage(werr); media && k > 0 {
-				chat.Messages, chat.AddGenerationPrompt = request.LeadingElements(p.Messages, k), false
-				_, want, werr = tk.EncodeChat(chat)
-			}
-			if fmt.Sprint(err) != fmt.Sprint(werr) || !slices.Equal(ids, want) {
-				t.Fatalf("%s case %d: %v, %d ids; want %v, %d ids", model, i, err, len(ids), werr, len(want))
-			}
-		}
-		if grew == 0 {
-			t.Errorf("%s: the prompt buffer never grew", model)
-		}
 	}
 }
 

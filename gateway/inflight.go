@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/plan"
+	"github.com/kvmesh/kvmesh/proxy"
 )
 
 // replicaLoad is this router's in-flight work at one replica: requests
@@ -20,7 +22,7 @@ type replicaLoad struct {
 }
 
 // clusterView adds this router's exact counts to the other routers'
-// in-flight work the replica's sidecar last gossiped.
+// in-flight work the replica's sidecar last gossiped, as the planner does.
 func (l *replicaLoad) clusterView(gossiped fleet.Load) (requests, prefillTokens int) {
 	return gossiped.OthersInflightRequests + int(l.requests.Load()), gossiped.OthersInflightPrefillTokens + int(l.prefill.Load())
 }
@@ -60,22 +62,38 @@ func (t *inflightTable) remove(name string) {
 type loadIndex struct {
 	snap  *fleet.Snapshot
 	loads []*replicaLoad
+	// unusable[i]: replica i's URL cannot be dialled (proxy.CheckURL).
+	unusable []bool
 }
 
 // loadsOf returns the in-flight entries of snap's replicas (index i is
-// snap.Replicas[i]). Snapshots are immutable, so the slice is built once per
+// snap.Replicas[i]). Snapshots are immutable, so the index is built once per
 // snapshot; entries are removed only for replicas no snapshot has held for
 // minutes (ForgetDeparted), so it stays valid.
-func (g *Gateway) loadsOf(snap *fleet.Snapshot) []*replicaLoad {
+func (g *Gateway) loadsOf(snap *fleet.Snapshot) *loadIndex {
 	if li := g.loadIdx.Load(); li != nil && li.snap == snap {
-		return li.loads
+		return li
 	}
-	loads := make([]*replicaLoad, len(snap.Replicas))
+	li := &loadIndex{snap: snap, loads: make([]*replicaLoad, len(snap.Replicas)), unusable: make([]bool, len(snap.Replicas))}
 	for i := range snap.Replicas {
-		loads[i] = g.inflight.get(snap.Replicas[i].Name)
+		li.loads[i] = g.inflight.get(snap.Replicas[i].Name)
+		li.unusable[i] = proxy.CheckURL(snap.Replicas[i].URL) != nil
 	}
-	g.loadIdx.Store(&loadIndex{snap: snap, loads: loads})
-	return loads
+	g.loadIdx.Store(li)
+	return li
+}
+
+// figures returns in dst (reused) what the planner reads of each replica at
+// now (unix nanoseconds).
+func (li *loadIndex) figures(dst []plan.Load, now int64) []plan.Load {
+	dst = dst[:0]
+	for i, l := range li.loads {
+		dst = append(dst, plan.Load{
+			Requests: int(l.requests.Load()), PrefillTokens: int(l.prefill.Load()),
+			Ejected: l.eject.out(now), Unusable: li.unusable[i],
+		})
+	}
+	return dst
 }
 
 // each calls f for every replica in name order.

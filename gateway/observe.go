@@ -9,6 +9,7 @@ import (
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/routing"
 )
@@ -21,9 +22,9 @@ func (ex *exchange) Attempt(i int) {
 		ex.g.metrics.retries.Inc()
 	}
 	ex.record(i)
-	if l := ex.info[i].load; l != nil {
+	if l := ex.load(i); l != nil {
 		l.requests.Add(1)
-		l.prefill.Add(int64(ex.info[i].uncached))
+		l.prefill.Add(int64(ex.plan.Targets[i].Uncached))
 	}
 }
 
@@ -31,33 +32,41 @@ func (ex *exchange) Attempt(i int) {
 // (routing.Recorder) that this one is sent to target i now. Requests routed
 // in least-load mode are not recorded: prefixes did not steer them.
 func (ex *exchange) record(i int) {
-	if t := &ex.info[i]; t.prefixAware && !ex.d.Degraded {
+	if t := &ex.plan.Targets[i]; t.PrefixAware && !ex.plan.Decision.Degraded {
 		if rec, ok := ex.s.Policy.(routing.Recorder); ok {
-			rec.Record(&ex.req, t.name, t.filterMatched, ex.g.now())
+			rec.Record(&ex.plan.Request, t.Name, t.FilterMatched, ex.g.now())
 		}
 	}
+}
+
+// load is the in-flight entry target i counts against (nil: a fallback).
+func (ex *exchange) load(i int) *replicaLoad {
+	if r := ex.plan.Targets[i].Replica; r >= 0 {
+		return ex.loads[r]
+	}
+	return nil
 }
 
 // FirstByte implements proxy.Observer: target i has started answering, so
 // its prefill is done.
 func (ex *exchange) FirstByte(i int, ttft time.Duration) {
 	ex.firstByte, ex.ttft = true, ttft
-	t := &ex.info[i]
-	if t.load != nil {
-		t.load.prefill.Add(-int64(t.uncached))
-		t.load.eject.reached()
+	t, l := &ex.plan.Targets[i], ex.load(i)
+	if l != nil {
+		l.prefill.Add(-int64(t.Uncached))
+		l.eject.reached()
 	}
-	ex.g.metrics.ttftOf(t.load, t.name).Observe(ttft.Seconds())
+	ex.g.metrics.ttftOf(l, t.Name).Observe(ttft.Seconds())
 }
 
 // Header implements proxy.Observer: the X-Kvmesh-* headers of the answer.
 func (ex *exchange) Header(i int, h *fasthttp.ResponseHeader) {
-	t := &ex.info[i]
+	t := &ex.plan.Targets[i]
 	// The names are canonical already: SetCanonical skips normalizing them.
-	h.SetCanonical(hdrReplica, []byte(t.name))
-	h.SetCanonical(hdrMode, []byte(t.mode))
-	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(ex.promptTokens), 10))
-	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(t.predicted), 10))
+	h.SetCanonical(hdrReplica, []byte(t.Name))
+	h.SetCanonical(hdrMode, []byte(t.Mode))
+	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(ex.plan.Prompt.Tokens), 10))
+	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(ex.hdrBuf[:0], int64(t.PredictedCached), 10))
 	// X-Request-Id is already there: serveCompletion set it for every answer.
 }
 
@@ -70,22 +79,22 @@ var (
 
 // Finish implements proxy.Observer. The last call releases ex.
 func (ex *exchange) Finish(i int, r proxy.Result) {
-	g, t := ex.g, &ex.info[i]
-	if l := t.load; l != nil {
+	g, t, tl := ex.g, &ex.plan.Targets[i], ex.load(i)
+	if l := tl; l != nil {
 		if !ex.firstByte {
-			l.prefill.Add(-int64(t.uncached))
+			l.prefill.Add(-int64(t.Uncached))
 		}
 		l.requests.Add(-1)
 		if unreachable(r) {
 			if d := l.eject.failed(g.now()); d > 0 {
-				g.metrics.ejections.WithLabelValues(t.name).Inc()
-				g.log.Warn().Bytes("request_id", ex.requestID).Str("replica", t.name).AnErr("error", r.Err).
+				g.metrics.ejections.WithLabelValues(t.Name).Inc()
+				g.log.Warn().Bytes("request_id", ex.requestID).Str("replica", t.Name).AnErr("error", r.Err).
 					Dur("for", d).Msg("replica unreachable: out of routing")
 			}
 		}
 	}
 	m := g.metrics
-	m.latency(t.load, t.name).Observe(r.Elapsed.Seconds())
+	m.latency(tl, t.Name).Observe(r.Elapsed.Seconds())
 	switch {
 	case r.Internal: // counted as a panic where it was recovered
 	case r.ClientGone:
@@ -102,13 +111,13 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 		m.errors.WithLabelValues("stream").Inc()
 	case r.Status >= 500 || r.Status == 429:
 		m.errors.WithLabelValues("upstream_status").Inc()
-	case (r.Status == 401 || r.Status == 403) && t.load != nil && (ex.s.EngineAPIKey != "" || len(ex.s.APIKeys) > 0):
+	case (r.Status == 401 || r.Status == 403) && tl != nil && (ex.s.EngineAPIKey != "" || len(ex.s.APIKeys) > 0):
 		// The router, not the client, authenticates to replicas here, so a
 		// refusal is a configuration fault: say which flag to look at, once
 		// in a while. (Without either setting the client's own
 		// Authorization reached the engine: its 401 is the client's.)
 		m.errors.WithLabelValues("upstream_unauthorized").Inc()
-		g.authLog.Warn().Str("replica", t.name).Int("status", r.Status).Bool("engine_api_key_set", ex.s.EngineAPIKey != "").
+		g.authLog.Warn().Str("replica", t.Name).Int("status", r.Status).Bool("engine_api_key_set", ex.s.EngineAPIKey != "").
 			Msg("replica refused the request: engines started with --api-key need the router's --engine-api-key (KVMESH_ENGINE_API_KEY)")
 	}
 	if r.Retried || r.Resumed {
@@ -117,12 +126,12 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	ex.learn(t, r)
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
 	if served {
-		m.routed(t.mode).Inc()
-		if t.predicted > 0 {
+		m.routed(t.Mode).Inc()
+		if t.PredictedCached > 0 {
 			m.prefixHits.Inc()
 		}
-		m.prompt.Add(float64(ex.promptTokens))
-		m.predicted.Add(float64(t.predicted))
+		m.prompt.Add(float64(ex.plan.Prompt.Tokens))
+		m.predicted.Add(float64(t.PredictedCached))
 		if r.CachedTokens > 0 {
 			m.actual.Add(float64(r.CachedTokens))
 		}
@@ -130,20 +139,20 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 	if g.log.GetLevel() <= zerolog.DebugLevel {
 		ev := g.log.Debug().Bytes("request_id", ex.requestID).
 			Str("policy", ex.s.Policy.Name()).Str("model", ex.model).Str("path", ex.path).
-			Str("replica", t.name).Str("mode", string(t.mode)).
-			Int("prompt_tokens", ex.promptTokens).Int("predicted_cached", t.predicted).
+			Str("replica", t.Name).Str("mode", string(t.Mode)).
+			Int("prompt_tokens", ex.plan.Prompt.Tokens).Int("predicted_cached", t.PredictedCached).
 			Int("actual_cached", r.CachedTokens).Int("attempts", ex.attempts).Int("status", r.Status).
 			Dur("decide", ex.decideTime).Dur("ttft", ex.ttft).Dur("elapsed", r.Elapsed).
-			Bool("degraded", ex.d.Degraded).Str("reason", ex.d.Reason)
-		if ex.d.Pick >= 0 && !t.fallback && t.name == ex.cands[ex.d.Pick].Name {
+			Bool("degraded", ex.plan.Decision.Degraded).Str("reason", ex.plan.Decision.Reason)
+		if t.Picked {
 			// kvaware's estimates are for its pick: beside the TTFT
 			// measured there, not at a replica a retry moved to.
-			ev = ev.Dur("predicted_ttft", ex.d.PredictedTTFT).Dur("predicted_queue", ex.d.Queue)
+			ev = ev.Dur("predicted_ttft", ex.plan.Decision.PredictedTTFT).Dur("predicted_queue", ex.plan.Decision.Queue)
 		}
-		if ex.tokenizeErr != nil {
-			ev = ev.Str("tokenize_error", ex.tokenizeErr.Error())
+		if ex.plan.Prompt.Err != nil {
+			ev = ev.Str("tokenize_error", ex.plan.Prompt.Err.Error())
 		}
-		if ex.mediaPrefix {
+		if ex.plan.Prompt.MediaPrefix {
 			ev = ev.Bool("media_text_prefix", true)
 		}
 		if r.Err != nil {
@@ -156,24 +165,25 @@ func (ex *exchange) Finish(i int, r proxy.Result) {
 
 // learn tells a policy that calibrates its cost model (routing.Learner) the
 // time to first token measured at t, when that is what the decision
-// predicted: a stream's first event, at the replica picked, on the first
-// try. The cached tokens are the engine's count when it gave one.
-func (ex *exchange) learn(t *targetInfo, r proxy.Result) {
+// predicted (plan.Target.Teaches) and the answer measured one: a stream's
+// first event, on the first try. The cached tokens are the engine's count
+// when it gave one.
+func (ex *exchange) learn(t *plan.Target, r proxy.Result) {
 	// r.Events: a 200 to a stream that is not SSE (an engine ignoring
 	// "stream") came whole, so its first byte is its last.
-	if !ex.measuresTTFT || !ex.firstByte || ex.attempts != 1 || r.Status != 200 || r.Events == 0 ||
-		ex.d.Pick < 0 || t.fallback || t.name != ex.cands[ex.d.Pick].Name || ex.tokenizeErr != nil || ex.mediaPrefix || ex.staleOnly || ex.promptEstimated || t.stale {
+	measured := ex.measuresTTFT && ex.firstByte && ex.attempts == 1 && r.Status == 200 && r.Events > 0
+	if !t.Teaches || !measured {
 		return
 	}
 	l, ok := ex.s.Policy.(routing.Learner)
 	if !ok {
 		return
 	}
-	cached := t.predicted
+	cached := t.PredictedCached
 	if r.CachedTokens >= 0 {
 		cached = r.CachedTokens
 	}
-	l.Learn(&ex.req, &ex.cands[ex.d.Pick], cached, ex.ttft)
+	l.Learn(&ex.plan.Request, ex.plan.PickCandidate(), cached, ex.ttft)
 }
 
 // unreachable reports whether an attempt failed for want of a replica that

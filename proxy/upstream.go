@@ -88,17 +88,32 @@ type Upstream struct {
 	watched watched
 }
 
+// CheckURL reports why rawURL cannot be an upstream's (NewUpstream), nil
+// when it can.
+func CheckURL(rawURL string) error {
+	_, err := parseURL(rawURL)
+	return err
+}
+
+func parseURL(rawURL string) (*url.URL, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, err
+	}
+	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
+		return nil, fmt.Errorf("URL %q must be http(s)://host[:port][/prefix]", rawURL)
+	}
+	return u, nil
+}
+
 // NewUpstream returns an upstream for base URL rawURL (http or https; a path
 // is kept as a prefix, so "https://api.example.com/v1" is not supported: give
 // the URL without the /v1). apiKey, when not empty, is sent as a bearer token
 // instead of the client's Authorization.
 func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
-	u, err := url.Parse(rawURL)
+	u, err := parseURL(rawURL)
 	if err != nil {
 		return nil, fmt.Errorf("proxy: upstream %q: %w", name, err)
-	}
-	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" {
-		return nil, fmt.Errorf("proxy: upstream %q: URL %q must be http(s)://host[:port][/prefix]", name, rawURL)
 	}
 	given := opt
 	opt = opt.withDefaults()
