@@ -179,7 +179,7 @@ func BenchmarkDecision(b *testing.B) {
 						b.Fatal(err)
 					}
 					t1, c1 := time.Now(), threadCPU()
-					ex := g.getExchange(s)
+					ex := g.newLedger(s)
 					ex.model = "llama"
 					if err := ex.decide(g.table.Snapshot(), p); err != nil {
 						b.Fatal(err)
@@ -191,7 +191,7 @@ func BenchmarkDecision(b *testing.B) {
 					if pr := ex.plan.Prompt; pr.Err != nil || pr.Tokens < 500 {
 						b.Fatalf("tokens %d err %v", pr.Tokens, pr.Err)
 					}
-					g.putExchange(ex)
+					g.release(ex)
 				}
 				b.StopTimer()
 				faults = threadFaults() - faults
@@ -220,93 +220,4 @@ func BenchmarkPageFault(b *testing.B) {
 		b.Skip(err)
 	}
 	b.ReportMetric(float64(d.Nanoseconds())/float64(b.N)/1e3, "µs/fault")
-}
-
-// maxBodyBytes is the router's --max-body-bytes default (cmd/router): the
-// largest body a client can make the router decide on.
-const maxBodyBytes = 64 << 20
-
-// maxBodies are the three shapes of a body of about n bytes that cost a
-// decision the most: one prompt string, one chat message, and as many
-// one-word messages as fit.
-func maxBodies(n int) []struct {
-	name string
-	kind request.Kind
-	body []byte
-} {
-	salad := text(99, n-128)
-	quoted, _ := json.Marshal(salad)
-	prompt := append(append([]byte(`{"model":"llama","prompt":`), quoted...), '}')
-	message := append(append([]byte(`{"model":"llama","messages":[{"role":"user","content":`), quoted...), `}]}`...)
-	tiny := []byte(`{"role":"user","content":"word"},`)
-	messages := append(make([]byte, 0, n), `{"model":"llama","messages":[`...)
-	for len(messages)+len(tiny)+2 <= n {
-		messages = append(messages, tiny...)
-	}
-	messages = append(messages[:len(messages)-1], `]}`...)
-	return []struct {
-		name string
-		kind request.Kind
-		body []byte
-	}{
-		{"prompt", request.Completion, prompt},
-		{"message", request.Chat, message},
-		{"messages", request.Chat, messages},
-	}
-}
-
-// maxBodyTokenizers are the builtin tokenizer and, where
-// ../shared/tokenizers has them, Llama-3's and Qwen2.5's.
-func maxBodyTokenizers(tb testing.TB) map[string]tokenize.Model {
-	out := map[string]tokenize.Model{"builtin": tokenize.Builtin{}}
-	for _, name := range []string{"llama3", "qwen2.5"} {
-		dir := filepath.Join("..", "..", "shared", "tokenizers", name)
-		if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err != nil {
-			continue
-		}
-		tk, err := tokenize.LoadDir(dir)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		out[name] = tk
-	}
-	return out
-}
-
-// BenchmarkDecisionMaxBody times the decision on the largest bodies the
-// size limit lets through (maxBodies), parse reported apart: it must stay
-// within a few milliseconds whatever the body, as only the first
-// max_prefix_tokens tokens are matched. Run with -benchtime=3x.
-func BenchmarkDecisionMaxBody(b *testing.B) {
-	bodies := maxBodies(maxBodyBytes)
-	for name, tk := range maxBodyTokenizers(b) {
-		g := benchGateway(b, tk)
-		s := g.Settings()
-		for _, shape := range bodies {
-			b.Run(name+"/"+shape.name, func(b *testing.B) {
-				var parse, decide time.Duration
-				for b.Loop() {
-					t0 := time.Now()
-					p, err := request.Parse(shape.body, shape.kind)
-					if err != nil {
-						b.Fatal(err)
-					}
-					t1 := time.Now()
-					ex := g.getExchange(s)
-					ex.model = "llama"
-					if err := ex.decide(g.table.Snapshot(), p); err != nil {
-						b.Fatal(err)
-					}
-					decide += time.Since(t1)
-					parse += t1.Sub(t0)
-					if pr := ex.plan.Prompt; pr.Err != nil || pr.Tokens < s.MaxPrefixTokens {
-						b.Fatalf("tokens %d err %v", pr.Tokens, pr.Err)
-					}
-					g.putExchange(ex)
-				}
-				b.ReportMetric(float64(decide.Microseconds())/float64(b.N)/1e3, "decide-ms/op")
-				b.ReportMetric(float64(parse.Microseconds())/float64(b.N)/1e3, "parse-ms/op")
-			})
-		}
-	}
 }

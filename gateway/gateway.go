@@ -178,10 +178,10 @@ type Gateway struct {
 	upMu      sync.Mutex
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
 
-	watch     clientWatch // clients of long non-streamed requests
-	exchanges sync.Pool
-	now       func() time.Time
-	started   time.Time
+	watch   clientWatch // clients of long non-streamed requests
+	ledgers sync.Pool
+	now     func() time.Time
+	started time.Time
 }
 
 // New returns a gateway routing over table. cluster may be nil.
@@ -197,7 +197,7 @@ func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) 
 	g.upstreams.Store(&empty)
 	g.Apply(s)
 	g.metrics = newMetrics(g)
-	g.exchanges.New = func() any { return new(exchange) }
+	g.ledgers.New = func() any { return new(ledger) }
 	return g
 }
 

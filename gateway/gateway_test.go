@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math"
 	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -297,50 +295,6 @@ func TestRetriedRequestTakesItsRecordsAlong(t *testing.T) {
 	}
 }
 
-// TestMediaChatRoutesOnTextBeforeIt: a chat holding an image is routed on
-// the blocks of the messages before it (a long system prompt here) to the
-// replica that holds them; an image in the first message leaves nothing to
-// match, so that chat goes by load.
-func TestMediaChatRoutesOnTextBeforeIt(t *testing.T) {
-	dir := filepath.Join("..", "..", "shared", "tokenizers", "qwen2.5")
-	if _, err := os.Stat(dir); err != nil {
-		t.Skipf("real tokenizer files not found (%v): they live in ../shared/tokenizers beside the repository", err)
-	}
-	tk, err := tokenize.LoadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := newRouter(t, Settings{DefaultTokenizer: tk}, 1<<20)
-	now := time.Now()
-	for _, n := range []string{"a", "b", "c"} {
-		r.table.Upsert(fleet.Info{Name: n, Models: []string{testModel}, URL: startEngine(t, testModel), Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
-		r.table.SetLoad(n, fleet.Load{}, true, now)
-	}
-	system := strings.Repeat("You answer questions about photos sent to the shipping desk. ", 30)
-	_, ids, err := tk.EncodeChat(tokenize.Chat{Messages: json.RawMessage(fmt.Sprintf(`[{"role":"system","content":%q}]`, system))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
-	f := bloom.NewFilter(1024, 0.001)
-	for _, k := range keys {
-		f.Add(k)
-	}
-	r.table.SetFilter("b", f, 1, len(keys), now)
-	image := `{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgo="}}`
-	res := r.post(t, "/v1/chat/completions", fmt.Sprintf(`{"model":"sim","max_tokens":1,"messages":[{"role":"system","content":%q},`+
-		`{"role":"user","content":[{"type":"text","text":"What is on this label?"},%s]}]}`, system, image))
-	want := strconv.Itoa(len(keys) * 16)
-	if res.status != 200 || res.header["x-kvmesh-replica"] != "b" || res.header["x-kvmesh-mode"] != "prefix" ||
-		res.header["x-kvmesh-cached-tokens"] != want || res.header["x-kvmesh-prompt-tokens"] != strconv.Itoa(len(ids)) {
-		t.Fatalf("got %d %v %s; want replica b, mode prefix, %s cached of %d", res.status, res.header, res.body, want, len(ids))
-	}
-	res = r.post(t, "/v1/chat/completions", fmt.Sprintf(`{"model":"sim","max_tokens":1,"messages":[{"role":"user","content":[%s]}]}`, image))
-	if res.status != 200 || res.header["x-kvmesh-mode"] != "balance" || res.header["x-kvmesh-prompt-tokens"] != "0" {
-		t.Fatalf("image first: got %d %v %s; want mode balance, no tokens", res.status, res.header, res.body)
-	}
-}
-
 func TestTokenizeModelsReadyAndAdmin(t *testing.T) {
 	r := newRouter(t, Settings{AdminToken: "s3cret"}, 1<<20)
 	if res := r.get(t, "/ready"); res.status != 503 {
@@ -496,18 +450,6 @@ func TestRetrieveModel(t *testing.T) {
 	}
 }
 
-func TestLoRAAdapterRoutesOnlyToItsReplicas(t *testing.T) {
-	r := newRouter(t, Settings{Models: map[string]Model{"sql-lora": {Adapter: "sql-lora", Base: testModel}}}, 1<<20)
-	r.table.AddStatic("base-only", startEngine(t, testModel), []string{testModel})
-	r.table.AddStatic("with-lora", startEngine(t, "sql-lora"), []string{testModel, "sql-lora"})
-	for i := range 10 {
-		res := r.post(t, "/v1/completions", fmt.Sprintf(`{"model":"sql-lora","prompt":"select %d","max_tokens":1}`, i))
-		if res.status != 200 || res.header["x-kvmesh-replica"] != "with-lora" {
-			t.Fatalf("adapter request went to %q (%d %s)", res.header["x-kvmesh-replica"], res.status, res.body)
-		}
-	}
-}
-
 func TestStaticUpstreamModelsAreLearned(t *testing.T) {
 	r := newRouter(t, Settings{}, 1<<20)
 	r.table.AddStatic("e1", startEngine(t, "learned-model"), nil)
@@ -525,28 +467,6 @@ func TestStaticUpstreamModelsAreLearned(t *testing.T) {
 	}
 	if res := r.get(t, "/v1/models"); !strings.Contains(res.body, `"id":"learned-model"`) {
 		t.Fatalf("models: %s", res.body)
-	}
-}
-
-type brokenTokenizer struct{}
-
-func (brokenTokenizer) Encode(string, bool) ([]uint32, error) {
-	return nil, fmt.Errorf("tokenizer down")
-}
-func (brokenTokenizer) EncodeChat(tokenize.Chat) (string, []uint32, error) {
-	return "", nil, fmt.Errorf("tokenizer down")
-}
-
-func TestTokenizerFailureDegradesToLoadOnly(t *testing.T) {
-	r := newRouter(t, Settings{Models: map[string]Model{testModel: {Tokenizer: brokenTokenizer{}}}}, 1<<20)
-	now := time.Now()
-	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: startEngine(t, testModel), KVEvents: true, BlockSize: 16}, now)
-	r.table.SetLoad("a", fleet.Load{}, true, now)
-	f := bloom.NewFilter(64, 0.01)
-	r.table.SetFilter("a", f, 1, 0, now)
-	res := r.post(t, "/v1/chat/completions", chatBody)
-	if res.status != 200 || res.header["x-kvmesh-replica"] != "a" || res.header["x-kvmesh-mode"] != "balance" || res.header["x-kvmesh-prompt-tokens"] != "0" {
-		t.Fatalf("got %d %v %s", res.status, res.header, res.body)
 	}
 }
 

@@ -15,57 +15,6 @@ import (
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
-// exchange is one request's state from its decision to its last attempt,
-// reused through a pool: the plan, the in-flight entries its targets
-// count against, and what the proxy's observer learns on the way.
-type exchange struct {
-	g     *Gateway
-	s     *Settings
-	model string
-	path  string
-
-	plan plan.Plan
-	// loads are the in-flight entries of the snapshot's replicas (loadsOf);
-	// planLoads their figures as the planner reads them.
-	loads     []*replicaLoad
-	planLoads []plan.Load
-	targets   []*proxy.Upstream // parallel to plan.Targets
-	// decideTime is only logged (debug): clock reads cost on every request
-	// otherwise.
-	decideTime time.Duration
-
-	// measuresTTFT is set for a streamed chat or completion: its first
-	// byte is its first token, what the policy may learn from.
-	measuresTTFT bool
-	attempts     int
-	firstByte    bool
-	ttft         time.Duration
-	hdrBuf       [20]byte // formats header numbers
-	requestID    []byte   // X-Request-Id, the client's or the router's
-	// abort ends the request when its client leaves (watched by g.watch
-	// until putExchange); nil for short non-streamed answers.
-	abort *proxy.Abort
-}
-
-func (g *Gateway) getExchange(s *Settings) *exchange {
-	ex := g.exchanges.Get().(*exchange)
-	ex.g, ex.s = g, s
-	ex.attempts, ex.firstByte, ex.ttft, ex.measuresTTFT, ex.decideTime = 0, false, 0, false, 0
-	ex.targets = ex.targets[:0]
-	return ex
-}
-
-func (g *Gateway) putExchange(ex *exchange) {
-	if ex.abort != nil {
-		g.watch.remove(ex.abort)
-		ex.abort = nil
-	}
-	ex.s, ex.loads = nil, nil
-	ex.plan.Release()
-	clear(ex.targets[:cap(ex.targets)])
-	g.exchanges.Put(ex)
-}
-
 func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	var idBuf [maxRequestIDLen]byte
 	id := requestID(&ctx.Request.Header, idBuf[:0])
@@ -95,15 +44,15 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 			return
 		}
 	}
-	ex := g.getExchange(s)
-	ex.model, ex.path = p.Model, path
-	ex.requestID = append(ex.requestID[:0], id...)
-	if err := ex.decide(snap, p); err != nil {
-		g.putExchange(ex)
+	l := g.newLedger(s)
+	l.model, l.path = p.Model, path
+	l.requestID = append(l.requestID[:0], id...)
+	if err := l.decide(snap, p); err != nil {
+		g.release(l)
 		g.fail(ctx, err)
 		return
 	}
-	ex.measuresTTFT = p.Stream && k != request.Passthrough
+	l.measuresTTFT = p.Stream && k != request.Passthrough
 	body := ctx.PostBody()
 	strip := false
 	if p.Stream && !p.WantsUsage && k != request.Passthrough {
@@ -112,8 +61,8 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		}
 	}
 	req := proxy.Request{
-		ID:                ex.requestID,
-		Path:              ex.path,
+		ID:                l.requestID,
+		Path:              l.path,
 		Header:            &ctx.Request.Header,
 		Body:              body,
 		StripUsage:        strip,
@@ -140,14 +89,14 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		// A client that leaves while the engine works must stop the
 		// engine too; the proxy only hears of it through an Abort (a
 		// stream writes nothing before its first event). Watched until
-		// the request's last Finish (putExchange).
-		ex.abort = &proxy.Abort{}
-		req.Abort = ex.abort
-		g.watch.add(ex.abort, ctx.Conn())
+		// the request's End.
+		l.abort = &proxy.Abort{}
+		req.Abort = l.abort
+		g.watch.add(l.abort, ctx.Conn())
 	}
-	// ex belongs to the proxy from here: it is released on the last Finish,
-	// which may run after this handler returns.
-	g.fwd.Forward(ctx, &req, ex.targets, ex)
+	// l belongs to the proxy from here: it is released on End, which may
+	// run after this handler returns.
+	g.fwd.Forward(ctx, &req, l.targets, l)
 }
 
 // soleModel returns the only model the fleet serves, or "".
@@ -177,8 +126,8 @@ func servedBy(snap *fleet.Snapshot, model string) bool {
 // decide plans the request (package plan) and maps its targets to
 // connection pools; what the plan tells of its prompt is counted and,
 // for a tokenizer that panicked, logged.
-func (ex *exchange) decide(snap *fleet.Snapshot, p *request.Request) error {
-	g, s := ex.g, ex.s
+func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
+	g, s := l.g, l.s
 	var t0 time.Time
 	timed := g.log.GetLevel() <= zerolog.DebugLevel
 	if timed {
@@ -186,19 +135,19 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *request.Request) error {
 	}
 	now := g.now()
 	li := g.loadsOf(snap)
-	ex.loads = li.loads
-	ex.planLoads = li.figures(ex.planLoads, now.UnixNano())
-	ms := s.Models[ex.model]
+	l.loads = li.loads
+	l.planLoads = li.figures(l.planLoads, now.UnixNano())
+	ms := s.Models[l.model]
 	in := plan.Input{
-		Snapshot: snap, Loads: ex.planLoads, Request: p, Model: ex.model,
-		Settings: s.plan, ModelSettings: s.planModel(ex.model, ms), Now: now,
+		Snapshot: snap, Loads: l.planLoads, Request: p, Model: l.model,
+		Settings: s.plan, ModelSettings: s.planModel(l.model, ms), Now: now,
 	}
-	err := ex.plan.Decide(&in)
+	err := l.plan.Decide(&in)
 	if timed {
-		ex.decideTime = time.Since(t0)
+		l.decideTime = time.Since(t0)
 	}
-	pl := &ex.plan
-	g.countPrompt(&pl.Prompt, ex.model)
+	pl := &l.plan
+	g.countPrompt(&pl.Prompt, l.model)
 	if err != nil {
 		return err
 	}
@@ -213,14 +162,14 @@ func (ex *exchange) decide(snap *fleet.Snapshot, p *request.Request) error {
 	for i := range pl.Targets {
 		t := &pl.Targets[i]
 		if t.Replica < 0 {
-			ex.targets = append(ex.targets, ms.Fallback[t.Fallback])
+			l.targets = append(l.targets, ms.Fallback[t.Fallback])
 			continue
 		}
 		up, err := g.upstream(&snap.Replicas[t.Replica])
 		if err != nil { // checked with the snapshot's loads: not met
 			return err
 		}
-		ex.targets = append(ex.targets, up)
+		l.targets = append(l.targets, up)
 	}
 	return nil
 }

@@ -42,7 +42,7 @@ type replica struct {
 
 // fleetOf builds the snapshot the planner reads, as gossip would fill the
 // table, with holders' filters keyed for keys.
-func fleetOf(t *testing.T, reps []replica, keys []uint64) *fleet.Snapshot {
+func fleetOf(t testing.TB, reps []replica, keys []uint64) *fleet.Snapshot {
 	t.Helper()
 	table := fleet.NewTable(fleet.TableConfig{StaleAfter: time.Minute, DropAfter: time.Hour})
 	for _, r := range reps {

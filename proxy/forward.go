@@ -51,8 +51,10 @@ type Request struct {
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
-// goroutine at a time, but FirstByte and Finish of the serving attempt may
-// run after the fasthttp handler has returned.
+// goroutine at a time, but the serving attempt's FirstByte and End may run
+// after the fasthttp handler has returned. An attempt is open from its
+// Attempt to the Retry or End that follows; the observer keeps track of
+// which one that is.
 type Observer interface {
 	// Attempt is called before target i is tried.
 	Attempt(i int)
@@ -61,8 +63,13 @@ type Observer interface {
 	// Header is called once, for the target whose response goes to the
 	// client, before its headers are sent: add headers to h there.
 	Header(i int, h *fasthttp.ResponseHeader)
-	// Finish is called once per attempt, when it failed over or ended.
-	Finish(i int, r Result)
+	// Retry is called when attempt i failed and a later target takes the
+	// request over (r.Retried or r.Resumed is set).
+	Retry(i int, r Result)
+	// End is called once per request, last: r is how the open attempt
+	// ended (there is none when no target was tried). The observer may
+	// release its state then.
+	End(r Result)
 }
 
 // Result is how one attempt ended.
@@ -119,25 +126,32 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 	var last *fasthttp.Response // last retryable failure, relayed if all fail
 	lastIdx := -1
 	var lastErr error
-	open, start := -1, time.Time{} // the attempt dispatched and not finished yet
+	// ended: End was called, or the stream's goroutine will call it.
+	ended, start := false, time.Time{}
 	defer func() {
 		if last != nil {
 			fasthttp.ReleaseResponse(last)
 		}
-		if open >= 0 {
-			// A panic left attempt open unfinished: finish it as the
-			// router's failure (its in-flight accounting would stay raised
-			// for good), then let the panic go on to the handler's recover.
+		if !ended {
+			// A panic left the request unended: end its open attempt as
+			// the router's failure (its in-flight accounting would stay
+			// raised for good), then let the panic go on to the handler's
+			// recover.
 			if v := recover(); v != nil {
 				p := &Panic{Value: v, Stack: debug.Stack()}
-				obs.Finish(open, Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+				ended = true
+				obs.End(Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 				panic(p)
 			}
 		}
 	}()
+	end := func(r Result) {
+		ended = true
+		obs.End(r)
+	}
 	for i, up := range targets {
 		obs.Attempt(i)
-		open, start = i, time.Now()
+		start = time.Now()
 		resp, err := f.dispatch(up, req)
 		if err == nil && !retryable(resp.StatusCode()) {
 			// For a stream the first token is the first event, not the
@@ -145,7 +159,12 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if !isEventStream(resp) {
 				obs.FirstByte(i, time.Since(start))
 			}
-			f.relay(ctx, req, targets, i, resp, start, obs, &open)
+			res, streaming := f.relay(ctx, req, targets, i, resp, start, obs)
+			if streaming {
+				ended = true // the stream's goroutine ends it
+			} else {
+				end(res)
+			}
 			return i
 		}
 		if req.Abort != nil && req.Abort.Aborted() {
@@ -153,8 +172,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			if resp != nil {
 				fasthttp.ReleaseResponse(resp)
 			}
-			open = -1
-			obs.Finish(i, Result{Err: errAborted, ClientGone: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+			end(Result{Err: errAborted, ClientGone: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "client gone")
 			return -1
 		}
@@ -162,8 +180,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 			// Another replica would start the generation over, doubling a
 			// wait the timeout meant to bound (or buffer the same
 			// oversized answer): end here.
-			open = -1
-			obs.Finish(i, Result{Err: err, Overran: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+			end(Result{Err: err, Overran: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 			f.Log.Warn().Bytes("request_id", req.ID).Str("replica", up.Name).Int("attempt", i+1).Int("of", len(targets)).Err(err).
 				Msg("upstream answer overran its limit: not retried")
 			if errors.Is(err, fasthttp.ErrBodyTooLarge) {
@@ -196,14 +213,14 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 		}
 		res.Elapsed = time.Since(start)
 		ev.Bool("retrying", res.Retried).Msg("upstream attempt failed")
-		open = -1
 		if res.Retried {
-			obs.Finish(i, res)
+			obs.Retry(i, res)
 			continue
 		}
-		// The last attempt failed too: answer, then finish it (the observer
-		// may release its state on the last Finish).
-		defer obs.Finish(i, res)
+		// The last attempt failed too: answer, then end the request (the
+		// observer may release its state).
+		ended = true
+		defer obs.End(res)
 	}
 	if last != nil {
 		obs.Header(lastIdx, &ctx.Response.Header)
@@ -218,6 +235,9 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 	}
 	ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
 	WriteError(ctx, fasthttp.StatusServiceUnavailable, "service_unavailable", msg)
+	if len(targets) == 0 {
+		end(Result{PromptTokens: -1, CachedTokens: -1})
+	}
 	return -1
 }
 
@@ -362,12 +382,9 @@ var skippedResponseHeaders = [][]byte{
 }
 
 // relay writes resp into ctx: SSE streams event by event, anything else
-// buffered.
-//
-// open is the caller's record of the attempt in flight: relay clears it as
-// it finishes the attempt or hands it to the stream's goroutine, so that a
-// panic is never finished twice.
-func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer, open *int) {
+// buffered. It returns how a buffered answer's attempt ended, or streaming
+// when the stream's goroutine took the request over (and ends it).
+func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Upstream, i int, resp *fasthttp.Response, start time.Time, obs Observer) (res Result, streaming bool) {
 	obs.Header(i, &ctx.Response.Header)
 	copyResponseHeader(&ctx.Response.Header, &resp.Header)
 	ctx.SetStatusCode(resp.StatusCode())
@@ -382,9 +399,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		_ = bw.Flush()
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
-		*open = -1
-		obs.Finish(i, res)
-		return
+		return res, false
 	}
 	if !isEventStream(resp) {
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
@@ -393,9 +408,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 			res.PromptTokens, res.CachedTokens = usageFromBody(resp.Body())
 			fasthttp.ReleaseResponse(resp)
 			res.Elapsed = time.Since(start)
-			*open = -1
-			obs.Finish(i, res)
-			return
+			return res, false
 		}
 		// Read straight into the client response's pooled body buffer.
 		ctx.Response.ResetBody()
@@ -419,9 +432,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		}
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
-		*open = -1
-		obs.Finish(i, res)
-		return
+		return res, false
 	}
 	ctx.Response.ImmediateHeaderFlush = true
 	stream := *req
@@ -437,7 +448,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		// The handler has returned: ctx must not be touched from here on.
 		f.relayStream(w, &stream, targets, i, resp, start, obs)
 	})
-	*open = -1 // the stream's goroutine finishes it
+	return Result{}, true
 }
 
 // relayStream relays target i's event stream and, when it breaks and req
@@ -447,10 +458,10 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	if req.Resume != nil {
 		tr = &transcript{}
 	}
-	open := i // the attempt dispatched and not finished yet (-1: none)
+	ended := false
 	defer func() {
 		if v := recover(); v != nil {
-			f.survive(w, v, obs, open, start)
+			f.survive(w, v, obs, ended, start)
 		}
 	}()
 	sent := 0 // events the client has had, over all attempts
@@ -477,26 +488,29 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			if res.Err != nil {
 				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Bool("client_gone", res.ClientGone).Int("events", res.Events).Msg("stream ended early")
 			}
-			open = -1
-			obs.Finish(i, res)
+			if !broken {
+				ended = true
+				obs.End(res)
+				return
+			}
 		}
-		if !broken {
-			return
-		}
-		next, nextResp, nextStart := -1, (*fasthttp.Response)(nil), time.Time{}
+		next, nextResp, nextStart, last := -1, (*fasthttp.Response)(nil), time.Time{}, res
 		if res.Resumed || res.Retried {
 			if res.Retried {
 				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Msg("stream broke before its first event: sending it to the next replica")
 			} else {
 				f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", up.Name).Int("events", res.Events).Int("chunks", tr.chunks).Msg("stream broke: continuing it at the next replica")
 			}
-			open = -1
-			obs.Finish(i, res)
+			obs.Retry(i, res)
 			cont := *req
 			cont.Body = body
-			next, nextResp, nextStart = f.continueAt(&cont, targets, i+1, obs, &open)
+			next, nextResp, nextStart, last = f.continueAt(&cont, targets, i+1, obs)
 		}
 		if next < 0 {
+			// The stream ends here, broken: the client gets its end
+			// (below), then the request is ended with its last failure.
+			ended = true
+			defer obs.End(last)
 			if tr != nil && tr.finished {
 				// The answer was complete; only the end marker was lost.
 				_, _ = w.WriteString("data: [DONE]\n\n")
@@ -528,14 +542,14 @@ func (p *Panic) Unwrap() error {
 	return err
 }
 
-// survive ends a stream whose relay panicked: the attempt in flight is
-// finished as the router's failure (so its in-flight accounting returns and
-// the observer is released), the client gets the stream's error event, and
-// OnPanic hears of it.
-func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, open int, start time.Time) {
+// survive ends a stream whose relay panicked: unless it was ended, the
+// request ends with the router's failure (so its in-flight accounting
+// returns and the observer is released), the client gets the stream's
+// error event, and OnPanic hears of it.
+func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, ended bool, start time.Time) {
 	p := &Panic{Value: v, Stack: debug.Stack()}
-	if open >= 0 {
-		obs.Finish(open, Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
+	if !ended {
+		obs.End(Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 	}
 	writeStreamError(w, "internal error")
 	_ = w.Flush()
@@ -547,20 +561,19 @@ func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, open int, star
 }
 
 // continueAt dispatches a continuation to the targets from `from` on and
-// returns the first that answers with an event stream (-1 if none does;
-// each failure is finished with obs, the last one as final).
-func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs Observer, open *int) (int, *fasthttp.Response, time.Time) {
+// returns the first that answers with an event stream, or -1 and the last
+// failure, for the caller to end the request with (each earlier failure is
+// a Retry).
+func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs Observer) (int, *fasthttp.Response, time.Time, Result) {
+	var res Result
 	for j := from; j < len(targets); j++ {
 		obs.Attempt(j)
-		*open = j
 		start := time.Now()
 		resp, err := f.dispatch(targets[j], req)
 		if err == nil && resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp) && resp.BodyStream() != nil {
-			return j, resp, start
+			return j, resp, start, Result{}
 		}
-		// The last failure is the request's last Finish (the observer may
-		// release its state then).
-		res := Result{Err: err, Retried: j < len(targets)-1, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)}
+		res = Result{Err: err, Retried: j < len(targets)-1, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)}
 		if err == nil {
 			res.Status = resp.StatusCode()
 			res.Err = fmt.Errorf("continuation answered %d %s", res.Status, resp.Header.ContentType())
@@ -568,10 +581,11 @@ func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs 
 			fasthttp.ReleaseResponse(resp)
 		}
 		f.Log.Warn().Bytes("request_id", req.ID).Err(res.Err).Str("replica", targets[j].Name).Msg("stream continuation failed")
-		*open = -1
-		obs.Finish(j, res)
+		if res.Retried {
+			obs.Retry(j, res)
+		}
 	}
-	return -1, nil, time.Time{}
+	return -1, nil, time.Time{}, res
 }
 
 func (f *Forwarder) maxBody() int {

@@ -48,7 +48,9 @@ type recorder struct {
 	first    []int
 	header   []int
 	ttft     time.Duration
-	finish   map[int]Result
+	finish   map[int]Result // by attempt, from Retry and End
+	retried  int
+	ended    int
 	done     chan struct{}
 }
 
@@ -57,6 +59,14 @@ func newRecorder() *recorder {
 }
 
 func (r *recorder) Attempt(i int) { r.mu.Lock(); r.attempts = append(r.attempts, i); r.mu.Unlock() }
+
+// open is the attempt begun last (-1: none), which End ends.
+func (r *recorder) open() int {
+	if len(r.attempts) == 0 {
+		return -1
+	}
+	return r.attempts[len(r.attempts)-1]
+}
 func (r *recorder) FirstByte(i int, ttft time.Duration) {
 	r.mu.Lock()
 	r.ttft = ttft
@@ -69,9 +79,17 @@ func (r *recorder) Header(i int, h *fasthttp.ResponseHeader) {
 	r.mu.Unlock()
 	h.Set("X-Served-By", fmt.Sprint(i))
 }
-func (r *recorder) Finish(i int, res Result) {
+func (r *recorder) Retry(i int, res Result) {
 	r.mu.Lock()
 	r.finish[i] = res
+	r.retried++
+	r.mu.Unlock()
+	r.done <- struct{}{}
+}
+func (r *recorder) End(res Result) {
+	r.mu.Lock()
+	r.finish[r.open()] = res
+	r.ended++
 	r.mu.Unlock()
 	r.done <- struct{}{}
 }
@@ -165,6 +183,26 @@ func TestForwardRetriesBeforeFirstByte(t *testing.T) {
 	}
 	if rec.finish[0].Err == nil || rec.finish[1].Status != 500 || rec.finish[2].Status != 429 || !rec.finish[2].Retried {
 		t.Fatalf("finishes %+v", rec.finish)
+	}
+	if rec.retried != 3 || rec.ended != 1 || rec.finish[3].Status != 200 {
+		t.Fatalf("%d retries, %d ends (last %+v); want 3 and 1", rec.retried, rec.ended, rec.finish[3])
+	}
+}
+
+// TestNoTargetStillEnds: with nothing to try the request is answered 503
+// and still ended once, so the observer is released.
+func TestNoTargetStillEnds(t *testing.T) {
+	rec := newRecorder()
+	url := router(t, nil, false, rec)
+	status, _, err := fasthttp.Post(nil, url+"/v1/completions", nil)
+	if err != nil || status != 503 {
+		t.Fatalf("status %d, %v", status, err)
+	}
+	<-rec.done
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	if rec.ended != 1 || len(rec.attempts) != 0 || rec.retried != 0 {
+		t.Fatalf("%d ends, attempts %v, %d retries", rec.ended, rec.attempts, rec.retried)
 	}
 }
 
@@ -863,22 +901,22 @@ func TestPanicMidAttemptFinishesIt(t *testing.T) {
 	}
 }
 
-// finishPanics is an observer whose first Finish panics after it ran.
-type finishPanics struct {
+// endPanics is an observer whose first End panics after it ran.
+type endPanics struct {
 	*recorder
 	calls atomic.Int32
 }
 
-func (o *finishPanics) Finish(i int, r Result) {
+func (o *endPanics) End(r Result) {
 	if o.calls.Add(1) == 1 {
-		panic("finish boom")
+		panic("end boom")
 	}
 }
 
-// TestPanicInFinishIsNotFinishedTwice: the observer may release its state
-// on Finish; a panic from inside it must not bring a second Finish.
-func TestPanicInFinishIsNotFinishedTwice(t *testing.T) {
-	obs := &finishPanics{recorder: newRecorder()}
+// TestPanicInEndIsNotEndedTwice: the observer may release its state on
+// End; a panic from inside it must not bring a second End.
+func TestPanicInEndIsNotEndedTwice(t *testing.T) {
+	obs := &endPanics{recorder: newRecorder()}
 	targets := upstreams(t, serve(t, jsonEngine))
 	f := &Forwarder{Log: zerolog.Nop()}
 	caught := make(chan any, 1)
@@ -891,7 +929,7 @@ func TestPanicInFinishIsNotFinishedTwice(t *testing.T) {
 		t.Fatal("no panic reached the handler")
 	}
 	if n := obs.calls.Load(); n != 1 {
-		t.Fatalf("Finish called %d times", n)
+		t.Fatalf("End called %d times", n)
 	}
 }
 
