@@ -1,11 +1,13 @@
 // Package gateway is the router's HTTP face: the OpenAI-compatible API, the
-// admin API and metrics, on fasthttp. For each chat or completion it
-// tokenizes the prompt (for a chat holding media, the text before it),
-// computes block keys, builds routing candidates from the fleet snapshot
-// plus this router's own in-flight work, asks the routing policy, and hands
-// the ordered replicas to the proxy. The other engine endpoints it knows
-// (embeddings, responses, audio...: enginePaths) take the same path by
-// model and load only; any other path is its own 404.
+// admin API and metrics, on fasthttp. For each chat or completion it parses
+// the body (package request), has package plan turn it, the fleet snapshot
+// and this router's own in-flight work into the targets to try (route.go),
+// maps them to connection pools and hands them to the proxy with a ledger
+// (ledger.go), the proxy's observer, which keeps the in-flight accounting,
+// teaches the policy, counts the metrics and logs the request. The other
+// engine endpoints it knows (embeddings, responses, audio...: enginePaths)
+// take the same path by model and load only; any other path is its own
+// 404.
 //
 // Settings that a config reload may change live behind one atomic pointer,
 // so a reload swaps them between requests and never drops one.

@@ -182,16 +182,6 @@ type Plan struct {
 	seed      uint64
 }
 
-// Pick returns the target the policy picked, nil when it picked none.
-func (p *Plan) Pick() *Target {
-	for i := range p.Targets {
-		if p.Targets[i].Picked {
-			return &p.Targets[i]
-		}
-	}
-	return nil
-}
-
 // PickCandidate returns the candidate the policy picked, nil when none.
 func (p *Plan) PickCandidate() *routing.Candidate {
 	if p.Decision.Pick < 0 {
