@@ -177,15 +177,18 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 // countPrompt counts prompts over the bounds, cut to them, or whose
 // tokenizer panicked (logged with its stack).
 func (g *Gateway) countPrompt(pr *plan.Prompt, model string) {
-	var tp *plan.TokenizerPanic
+	if pr.Estimated {
+		g.metrics.promptsCut.Inc()
+	}
+	if pr.Err == nil {
+		return
+	}
+	var tp *plan.TokenizerPanic // on the heap (errors.As): only for a failure
 	switch {
 	case errors.Is(pr.Err, tokenize.ErrPromptTooLong):
 		g.metrics.promptsTooLong.Inc()
 	case errors.As(pr.Err, &tp):
 		g.panicked("tokenizer_panic", tp.Value, tp.Stack).Str("model", model).
 			Msg("tokenizer panicked; the request is routed by load")
-	}
-	if pr.Estimated {
-		g.metrics.promptsCut.Inc()
 	}
 }

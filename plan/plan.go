@@ -401,7 +401,7 @@ func (p *Plan) encode(in *Input) (pre tokenize.Prefixed, media bool, err error) 
 	req, tk := in.Request, in.ModelSettings.Tokenizer
 	bounds := tokenize.Bounds{MaxTokens: in.Settings.MaxPrefixTokens, MaxBytes: in.Settings.MaxPrefixBytes}
 	switch {
-	case req.Kind == request.Passthrough:
+	case req.Kind != request.Completion && !req.Kind.RendersAsChat(): // a passthrough
 		err = ErrLoadOnly
 	case req.Kind == request.Completion && req.PromptIDs != nil:
 		pre = tokenize.Prefixed{IDs: req.PromptIDs, Total: len(req.PromptIDs)}

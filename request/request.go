@@ -155,6 +155,8 @@ func Parse(body []byte, k Kind) (*Request, error) {
 		}
 		r.WantsUsage = so.IncludeUsage != nil && *so.IncludeUsage
 	}
+	// A kind converted to chat (see Kind) has its body converted into
+	// r.Messages and r.Tools here, then is checked as a Chat is.
 	switch k {
 	case Chat:
 		if err := checkMessages(r.Messages); err != nil {

@@ -113,9 +113,13 @@ func setString(dst *string, v []byte, field string) error {
 			*dst = string(v[1 : len(v)-1])
 			return nil
 		}
-		if err := json.Unmarshal(v, dst); err != nil {
+		// Decoded into a string of its own: dst would escape to the heap
+		// through json.Unmarshal, and with it every request's fields.
+		var unquoted string
+		if err := json.Unmarshal(v, &unquoted); err != nil {
 			return Invalid("field %q: %v", field, err)
 		}
+		*dst = unquoted
 		return nil
 	}
 	return wrongType(field, v, "string")
