@@ -198,11 +198,12 @@ func (p *Plan) reset() {
 	p.Decision = routing.Decision{Order: p.Decision.Order[:0]}
 }
 
-// Release drops what p points into (the prompt's ids, the snapshot's
-// names) and the buffers one huge prompt grew, before p is pooled.
+// Release drops what p points into (the prompt's ids, its targets' names)
+// and the buffers one huge prompt grew, before p is pooled. Candidates keep
+// their names: clearing fifty of them on every request costs more than the
+// few strings of an old snapshot they hold on to.
 func (p *Plan) Release() {
 	clear(p.Targets[:cap(p.Targets)])
-	clear(p.Candidates[:cap(p.Candidates)])
 	p.Prompt = Prompt{}
 	p.Request = routing.Request{Keys: p.Request.Keys[:0]}
 	if cap(p.promptBuf) > maxReusedPrompt {
