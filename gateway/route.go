@@ -166,7 +166,7 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 			continue
 		}
 		up, err := g.upstream(&snap.Replicas[t.Replica])
-		if err != nil { // checked with the snapshot's loads: not met
+		if err != nil { // not met: loadsOf checked every URL, and unusable ones are no target
 			return err
 		}
 		l.targets = append(l.targets, up)

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -66,17 +67,42 @@ func maxBodies(n int) []struct {
 func maxBodyTokenizers(tb testing.TB) map[string]tokenize.Model {
 	out := map[string]tokenize.Model{"builtin": tokenize.Builtin{}}
 	for _, name := range []string{"llama3", "qwen2.5"} {
-		dir := filepath.Join("..", "..", "shared", "tokenizers", name)
-		if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err != nil {
-			continue
+		if tk := realTokenizer(tb, name); tk != nil {
+			out[name] = tk
 		}
-		tk, err := tokenize.LoadDir(dir)
+	}
+	return out
+}
+
+// realTokenizers holds the tokenizers loaded from ../shared/tokenizers,
+// shared by the tests (loading one takes a good part of a second).
+var realTokenizers struct {
+	sync.Mutex
+	m map[string]tokenize.Model
+}
+
+// realTokenizer returns the named tokenizer of ../shared/tokenizers, nil
+// when its files are not there.
+func realTokenizer(tb testing.TB, name string) tokenize.Model {
+	realTokenizers.Lock()
+	defer realTokenizers.Unlock()
+	if tk, ok := realTokenizers.m[name]; ok {
+		return tk
+	}
+	var tk tokenize.Model
+	dir := filepath.Join("..", "..", "shared", "tokenizers", name)
+	if _, err := os.Stat(filepath.Join(dir, "tokenizer.json")); err == nil {
+		hf, err := tokenize.LoadDir(dir)
 		if err != nil {
 			tb.Fatal(err)
 		}
-		out[name] = tk
+		tk = hf
 	}
-	return out
+	if realTokenizers.m == nil {
+		realTokenizers.m = map[string]tokenize.Model{}
+	}
+	realTokenizers.m[name] = tk
+	return tk
 }
 
 // bigFleet is an Input over 50 prefix-aware replicas for tk's model.

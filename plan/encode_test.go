@@ -4,8 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -25,13 +23,9 @@ func TestReusedPromptBufferKeepsIdsExact(t *testing.T) {
 		t.Skip("no concurrency here; run without -race")
 	}
 	for _, model := range []string{"llama3", "qwen2.5"} {
-		dir := filepath.Join("..", "..", "shared", "tokenizers", model)
-		if _, err := os.Stat(dir); err != nil {
-			t.Skipf("real tokenizer files not found (%v): they live in ../shared/tokenizers beside the repository", err)
-		}
-		tk, err := tokenize.LoadDir(dir)
-		if err != nil {
-			t.Fatal(err)
+		tk := realTokenizer(t, model)
+		if tk == nil {
+			t.Skip("real tokenizer files not found: they live in ../shared/tokenizers beside the repository")
 		}
 		var pl Plan
 		in := Input{ModelSettings: Model{Tokenizer: tk}}
