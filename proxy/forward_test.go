@@ -734,7 +734,7 @@ func TestBrokenStreamContinuesAtNextTarget(t *testing.T) {
 				if !strings.Contains(string(body), `"type":"upstream_error"`) || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
 					t.Fatalf("want the error event, got %q", body)
 				}
-				if len(c.targets) > 1 && c.resume { // resumed, then the continuation failed: that is the last Finish
+				if len(c.targets) > 1 && c.resume { // resumed, then the continuation failed: that is the End
 					for range 2 {
 						<-rec.done
 					}
