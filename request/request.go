@@ -47,7 +47,10 @@ const (
 func (k Kind) RendersAsChat() bool { return k == Chat }
 
 // Request is what routing needs of a validated body. Raw fields are spans
-// of the body as sent (valid JSON; nil when absent).
+// of the body as sent (valid JSON; nil when absent). A LoRA adapter is
+// asked for by Model, as vLLM has it (the router's settings say which names
+// are adapters), and media in a chat are found where its messages are
+// rendered (plan.Prompt.MediaPrefix), not here.
 type Request struct {
 	Kind Kind
 	// Model is the model (or LoRA adapter) asked for; "" when the body
