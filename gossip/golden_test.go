@@ -1,0 +1,101 @@
+package gossip
+
+import (
+	"bytes"
+	"encoding/hex"
+	"flag"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+
+	"github.com/kvmesh/kvmesh/bloom"
+)
+
+var updateGoldens = flag.Bool("update", false, "rewrite testdata/wire from this build's encoder")
+
+// goldenMessages is every message kind, in each of its shapes, as the
+// files in testdata/wire hold them encoded.
+func goldenMessages() map[string]Message {
+	f := bloom.NewFilter(64, 0.01)
+	f.Add(11)
+	f.Add(12)
+	snap := bloom.Snapshot{Epoch: 7, Generation: 2, Seq: 5, M: f.M(), K: f.K(), Keys: 2, Words: f.AppendWords(nil)}
+	delta := bloom.Delta{Epoch: 7, Generation: 2, Seq: 6, Keys: []uint64{13, 1 << 40}}
+	return map[string]Message{
+		"load": {Kind: KindLoad, From: "sidecar/a", Epoch: 7, Seq: 3, Load: Load{Healthy: true, Waiting: 2, Running: 5,
+			KVUsage: 0.5, InflightRequests: 4, InflightPrefillTokens: 900, FilterGen: 2, FilterSeq: 11, FilterKeys: 1234}},
+		"load-unhealthy":    {Kind: KindLoad, From: "sidecar/a", Epoch: 7, Seq: 4, Load: Load{Waiting: 1 << 20, KVUsage: 1.5}},
+		"load-leaving":      {Kind: KindLoad, From: "sidecar/a", Epoch: 7, Seq: 5, Load: Load{Leaving: true}},
+		"snapshot":          {Kind: KindSnapshot, From: "sidecar/a", Epoch: 7, Payload: snap.AppendBinary(nil)},
+		"delta":             {Kind: KindDelta, From: "sidecar/a", Epoch: 7, Payload: delta.AppendBinary(nil)},
+		"resync-deltas":     {Kind: KindResync, From: "router/r1", Epoch: 7, Seq: 41, Gen: 3},
+		"resync-snapshot":   {Kind: KindResync, From: "router/r1"},
+		"clear-routes-some": {Kind: KindClearRoutes, From: "router/r1", Epoch: 9, Seq: 1 << 63, Names: []string{"a", "b"}},
+		"clear-routes-all":  {Kind: KindClearRoutes, From: "router/r1", Epoch: 9, Seq: 43},
+		"inflight":          {Kind: KindInflight, From: "router/r1", Epoch: 9, Seq: 8, Requests: 3, PrefillTokens: 4096},
+	}
+}
+
+// goldenMetas is node metadata of both roles as testdata/wire holds it.
+func goldenMetas() map[string]Meta {
+	return map[string]Meta{
+		"meta-sidecar": {Role: RoleSidecar, Name: "a", Models: []string{"llama", "lora-a"}, EngineURL: "http://127.0.0.1:8000",
+			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 1<<63 | 7},
+		"meta-router": {Role: RoleRouter, Name: "r1", SchemeVersion: 1, Capabilities: CapInflightOthers, Epoch: 99},
+	}
+}
+
+// golden compares b with testdata/wire/name.hex (or writes it with -update).
+func golden(t *testing.T, name string, b []byte) []byte {
+	t.Helper()
+	path := filepath.Join("testdata", "wire", name+".hex")
+	if *updateGoldens {
+		if err := os.WriteFile(path, []byte(hex.EncodeToString(b)+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := hex.DecodeString(string(bytes.TrimSpace(text)))
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	if !bytes.Equal(b, want) {
+		t.Errorf("%s: encodes as\n%x\nwant\n%x", name, b, want)
+	}
+	return want
+}
+
+// TestWireGoldens pins the wire format: every message kind and both roles'
+// metadata encode to the bytes a released build wrote, and those bytes
+// decode to the same values.
+func TestWireGoldens(t *testing.T) {
+	for name, m := range goldenMessages() {
+		want := golden(t, name, m.Append(nil))
+		got, err := Decode(want)
+		if err != nil || !reflect.DeepEqual(got, m) {
+			t.Errorf("%s: decodes to %+v, %v; want %+v", name, got, err, m)
+		}
+	}
+	for name, m := range goldenMetas() {
+		b, dropped, err := m.Encode()
+		if err != nil || dropped != 0 {
+			t.Fatalf("%s: %v, %d models dropped", name, err, dropped)
+		}
+		want := golden(t, name, b)
+		got, err := DecodeMeta(want)
+		if err != nil || !reflect.DeepEqual(got, m) {
+			t.Errorf("%s: decodes to %+v, %v; want %+v", name, got, err, m)
+		}
+	}
+	entries, err := os.ReadDir(filepath.Join("testdata", "wire"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(goldenMessages()) + len(goldenMetas()); len(entries) != n {
+		t.Errorf("testdata/wire holds %d files, the test %d cases", len(entries), n)
+	}
+}
