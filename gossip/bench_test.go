@@ -7,6 +7,7 @@ import (
 	"github.com/hashicorp/memberlist"
 
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/filterstream"
 )
 
 // benchPair is one sidecar member and one router member on loopback, with
@@ -26,8 +27,8 @@ func benchPair(b *testing.B) (*SidecarNode, *memberlist.Node, *RouterNode, func(
 	})
 	s.mu.Lock()
 	var to *memberlist.Node
-	for _, rp := range s.routers {
-		to = rp.node
+	for _, l := range s.links {
+		to = l.node
 	}
 	s.mu.Unlock()
 	return s, to, r, func(k uint64) bool { return hasKey(tb, "a", k) }
@@ -46,7 +47,7 @@ func BenchmarkDeltaVisible(b *testing.B) {
 			keys[i] = seq<<8 | uint64(i)
 		}
 		d := bloom.Delta{Epoch: st.Epoch, Generation: st.Generation, Seq: seq, Keys: keys}
-		msg := Message{Kind: KindDelta, From: s.d.self, Epoch: st.Epoch, Payload: d.AppendBinary(nil)}
+		msg := filterstream.Message{Kind: filterstream.KindDelta, From: s.d.self, Epoch: st.Epoch, Payload: d.AppendBinary(nil)}
 		if err := s.send(to, &msg, false); err != nil {
 			b.Fatal(err)
 		}
@@ -65,8 +66,7 @@ func BenchmarkSnapshotVisible(b *testing.B) {
 		key++
 		g.Add(key)
 		g.Rebuild(time.Now(), func(yield func(uint64) bool) { yield(key) })
-		snap := g.Snapshot()
-		msg := Message{Kind: KindSnapshot, From: s.d.self, Epoch: snap.Epoch, Payload: snap.AppendBinary(nil)}
+		msg := filterstream.SnapshotMessage(s.d.self, g.Snapshot())
 		if err := s.send(to, &msg, true); err != nil {
 			b.Fatal(err)
 		}
@@ -74,16 +74,4 @@ func BenchmarkSnapshotVisible(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(bloom.SnapshotSize(g.Stats().M)), "snapshot_bytes")
-}
-
-func BenchmarkLoadRecordCodec(b *testing.B) {
-	m := sampleMessages()[0]
-	buf := make([]byte, 0, 64)
-	b.ReportAllocs()
-	for b.Loop() {
-		buf = m.Append(buf[:0])
-		if _, err := Decode(buf); err != nil {
-			b.Fatal(err)
-		}
-	}
 }

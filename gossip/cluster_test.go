@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/fleet"
 )
 
@@ -163,7 +164,7 @@ func TestDoneIsReportedThrice(t *testing.T) {
 	waitFor(t, 3*time.Second, "sidecar sees the router", func() bool { return s.Routers() == 1 })
 	r1.ReportInflight("a", 1, 10)
 	waitFor(t, 2*time.Second, "work reported", func() bool { req, pre := s.Inflight(); return req == 1 && pre == 10 })
-	sent := func() uint64 { return r1.d.stats.Sent[KindInflight].Load() }
+	sent := func() uint64 { return r1.d.stats.Sent[filterstream.KindInflight].Load() }
 	before := sent()
 	r1.ReportInflight("a", 0, 0)
 	waitFor(t, 2*time.Second, "done reported", func() bool { req, pre := s.Inflight(); return req == 0 && pre == 0 })
@@ -233,7 +234,7 @@ func TestRouteClearIsClusterWide(t *testing.T) {
 	t.Cleanup(func() { _ = sc.Leave(0) })
 	g.Add(21)
 	waitFor(t, 3*time.Second, "key at both routers", func() bool { return hasKey(tb1, "a", 21) && hasKey(tb2, "a", 21) })
-	waitFor(t, 3*time.Second, "r1 knows r2", func() bool { r1.mu.Lock(); defer r1.mu.Unlock(); return len(r1.routers) == 1 })
+	waitFor(t, 3*time.Second, "r1 knows r2", func() bool { r1.mu.Lock(); defer r1.mu.Unlock(); return r1.recv.Routers() == 1 })
 
 	r1.ClearRoutes(nil)
 	if hasKey(tb1, "a", 21) {
@@ -281,7 +282,9 @@ func TestSidecarLeavingTakesItsReplicaOut(t *testing.T) {
 	waitFor(t, 3*time.Second, "replica", func() bool { rep, _ := replica(tb, "a"); return rep.Online && rep.Load.Waiting == 3 })
 	var lost atomic.Int32
 	r.mu.Lock()
-	r.lose = func(m *Message) bool { return m.Kind == KindLoad && m.Load.Leaving && lost.CompareAndSwap(0, 1) }
+	r.lose = func(m *filterstream.Message) bool {
+		return m.Kind == filterstream.KindLoad && m.Load.Leaving && lost.CompareAndSwap(0, 1)
+	}
 	r.mu.Unlock()
 	if err := s.Leave(time.Second); err != nil {
 		t.Fatal(err)
@@ -390,25 +393,6 @@ func TestLoadOnlySidecarRestartedUnderItsNameIsHeard(t *testing.T) {
 	})
 }
 
-// TestSidecarHonoursClearFromARouterNotYetKnown: a route clear needs no
-// answer, so a sidecar acts on one even before the sender's membership
-// reaches it (the clearing router then waits for the rebuild, see clearWait).
-func TestSidecarHonoursClearFromARouterNotYetKnown(t *testing.T) {
-	var cleared atomic.Int32
-	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096}, 5, time.Now())
-	s, err := StartSidecar(SidecarConfig{Config: baseConfig("a"), Protocol: fleet.ProtocolVLLM, Filter: g,
-		OnClearRoutes: func() { cleared.Add(1) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = s.Leave(0) })
-	s.handle(&Message{Kind: KindClearRoutes, From: "router/x", Names: []string{"b"}})
-	s.handle(&Message{Kind: KindClearRoutes, From: "router/x", Names: []string{"a"}})
-	if n := cleared.Load(); n != 1 {
-		t.Fatalf("clears acted on: %d, want 1 (the one naming this replica)", n)
-	}
-}
-
 func TestSidecarJoinsRouterThatStartsLater(t *testing.T) {
 	// Reserve the router's address, point the sidecar at it, then start the router there.
 	probe, err := StartRouter(RouterConfig{Config: baseConfig("probe")}, fleet.NewTable(fleet.TableConfig{}))
@@ -440,8 +424,8 @@ func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
 	snapshots := r.Stats().Received["snapshot"]
 	var lost atomic.Int32
 	r.mu.Lock()
-	r.lose = func(m *Message) bool {
-		return m.Kind == KindDelta && lost.CompareAndSwap(0, 1) // the next delta only
+	r.lose = func(m *filterstream.Message) bool {
+		return m.Kind == filterstream.KindDelta && lost.CompareAndSwap(0, 1) // the next delta only
 	}
 	r.mu.Unlock()
 	g.Add(2)
@@ -456,15 +440,15 @@ func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
 	}
 }
 
-// The largest filter MaxFilterPayload allows, from a sidecar with the
+// The largest filter filterstream.MaxFilterPayload allows, from a sidecar with the
 // longest name, still reaches a router over the encrypted, labelled stream.
 func TestLargestFilterReachesRouter(t *testing.T) {
 	r, tb := startTestRouter(t, "r1")
 	name := strings.Repeat("n", 200)
-	capacity := bloom.MaxCapacity(0.01, MaxFilterPayload)
+	capacity := bloom.MaxCapacity(0.01, filterstream.MaxFilterPayload)
 	g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: capacity}, 1, time.Now())
-	if size := bloom.SnapshotSize(g.Stats().M); size > MaxFilterPayload || size < MaxFilterPayload-1<<16 {
-		t.Fatalf("snapshot of %d bytes for capacity %d, limit %d", size, capacity, MaxFilterPayload)
+	if size := bloom.SnapshotSize(g.Stats().M); size > filterstream.MaxFilterPayload || size < filterstream.MaxFilterPayload-1<<16 {
+		t.Fatalf("snapshot of %d bytes for capacity %d, limit %d", size, capacity, filterstream.MaxFilterPayload)
 	}
 	s, err := StartSidecar(SidecarConfig{Config: baseConfig(name, r.Addr()), Models: []string{"m"}, EngineURL: "http://a",
 		Protocol: fleet.ProtocolVLLM, BlockSize: 16, Filter: g})

@@ -4,8 +4,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/hashicorp/memberlist"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvmesh/kvmesh/filterstream"
 )
 
 func TestCollectorExportsStats(t *testing.T) {
@@ -45,5 +48,12 @@ kvmesh_router_gossip_unverified_sender_total{reason="unreadable"} 0
 		"kvmesh_router_gossip_dropped_total", "kvmesh_router_gossip_resync_reasons_total",
 		"kvmesh_router_gossip_unverified_sender_total"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The metadata limit filterstream encodes to is memberlist's.
+func TestMetaLimitIsMemberlists(t *testing.T) {
+	if filterstream.MetaMaxSize != memberlist.MetaMaxSize {
+		t.Fatalf("filterstream.MetaMaxSize %d, memberlist.MetaMaxSize %d", filterstream.MetaMaxSize, memberlist.MetaMaxSize)
 	}
 }

@@ -1,14 +1,14 @@
 // Package gossip is kvmesh's control plane on hashicorp/memberlist: who is in
 // the cluster (sidecars and routers, with ≤512 B of metadata each), failure
-// detection, and the messages that carry engine truth from each sidecar
-// directly to every router — load records, filter snapshots and deltas — and
-// what routers tell sidecars and each other (resync requests, route-record
-// clears, their in-flight work per replica).
+// detection, and carrying the filter stream (package filterstream) between
+// them: each member's filterstream state machine — a Sender in a sidecar, a
+// Receiver in a router — is fed the messages, membership changes and time
+// this package receives, and the messages it returns are sent here.
 //
 // Nothing large rides memberlist's gossip rounds or push/pull: every message
 // is sent point to point with SendBestEffort (one encrypted UDP datagram) or,
-// for filter snapshots, SendReliable (one TCP stream). One port, one key, one
-// cluster label cover all of it.
+// for filter snapshots and route clears, SendReliable (one TCP stream). One
+// port, one key, one cluster label cover all of it.
 package gossip
 
 import (
@@ -25,6 +25,8 @@ import (
 
 	"github.com/hashicorp/memberlist"
 	"github.com/rs/zerolog"
+
+	"github.com/kvmesh/kvmesh/filterstream"
 )
 
 // DefaultLabel is the cluster label when none is configured.
@@ -86,7 +88,7 @@ func ParseKey(s string) ([]byte, error) {
 // dropped by the table within 1 s), no compression (filters do not compress
 // and LZW triples the latency), and a short TCP timeout so a vanished peer
 // does not hold a snapshot sender for 10 s.
-func (c *Config) memberlistConfig(role Role, d *delegate) (*memberlist.Config, error) {
+func (c *Config) memberlistConfig(role filterstream.Role, d *delegate) (*memberlist.Config, error) {
 	if c.Name == "" || len(c.Name) > 200 {
 		return nil, fmt.Errorf("gossip: member name %q: want 1..200 bytes", c.Name)
 	}
@@ -202,9 +204,9 @@ func splitHostPort(s, defHost string, defPort int) (string, int, error) {
 
 // Stats count what a node received, sent and rejected. Read them with Load.
 type Stats struct {
-	Received      [KindInflight + 1]atomic.Uint64 // decoded messages by kind
-	ReceivedBytes [KindInflight + 1]atomic.Uint64 // their bytes, by kind
-	Sent          [KindInflight + 1]atomic.Uint64 // messages sent by kind
+	Received      [filterstream.KindInflight + 1]atomic.Uint64 // decoded messages by kind
+	ReceivedBytes [filterstream.KindInflight + 1]atomic.Uint64 // their bytes, by kind
+	Sent          [filterstream.KindInflight + 1]atomic.Uint64 // messages sent by kind
 	SentBytes     atomic.Uint64
 	SendErrors    atomic.Uint64
 	// BadMessages failed to decode (ours: wrong magic, truncated, garbage).
@@ -227,7 +229,7 @@ type Stats struct {
 	RejectedMalformed atomic.Uint64
 	// Resyncs are snapshot requests (sent by a router, received by a sidecar).
 	Resyncs       atomic.Uint64
-	ResyncReasons [resyncReasons]atomic.Uint64 // router: gap, behind, block size
+	ResyncReasons [filterstream.NumResyncReasons]atomic.Uint64 // router, by filterstream.ResyncReason
 	// Resends are deltas a sidecar sent again to answer a resync.
 	Resends atomic.Uint64
 }
@@ -268,7 +270,7 @@ func (s *logSink) Write(p []byte) (int, error) {
 // member is what a node knows of another member.
 type member struct {
 	node *memberlist.Node // a private copy (memberlist reuses its own)
-	meta Meta
+	meta filterstream.Meta
 }
 
 // event is a membership change, handed to the role's loop.
@@ -291,7 +293,7 @@ const (
 type delegate struct {
 	self  string // member name
 	meta  atomic.Pointer[[]byte]
-	inbox chan Message
+	inbox chan filterstream.Message
 	evq   chan event
 	stats Stats
 	log   zerolog.Logger
@@ -303,7 +305,7 @@ type delegate struct {
 }
 
 func newDelegate(self string, log zerolog.Logger) *delegate {
-	return &delegate{self: self, inbox: make(chan Message, 8192), evq: make(chan event, 1024), log: log,
+	return &delegate{self: self, inbox: make(chan filterstream.Message, 8192), evq: make(chan event, 1024), log: log,
 		forgedLog: log.Sample(&zerolog.BurstSampler{Burst: 1, Period: 10 * time.Second})}
 }
 
@@ -327,7 +329,7 @@ func (d *delegate) NotifyMsg(b []byte) {
 // is set (the sender transport read it from there), only if its From is
 // the member at src.
 func (d *delegate) deliver(b []byte, src net.Addr, datagram bool) {
-	m, err := Decode(b)
+	m, err := filterstream.Decode(b)
 	if err != nil {
 		d.stats.BadMessages.Add(1)
 		return
@@ -370,7 +372,7 @@ func (d *delegate) membership(k eventKind, n *memberlist.Node) {
 	cp.Meta = bytes.Clone(n.Meta)
 	ev := event{kind: k, member: member{node: &cp}}
 	if k != evLeave {
-		m, err := DecodeMeta(cp.Meta)
+		m, err := filterstream.DecodeMeta(cp.Meta)
 		if err != nil {
 			d.log.Warn().Err(err).Str("member", n.Name).Msg("ignoring member with bad metadata")
 			return
@@ -389,7 +391,7 @@ func (d *delegate) membership(k eventKind, n *memberlist.Node) {
 type node struct {
 	ml   *memberlist.Memberlist
 	d    *delegate
-	meta Meta
+	meta filterstream.Meta
 	log  zerolog.Logger
 
 	metaMu sync.Mutex
@@ -400,7 +402,7 @@ type node struct {
 	sendBuf sync.Pool
 }
 
-func start(cfg Config, meta Meta) (*node, error) {
+func start(cfg Config, meta filterstream.Meta) (*node, error) {
 	name := meta.Role.String() + "/" + cfg.Name
 	d := newDelegate(name, cfg.Logger)
 	n := &node{d: d, meta: meta, log: cfg.Logger}
@@ -457,7 +459,7 @@ func (n *node) rejoin(peers []string) {
 	}
 }
 
-func (n *node) setMeta(m Meta) error {
+func (n *node) setMeta(m filterstream.Meta) error {
 	b, dropped, err := m.Encode()
 	if err != nil {
 		return err
@@ -470,7 +472,7 @@ func (n *node) setMeta(m Meta) error {
 }
 
 // updateMeta announces new metadata to the cluster.
-func (n *node) updateMeta(m Meta) error {
+func (n *node) updateMeta(m filterstream.Meta) error {
 	n.metaMu.Lock()
 	defer n.metaMu.Unlock()
 	if err := n.setMeta(m); err != nil {
@@ -482,7 +484,7 @@ func (n *node) updateMeta(m Meta) error {
 
 // send encodes m and sends it best effort (one datagram) or reliably (one
 // TCP stream).
-func (n *node) send(to *memberlist.Node, m *Message, reliable bool) error {
+func (n *node) send(to *memberlist.Node, m *filterstream.Message, reliable bool) error {
 	buf, _ := n.sendBuf.Get().(*[]byte)
 	if buf == nil {
 		buf = new([]byte)
@@ -572,12 +574,12 @@ func (n *node) stats() StatsSnapshot {
 		RejectedMalformed:   s.RejectedMalformed.Load(),
 		Resyncs:             s.Resyncs.Load(),
 		Resends:             s.Resends.Load(),
-		ResyncReasons: map[string]uint64{
-			"gap": s.ResyncReasons[resyncGap].Load(), "behind": s.ResyncReasons[resyncBehind].Load(),
-			"block_size": s.ResyncReasons[resyncBlockSize].Load(),
-		},
+		ResyncReasons:       map[string]uint64{},
 	}
-	for k := KindLoad; k <= KindInflight; k++ {
+	for why := range filterstream.NumResyncReasons {
+		out.ResyncReasons[why.String()] = s.ResyncReasons[why].Load()
+	}
+	for k := filterstream.KindLoad; k <= filterstream.KindInflight; k++ {
 		out.Received[k.String()] = s.Received[k].Load()
 		out.ReceivedBytesByKind[k.String()] = s.ReceivedBytes[k].Load()
 		out.ReceivedBytes += s.ReceivedBytes[k].Load()

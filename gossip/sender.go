@@ -290,7 +290,7 @@ func readUserMsg(next func(int) ([]byte, error)) ([]byte, bool) {
 	default:
 		return nil, false
 	}
-	if n == 0 || n > maxPayload+1024 {
+	if n == 0 || n > mlMaxStream+1024 {
 		return nil, false
 	}
 	payload, err := next(int(n))

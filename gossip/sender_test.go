@@ -9,6 +9,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/fleet"
 )
 
@@ -60,17 +61,17 @@ func TestForgedSenderIsDroppedAndCounted(t *testing.T) {
 	f := bloom.NewFilter(1024, 0.01)
 	f.Add(666)
 	snap.M, snap.K, snap.Words = f.M(), f.K(), f.AppendWords(nil)
-	if err := evil.send(to, &Message{Kind: KindSnapshot, From: "sidecar/a", Epoch: epoch, Payload: snap.AppendBinary(nil)}, true); err != nil {
+	if err := evil.send(to, &filterstream.Message{Kind: filterstream.KindSnapshot, From: "sidecar/a", Epoch: epoch, Payload: snap.AppendBinary(nil)}, true); err != nil {
 		t.Fatal(err)
 	}
 	d := bloom.Delta{Epoch: epoch, Generation: 1, Seq: 1 << 20, Keys: []uint64{667}}
-	_ = evil.send(to, &Message{Kind: KindDelta, From: "sidecar/a", Epoch: epoch, Payload: d.AppendBinary(nil)}, false)
+	_ = evil.send(to, &filterstream.Message{Kind: filterstream.KindDelta, From: "sidecar/a", Epoch: epoch, Payload: d.AppendBinary(nil)}, false)
 	const forged = 200
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()
 	for i := range forged {
 		<-tick.C
-		_ = evil.send(to, &Message{Kind: KindLoad, From: "sidecar/a", Epoch: epoch, Seq: 1<<40 + uint64(i)}, false)
+		_ = evil.send(to, &filterstream.Message{Kind: filterstream.KindLoad, From: "sidecar/a", Epoch: epoch, Seq: 1<<40 + uint64(i)}, false)
 		if rep, _ := replica(tb, "a"); !rep.Online || !hasKey(tb, "a", 5) {
 			t.Fatalf("after %d forged records: %+v", i, rep)
 		}
@@ -146,11 +147,24 @@ func TestMemberAddrsBindDatagramsByPortStreamsByIP(t *testing.T) {
 func TestUncheckedUserMessagesAreDropped(t *testing.T) {
 	d := newDelegate("router/r1", testLog())
 	d.checkSender = true
-	m := sampleMessages()[0]
-	d.NotifyMsg(m.Append(nil))
+	d.NotifyMsg(sampleWire()[0])
 	if len(d.inbox) != 0 || d.stats.Unverified.Load() != 1 {
 		t.Fatalf("inbox %d, unverified %d", len(d.inbox), d.stats.Unverified.Load())
 	}
+}
+
+// sampleWire is a few encoded messages as members send them.
+func sampleWire() [][]byte {
+	msgs := []filterstream.Message{
+		{Kind: filterstream.KindLoad, From: "sidecar/a", Epoch: 7, Seq: 3, Load: filterstream.Load{Healthy: true, Waiting: 2}},
+		{Kind: filterstream.KindDelta, From: "sidecar/a", Epoch: 7, Payload: []byte("KB\x01\x02delta")},
+		{Kind: filterstream.KindClearRoutes, From: "router/r1", Epoch: 9, Seq: 42, Names: []string{"a"}},
+	}
+	var out [][]byte
+	for i := range msgs {
+		out = append(out, msgs[i].Append(nil))
+	}
+	return out
 }
 
 // fuzzTransport is a sender transport without sockets, for its parsers.
@@ -174,8 +188,8 @@ func sealedUserMsg(st *senderTransport, payload []byte) []byte {
 // never a panic; what is claimed comes through the check.
 func FuzzSenderCheckPacket(f *testing.F) {
 	st := fuzzTransport(f)
-	for _, m := range sampleMessages() {
-		f.Add(sealedUserMsg(st, m.Append(nil)))
+	for _, b := range sampleWire() {
+		f.Add(sealedUserMsg(st, b))
 	}
 	f.Add([]byte{mlHasLabelMsg, 3, 'a', 'b', 'c', 1})
 	f.Fuzz(func(t *testing.T, b []byte) {

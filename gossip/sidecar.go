@@ -4,7 +4,6 @@ import (
 	"errors"
 	"math/rand/v2"
 	"slices"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/filterstream"
 )
 
 // SidecarConfig configures a sidecar's member.
@@ -45,7 +45,8 @@ type EngineLoad struct {
 	KVUsage float64
 }
 
-// SidecarNode sends its replica's load and filter to every router.
+// SidecarNode sends its replica's load and filter to every router: it
+// carries a filterstream.Sender's messages over memberlist.
 type SidecarNode struct {
 	*node
 	cfg SidecarConfig
@@ -54,16 +55,13 @@ type SidecarNode struct {
 	engine atomic.Pointer[EngineLoad]
 	kick   chan struct{} // send a load record now
 
-	mu      sync.Mutex
-	routers map[string]*routerPeer
-	meta    Meta
-	loadSeq uint64
-	lastGen genID
-	// recent holds the last deltas sent (loop-owned), so a router that lost
-	// some gets them again instead of a whole snapshot.
-	recent   []sentDelta
+	mu     sync.Mutex
+	stream *filterstream.Sender
+	links  map[string]*routerLink // by member name
+	meta   filterstream.Meta
+
 	snapMu   sync.Mutex
-	snapID   genID
+	snapID   [2]uint64 // epoch, generation
 	snapSeq  uint64
 	snapWire []byte
 
@@ -73,33 +71,12 @@ type SidecarNode struct {
 	wg      sync.WaitGroup
 }
 
-type genID struct{ epoch, gen uint64 }
-
-// sentDelta is one delta as sent, kept for resends.
-type sentDelta struct {
-	id  genID
-	seq uint64
-	msg Message
-}
-
-// maxRecent bounds the deltas kept for resends (≈ 12 s at 40 a second,
-// ≤ 1.3 KB each).
-const maxRecent = 512
-
-// routerPeer is a router this sidecar feeds.
-type routerPeer struct {
+// routerLink carries snapshots to one router, one at a time.
+type routerLink struct {
 	node *memberlist.Node
 	// wantSnap (1-deep) wakes the router's snapshot sender.
 	wantSnap chan struct{}
 	quit     chan struct{}
-	// in-flight work the router reported here
-	inflight inflight
-	// others: the router wants load records without its own share
-	// (CapInflightOthers).
-	others    bool
-	inflSeq   uint64
-	inflAt    time.Time
-	inflEpoch uint64
 }
 
 // StartSidecar joins the cluster as a sidecar.
@@ -110,15 +87,12 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 	if cfg.DeltaInterval <= 0 {
 		cfg.DeltaInterval = 25 * time.Millisecond
 	}
-	if cfg.InflightTTL <= 0 {
-		cfg.InflightTTL = time.Second
-	}
 	s := &SidecarNode{
-		cfg:     cfg,
-		kick:    make(chan struct{}, 1),
-		routers: map[string]*routerPeer{},
-		stop:    make(chan struct{}),
-		done:    make(chan struct{}),
+		cfg:   cfg,
+		kick:  make(chan struct{}, 1),
+		links: map[string]*routerLink{},
+		stop:  make(chan struct{}),
+		done:  make(chan struct{}),
 	}
 	s.engine.Store(&EngineLoad{Healthy: true})
 	// Every process draws its own epoch, a load-only one too: its load
@@ -130,25 +104,27 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 		s.filter.Store(cfg.Filter)
 		epoch = cfg.Filter.Stats().Epoch
 	}
-	s.meta = Meta{
-		Role:          RoleSidecar,
+	s.meta = filterstream.Meta{
+		Role:          filterstream.RoleSidecar,
 		Name:          cfg.Name,
 		Models:        slices.Clone(cfg.Models),
 		EngineURL:     cfg.EngineURL,
 		Protocol:      cfg.Protocol,
 		BlockSize:     cfg.BlockSize,
 		SchemeVersion: blockkey.SchemeVersion,
-		Capabilities:  CapInflight | CapInflightOthers,
+		Capabilities:  filterstream.CapInflight | filterstream.CapInflightOthers,
 		Epoch:         epoch,
 	}
 	if cfg.Filter != nil {
-		s.meta.Capabilities |= CapKVEvents
+		s.meta.Capabilities |= filterstream.CapKVEvents
 	}
 	n, err := start(cfg.Config, s.meta)
 	if err != nil {
 		return nil, err
 	}
 	s.node = n
+	s.stream = filterstream.NewSender(filterstream.SenderConfig{Self: n.d.self, Name: cfg.Name, Epoch: epoch,
+		InflightTTL: cfg.InflightTTL})
 	go s.loop()
 	return s, nil
 }
@@ -202,15 +178,14 @@ func (s *SidecarNode) SetModels(models []string, blockSize int) error {
 func (s *SidecarNode) Routers() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.routers)
+	return s.stream.Routers()
 }
 
 // Inflight is the in-flight work summed over every router's live report.
 func (s *SidecarNode) Inflight() (requests, prefillTokens int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	f := s.inflightLocked(time.Now())
-	return f.requests, f.prefillTokens
+	return s.stream.Inflight(time.Now())
 }
 
 // Stats returns the node's counters.
@@ -227,7 +202,6 @@ func (s *SidecarNode) Leave(timeout time.Duration) error {
 	return s.leave(timeout)
 }
 
-// stopLoops ends the main loop and every per-router sender.
 // stopLoops stops the node's loops, once: it reports false when they were
 // stopped already.
 func (s *SidecarNode) stopLoops() bool {
@@ -237,10 +211,11 @@ func (s *SidecarNode) stopLoops() bool {
 	close(s.stop)
 	<-s.done
 	s.mu.Lock()
-	for _, rp := range s.routers {
-		close(rp.quit)
+	for name, l := range s.links {
+		close(l.quit)
+		s.stream.Gone(name)
 	}
-	s.routers = map[string]*routerPeer{}
+	s.links = map[string]*routerLink{}
 	s.mu.Unlock()
 	return true
 }
@@ -272,238 +247,105 @@ func (s *SidecarNode) loop() {
 	}
 }
 
-func (s *SidecarNode) membership(ev event) {
+// step feeds the sender one input under the lock and carries out what it
+// asks.
+func (s *SidecarNode) step(input func() filterstream.Output) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	name := ev.member.node.Name
-	rp := s.routers[name]
-	if ev.kind == evLeave || ev.member.meta.Role != RoleRouter {
-		if rp != nil {
-			close(rp.quit)
-			delete(s.routers, name)
+	out := input()
+	sends := resolveSends(out.Sends, func(name string) *memberlist.Node {
+		if l := s.links[name]; l != nil {
+			return l.node
 		}
-		return
+		return nil
+	})
+	for _, name := range out.Snapshots {
+		if l := s.links[name]; l != nil {
+			l.want()
+		}
 	}
-	if rp == nil {
-		rp = &routerPeer{wantSnap: make(chan struct{}, 1), quit: make(chan struct{})}
-		s.routers[name] = rp
-		s.wg.Add(1)
-		go s.snapshotSender(rp)
+	s.mu.Unlock()
+	s.count(&out)
+	if out.Cleared && s.cfg.OnClearRoutes != nil {
+		s.cfg.OnClearRoutes()
 	}
-	rp.node = ev.member.node
-	rp.others = ev.member.meta.Capabilities&CapInflightOthers != 0
-	if ev.kind == evJoin {
-		rp.want()
-	}
+	s.deliver(sends)
 }
 
-func (rp *routerPeer) want() {
+func (s *SidecarNode) membership(ev event) {
+	name := ev.member.node.Name
+	s.step(func() filterstream.Output {
+		l := s.links[name]
+		if ev.kind == evLeave || ev.member.meta.Role != filterstream.RoleRouter {
+			if l != nil {
+				close(l.quit)
+				delete(s.links, name)
+			}
+			s.stream.Gone(name)
+			return filterstream.Output{}
+		}
+		if l == nil {
+			l = &routerLink{wantSnap: make(chan struct{}, 1), quit: make(chan struct{})}
+			s.links[name] = l
+			s.wg.Add(1)
+			go s.snapshotSender(l)
+		}
+		l.node = ev.member.node
+		return s.stream.Member(name, ev.member.meta, ev.kind == evJoin)
+	})
+}
+
+func (l *routerLink) want() {
 	select {
-	case rp.wantSnap <- struct{}{}:
+	case l.wantSnap <- struct{}{}:
 	default:
 	}
 }
 
-func (s *SidecarNode) handle(m *Message) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if m.Kind == KindClearRoutes {
-		// Needs no answer, so also from a router whose membership has not
-		// reached this sidecar yet: it is sent once, and the routers wait
-		// for the generation it makes the sidecar rebuild.
-		if (len(m.Names) == 0 || slices.Contains(m.Names, s.cfg.Name)) && s.cfg.OnClearRoutes != nil {
-			s.cfg.OnClearRoutes()
-		}
-		return
-	}
-	rp := s.routers[m.From]
-	if rp == nil {
-		return
-	}
-	switch m.Kind {
-	case KindResync:
-		s.d.stats.Resyncs.Add(1)
-		if !s.resendLocked(rp, m) {
-			rp.want()
-		}
-	case KindInflight:
-		if m.Epoch != rp.inflEpoch || m.Seq > rp.inflSeq {
-			rp.inflEpoch, rp.inflSeq = m.Epoch, m.Seq
-			rp.inflight = inflight{m.Requests, m.PrefillTokens}
-			rp.inflAt = time.Now()
-		}
-	}
-}
-
-// resendLocked answers a resync with the deltas the router misses, when it
-// holds the current generation and they are all still kept; it reports
-// false when only a snapshot will do.
-func (s *SidecarNode) resendLocked(rp *routerPeer, m *Message) bool {
-	if m.Gen == 0 || len(s.recent) == 0 {
-		return false
-	}
-	want := genID{m.Epoch, m.Gen}
-	last := s.recent[len(s.recent)-1]
-	if last.id != want || m.Seq >= last.seq {
-		return false // another generation by now, or nothing to resend
-	}
-	i := sort.Search(len(s.recent), func(i int) bool {
-		r := s.recent[i]
-		return r.id == want && r.seq > m.Seq
-	})
-	if i == len(s.recent) || s.recent[i].id != want || s.recent[i].seq != m.Seq+1 {
-		return false // the first missing delta is gone
-	}
-	for _, r := range s.recent[i:] {
-		_ = s.send(rp.node, &r.msg, false)
-	}
-	s.d.stats.Resends.Add(uint64(len(s.recent) - i))
-	return true
-}
-
-func (s *SidecarNode) inflightLocked(now time.Time) inflight {
-	var sum inflight
-	for _, rp := range s.routers {
-		if now.Sub(rp.inflAt) > s.cfg.InflightTTL {
-			rp.inflight = inflight{}
-			continue
-		}
-		sum.requests += rp.inflight.requests
-		sum.prefillTokens += rp.inflight.prefillTokens
-	}
-	return sum
-}
-
-// targets returns the routers to send to now.
-func (s *SidecarNode) targets() []*routerPeer {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]*routerPeer, 0, len(s.routers))
-	for _, rp := range s.routers {
-		out = append(out, rp)
-	}
-	return out
+func (s *SidecarNode) handle(m *filterstream.Message) {
+	s.step(func() filterstream.Output { return s.stream.Handle(m, time.Now()) })
 }
 
 // flushFilter snapshots a new generation to every router and sends the
 // deltas taken since the last flush.
 func (s *SidecarNode) flushFilter() {
-	g := s.filter.Load()
-	if g == nil {
-		return
-	}
-	st := g.Stats()
-	routers := s.targets()
-	if id := (genID{st.Epoch, st.Generation}); id != s.lastGen {
-		s.lastGen = id
-		for _, rp := range routers {
-			rp.want()
-		}
-	}
-	// Bounded: a burst beyond this waits for the next tick.
-	for range 256 {
-		d, ok := g.TakeDelta()
-		if !ok {
-			break
-		}
-		msg := Message{Kind: KindDelta, From: s.d.self, Epoch: d.Epoch}
-		msg.Payload = d.AppendBinary(make([]byte, 0, bloom.DeltaSize(len(d.Keys))))
-		for _, rp := range routers {
-			_ = s.send(rp.node, &msg, false)
-		}
-		if len(s.recent) == maxRecent {
-			copy(s.recent, s.recent[1:])
-			s.recent = s.recent[:maxRecent-1]
-		}
-		s.recent = append(s.recent, sentDelta{genID{d.Epoch, d.Generation}, d.Seq, msg})
-		if d.Epoch != s.lastGen.epoch || d.Generation != s.lastGen.gen {
-			s.lastGen = genID{d.Epoch, d.Generation}
-			for _, rp := range routers {
-				rp.want()
-			}
-		}
+	if g := s.filter.Load(); g != nil {
+		s.step(func() filterstream.Output { return s.stream.Flush(g) })
 	}
 }
 
 // sendLoad sends every router a load record; leaving marks the last one.
 func (s *SidecarNode) sendLoad(leaving bool) {
 	e := s.engine.Load()
-	now := time.Now()
-	s.mu.Lock()
-	s.loadSeq++
-	f := s.inflightLocked(now)
-	msg := Message{Kind: KindLoad, From: s.d.self, Seq: s.loadSeq, Load: Load{
-		Healthy:               e.Healthy && !leaving,
-		Leaving:               leaving,
-		Waiting:               e.Waiting,
-		Running:               e.Running,
-		KVUsage:               float32(min(max(e.KVUsage, 0), 1)),
-		InflightRequests:      f.requests,
-		InflightPrefillTokens: f.prefillTokens,
-	}}
-	type target struct {
-		node *memberlist.Node
-		own  inflight // left out of the sums sent to it
-	}
-	targets := make([]target, 0, len(s.routers))
-	for _, rp := range s.routers {
-		t := target{node: rp.node}
-		if rp.others {
-			t.own = rp.inflight // zeroed by inflightLocked once expired
-		}
-		targets = append(targets, t)
-	}
-	msg.Epoch = s.meta.Epoch // SetModels replaces meta under s.mu
-	s.mu.Unlock()
-	if g := s.filter.Load(); g != nil {
-		st := g.Stats()
-		msg.Epoch = st.Epoch
-		msg.Load.FilterGen, msg.Load.FilterSeq, msg.Load.FilterKeys = st.Generation, st.Seq, st.Keys
-	}
-	copies := 1
-	if leaving {
-		// A datagram: lost, the router would take the leave for a failure
-		// and keep routing to the draining engine while it answers.
-		// Copies share the sequence: the router reads one.
-		copies = leavingCopies
-	}
-	for _, t := range targets {
-		m := msg
-		m.Load.InflightRequests -= t.own.requests
-		m.Load.InflightPrefillTokens -= t.own.prefillTokens
-		for range copies {
-			_ = s.send(t.node, &m, false)
-		}
-	}
+	engine := filterstream.Load{Healthy: e.Healthy, Waiting: e.Waiting, Running: e.Running,
+		KVUsage: float32(min(max(e.KVUsage, 0), 1))}
+	g := s.filter.Load()
+	s.step(func() filterstream.Output { return s.stream.Load(engine, g, leaving, time.Now()) })
 }
-
-// leavingCopies is how many times the leaving record goes to each router.
-const leavingCopies = 3
 
 // snapshotSender sends a router the current snapshot each time it is
 // wanted, one at a time (requests coalesce while one is in flight).
-func (s *SidecarNode) snapshotSender(rp *routerPeer) {
+func (s *SidecarNode) snapshotSender(l *routerLink) {
 	defer s.wg.Done()
 	for {
 		select {
-		case <-rp.quit:
+		case <-l.quit:
 			return
-		case <-rp.wantSnap:
+		case <-l.wantSnap:
 		}
 		msg, err := s.snapshotMessage()
 		if err != nil {
 			continue
 		}
 		s.mu.Lock()
-		to := rp.node
+		to := l.node
 		s.mu.Unlock()
 		if err := s.send(to, msg, true); err != nil {
 			s.log.Debug().Err(err).Str("to", to.Name).Msg("snapshot not delivered; retrying")
 			select {
-			case <-rp.quit:
+			case <-l.quit:
 				return
 			case <-time.After(200 * time.Millisecond):
-				rp.want()
+				l.want()
 			}
 		}
 	}
@@ -512,7 +354,7 @@ func (s *SidecarNode) snapshotSender(rp *routerPeer) {
 var errNoFilter = errors.New("gossip: no filter")
 
 // snapshotMessage encodes the current snapshot once for all routers.
-func (s *SidecarNode) snapshotMessage() (*Message, error) {
+func (s *SidecarNode) snapshotMessage() (*filterstream.Message, error) {
 	g := s.filter.Load()
 	if g == nil {
 		return nil, errNoFilter
@@ -520,10 +362,10 @@ func (s *SidecarNode) snapshotMessage() (*Message, error) {
 	s.snapMu.Lock()
 	defer s.snapMu.Unlock()
 	st := g.Stats()
-	if (genID{st.Epoch, st.Generation}) != s.snapID || st.Seq != s.snapSeq || s.snapWire == nil {
+	if [2]uint64{st.Epoch, st.Generation} != s.snapID || st.Seq != s.snapSeq || s.snapWire == nil {
 		snap := g.Snapshot()
-		s.snapID, s.snapSeq = genID{snap.Epoch, snap.Generation}, snap.Seq
-		s.snapWire = snap.AppendBinary(make([]byte, 0, bloom.SnapshotSize(snap.M)))
+		s.snapID, s.snapSeq = [2]uint64{snap.Epoch, snap.Generation}, snap.Seq
+		s.snapWire = filterstream.SnapshotMessage(s.d.self, snap).Payload
 	}
-	return &Message{Kind: KindSnapshot, From: s.d.self, Epoch: s.snapID.epoch, Payload: s.snapWire}, nil
+	return &filterstream.Message{Kind: filterstream.KindSnapshot, From: s.d.self, Epoch: s.snapID[0], Payload: s.snapWire}, nil
 }

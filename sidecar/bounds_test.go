@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/kvmesh/kvmesh/bloom"
-	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/kvevents"
 )
 
@@ -17,7 +17,7 @@ import (
 // router without this replica's filter, silently: New refuses it and names
 // the largest that works.
 func TestCapacityGossipCannotCarryIsRefused(t *testing.T) {
-	largest := bloom.MaxCapacity(0.01, gossip.MaxFilterPayload)
+	largest := bloom.MaxCapacity(0.01, filterstream.MaxFilterPayload)
 	_, err := New(Config{Name: "e1", EngineURL: "http://127.0.0.1:1", Capacity: 18_000_000})
 	if err == nil || !strings.Contains(err.Error(), "--capacity 18000000") || !strings.Contains(err.Error(), "is "+strconv.Itoa(largest)) {
 		t.Fatalf("capacity 18M: %v, want a refusal naming %d", err, largest)
@@ -26,8 +26,8 @@ func TestCapacityGossipCannotCarryIsRefused(t *testing.T) {
 	if err != nil {
 		t.Fatalf("largest capacity %d refused: %v", largest, err)
 	}
-	if size := bloom.SnapshotSize(s.gens.Stats().M); size > gossip.MaxFilterPayload {
-		t.Fatalf("filter of %d bytes, gossip carries %d", size, gossip.MaxFilterPayload)
+	if size := bloom.SnapshotSize(s.gens.Stats().M); size > filterstream.MaxFilterPayload {
+		t.Fatalf("filter of %d bytes, gossip carries %d", size, filterstream.MaxFilterPayload)
 	}
 	// A coarser filter fits more keys.
 	if _, err := New(Config{Name: "e1", EngineURL: "http://127.0.0.1:1", Capacity: 18_000_000, FilterFPR: 0.02}); err != nil {

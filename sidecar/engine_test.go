@@ -5,7 +5,7 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/kvmesh/kvmesh/gossip"
+	"github.com/kvmesh/kvmesh/filterstream"
 )
 
 const vllmMetrics = `# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -86,8 +86,8 @@ sglang:token_usage{model_name="q",tp_rank="0"} 0.125
 	if err != nil || got.Waiting != math.MaxInt32 {
 		t.Fatalf("summed counts: %+v %v, want waiting clamped to %d", got, err, math.MaxInt32)
 	}
-	rec := gossip.Message{Kind: gossip.KindLoad, From: "sidecar/a", Seq: 1, Load: gossip.Load{Healthy: true, Waiting: got.Waiting, Running: got.Running}}
-	if _, err := gossip.Decode(rec.Append(nil)); err != nil {
+	rec := filterstream.Message{Kind: filterstream.KindLoad, From: "sidecar/a", Seq: 1, Load: filterstream.Load{Healthy: true, Waiting: got.Waiting, Running: got.Running}}
+	if _, err := filterstream.Decode(rec.Append(nil)); err != nil {
 		t.Fatalf("the load record routers receive is rejected: %v", err)
 	}
 }

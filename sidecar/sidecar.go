@@ -25,6 +25,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/buildinfo"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/listener"
@@ -219,13 +220,13 @@ func New(cfg Config) (*Sidecar, error) {
 	if err := cfg.withDefaults(); err != nil {
 		return nil, err
 	}
-	maxKeys := bloom.MaxCapacity(cfg.FilterFPR, gossip.MaxFilterPayload)
+	maxKeys := bloom.MaxCapacity(cfg.FilterFPR, filterstream.MaxFilterPayload)
 	if cfg.Capacity > maxKeys {
 		blocks, _ := bloom.Params(uint(cfg.Capacity), cfg.FilterFPR)
 		size := bloom.SnapshotSize(uint(blocks) * 512)
 		return nil, fmt.Errorf("sidecar: --capacity %d needs a filter of %d bytes (%.1f MiB) at --filter-fpr %g, over the %d a gossip message carries: "+
 			"no router would ever receive it; the largest --capacity at this rate is %d (a higher --filter-fpr allows more)",
-			cfg.Capacity, size, float64(size)/(1<<20), cfg.FilterFPR, gossip.MaxFilterPayload, maxKeys)
+			cfg.Capacity, size, float64(size)/(1<<20), cfg.FilterFPR, filterstream.MaxFilterPayload, maxKeys)
 	}
 	sampled := func() zerolog.Logger { return cfg.Logger.Sample(&zerolog.BurstSampler{Burst: 1, Period: time.Minute}) }
 	s := &Sidecar{

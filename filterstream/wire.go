@@ -1,4 +1,4 @@
-package gossip
+package filterstream
 
 import (
 	"encoding/binary"
@@ -8,7 +8,7 @@ import (
 )
 
 // errShort is returned when a message ends before a field does.
-var errShort = errors.New("gossip: message truncated")
+var errShort = errors.New("filterstream: message truncated")
 
 // writer appends fields; it never fails.
 type writer struct{ b []byte }
@@ -58,7 +58,7 @@ func (r *reader) uvarint() uint64 {
 func (r *reader) int(max int) int {
 	v := r.uvarint()
 	if v > uint64(max) {
-		r.fail(fmt.Errorf("gossip: value %d over limit %d", v, max))
+		r.fail(fmt.Errorf("filterstream: value %d over limit %d", v, max))
 		return 0
 	}
 	return int(v)
@@ -111,7 +111,7 @@ func (r *reader) rest() []byte {
 // end fails if bytes are left over.
 func (r *reader) end() error {
 	if r.err == nil && len(r.b) != 0 {
-		r.fail(fmt.Errorf("gossip: %d trailing bytes", len(r.b)))
+		r.fail(fmt.Errorf("filterstream: %d trailing bytes", len(r.b)))
 	}
 	return r.err
 }

@@ -1,4 +1,4 @@
-package gossip
+package filterstream
 
 import (
 	"fmt"
@@ -154,10 +154,10 @@ func Decode(b []byte) (Message, error) {
 	var m Message
 	r := reader{b: b}
 	if r.byte() != msgMagic && r.err == nil {
-		return m, fmt.Errorf("gossip: not a kvmesh message")
+		return m, fmt.Errorf("filterstream: not a kvmesh message")
 	}
 	if v := r.byte(); v != msgVersion && r.err == nil {
-		return m, fmt.Errorf("gossip: message version %d, want %d", v, msgVersion)
+		return m, fmt.Errorf("filterstream: message version %d, want %d", v, msgVersion)
 	}
 	m.Kind = Kind(r.byte())
 	m.From = r.str(255)
@@ -174,7 +174,7 @@ func Decode(b []byte) (Message, error) {
 		case 2:
 			l.Leaving = true
 		default:
-			r.fail(fmt.Errorf("gossip: bad health flag"))
+			r.fail(fmt.Errorf("filterstream: bad health flag"))
 		}
 		l.Waiting = r.int(maxCount)
 		l.Running = r.int(maxCount)
@@ -185,12 +185,12 @@ func Decode(b []byte) (Message, error) {
 		l.FilterSeq = r.uvarint()
 		l.FilterKeys = r.int(maxCount)
 		if !(l.KVUsage >= 0 && l.KVUsage <= 1.5) { // also rejects NaN
-			r.fail(fmt.Errorf("gossip: kv usage %v out of range", l.KVUsage))
+			r.fail(fmt.Errorf("filterstream: kv usage %v out of range", l.KVUsage))
 		}
 	case KindSnapshot, KindDelta:
 		m.Payload = r.rest()
 		if len(m.Payload) > maxPayload {
-			r.fail(fmt.Errorf("gossip: payload of %d bytes", len(m.Payload)))
+			r.fail(fmt.Errorf("filterstream: payload of %d bytes", len(m.Payload)))
 		}
 	case KindResync:
 		m.Gen = r.uvarint()
@@ -203,13 +203,13 @@ func Decode(b []byte) (Message, error) {
 		m.Requests = r.int(maxCount)
 		m.PrefillTokens = r.int(maxCount)
 	default:
-		r.fail(fmt.Errorf("gossip: unknown message kind %d", uint8(m.Kind)))
+		r.fail(fmt.Errorf("filterstream: unknown message kind %d", uint8(m.Kind)))
 	}
 	if err := r.end(); err != nil {
 		return Message{}, err
 	}
 	if m.From == "" {
-		return Message{}, fmt.Errorf("gossip: %s message without a sender", m.Kind)
+		return Message{}, fmt.Errorf("filterstream: %s message without a sender", m.Kind)
 	}
 	return m, nil
 }

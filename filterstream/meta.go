@@ -1,10 +1,8 @@
-package gossip
+package filterstream
 
 import (
 	"errors"
 	"fmt"
-
-	"github.com/hashicorp/memberlist"
 )
 
 // Role is what a cluster member does.
@@ -42,6 +40,10 @@ const (
 
 const metaVersion = 1
 
+// MetaMaxSize is the most metadata a member may announce: memberlist's
+// limit (memberlist.MetaMaxSize), past which it panics.
+const MetaMaxSize = 512
+
 // Meta is a member's node metadata, gossiped with its alive messages. It
 // changes rarely (models learned, engine URL): load never rides here.
 type Meta struct {
@@ -56,17 +58,17 @@ type Meta struct {
 	Epoch         uint64 // boot epoch of the sender
 }
 
-// ErrMetaTooLarge is returned when metadata cannot fit memberlist's limit
-// even with every model name dropped.
-var ErrMetaTooLarge = errors.New("gossip: node metadata over 512 bytes")
+// ErrMetaTooLarge is returned when metadata cannot fit MetaMaxSize even
+// with every model name dropped.
+var ErrMetaTooLarge = errors.New("filterstream: node metadata over 512 bytes")
 
-// Encode returns m in at most memberlist.MetaMaxSize bytes. Models that do not
+// Encode returns m in at most MetaMaxSize bytes. Models that do not
 // fit are left out (their count is returned), since a node whose metadata
 // grows past the limit would make memberlist panic.
 func (m *Meta) Encode() ([]byte, int, error) {
 	for keep := len(m.Models); keep >= 0; keep-- {
 		b := m.encode(m.Models[:keep])
-		if len(b) <= memberlist.MetaMaxSize {
+		if len(b) <= MetaMaxSize {
 			return b, len(m.Models) - keep, nil
 		}
 	}
@@ -97,15 +99,15 @@ func DecodeMeta(b []byte) (Meta, error) {
 	var m Meta
 	r := reader{b: b}
 	if v := r.byte(); r.err == nil && v != metaVersion {
-		return m, fmt.Errorf("gossip: metadata version %d, want %d", v, metaVersion)
+		return m, fmt.Errorf("filterstream: metadata version %d, want %d", v, metaVersion)
 	}
 	m.Role = Role(r.byte())
 	m.Name = r.str(255)
-	n := r.int(memberlist.MetaMaxSize)
+	n := r.int(MetaMaxSize)
 	for i := 0; i < n && r.err == nil; i++ {
-		m.Models = append(m.Models, r.str(memberlist.MetaMaxSize))
+		m.Models = append(m.Models, r.str(MetaMaxSize))
 	}
-	m.EngineURL = r.str(memberlist.MetaMaxSize)
+	m.EngineURL = r.str(MetaMaxSize)
 	m.Protocol = r.str(64)
 	m.BlockSize = r.int(1 << 20)
 	m.SchemeVersion = r.int(1 << 20)
@@ -115,10 +117,10 @@ func DecodeMeta(b []byte) (Meta, error) {
 		return Meta{}, r.err
 	}
 	if m.Role != RoleSidecar && m.Role != RoleRouter {
-		return Meta{}, fmt.Errorf("gossip: unknown role %d", m.Role)
+		return Meta{}, fmt.Errorf("filterstream: unknown role %d", m.Role)
 	}
 	if m.Name == "" {
-		return Meta{}, errors.New("gossip: metadata without a name")
+		return Meta{}, errors.New("filterstream: metadata without a name")
 	}
 	return m, nil
 }

@@ -1,38 +1,42 @@
-package gossip
+package filterstream
 
 import (
 	"testing"
 	"time"
-
-	"github.com/hashicorp/memberlist"
 
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/fleet"
 )
 
-// feedRouter drives a router's message handling directly (no sidecar
-// process): a fake member "sidecar/a" and hand-made messages.
+// feedRouter drives a Receiver with hand-made messages from one sidecar
+// member, "sidecar/a", and counts the resyncs it asks for.
 type feedRouter struct {
-	t   *testing.T
-	r   *RouterNode
-	tb  *fleet.Table
-	now time.Time
+	t       *testing.T
+	r       *Receiver
+	tb      *fleet.Table
+	now     time.Time
+	sent    []Send
+	resyncs uint64
 }
 
+var sidecarA = Meta{Role: RoleSidecar, Name: "a", Models: []string{"m"}, Protocol: "vllm", BlockSize: 16,
+	SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight, Epoch: 7}
+
 func newFeedRouter(t *testing.T) *feedRouter {
-	f := &feedRouter{t: t, now: time.Unix(1_900_000_000, 0)}
-	f.r, f.tb = startTestRouter(t, "r1")
-	f.r.mu.Lock()
-	defer f.r.mu.Unlock()
-	f.r.now = func() time.Time { return f.now }
-	f.r.membership(event{kind: evJoin, member: member{
-		node: &memberlist.Node{Name: "sidecar/a"},
-		meta: Meta{Role: RoleSidecar, Name: "a", Models: []string{"m"}, Protocol: "vllm", BlockSize: 16,
-			SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight, Epoch: 7},
-	}})
+	f := &feedRouter{t: t, now: time.Unix(1_900_000_000, 0), tb: fleet.NewTable(fleet.TableConfig{})}
+	f.r = NewReceiver(ReceiverConfig{Self: "router/r1", Epoch: 99}, f.tb)
+	f.take(f.r.Member("sidecar/a", sidecarA, f.now))
 	return f
 }
+
+// take records what the receiver asked for.
+func (f *feedRouter) take(out Output) {
+	f.sent = append(f.sent, out.Sends...)
+	f.resyncs += uint64(out.Resyncs)
+}
+
+func (f *feedRouter) member(meta Meta) { f.take(f.r.Member("sidecar/a", meta, f.now)) }
 
 func (f *feedRouter) deliver(m Message) {
 	f.t.Helper()
@@ -42,9 +46,7 @@ func (f *feedRouter) deliver(m Message) {
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	f.r.mu.Lock()
-	f.r.handle(&dm)
-	f.r.mu.Unlock()
+	f.take(f.r.Handle(&dm, f.now))
 }
 
 func (f *feedRouter) snapshot(epoch, gen, seq uint64, keys ...uint64) {
@@ -53,7 +55,7 @@ func (f *feedRouter) snapshot(epoch, gen, seq uint64, keys ...uint64) {
 		filter.Add(k)
 	}
 	s := bloom.Snapshot{Epoch: epoch, Generation: gen, Seq: seq, M: filter.M(), K: filter.K(), Keys: len(keys), Words: filter.AppendWords(nil)}
-	f.deliver(Message{Kind: KindSnapshot, Epoch: epoch, Payload: s.AppendBinary(nil)})
+	f.deliver(SnapshotMessage("sidecar/a", s))
 }
 
 func (f *feedRouter) delta(epoch, gen, seq uint64, keys ...uint64) {
@@ -65,20 +67,13 @@ func (f *feedRouter) load(epoch, seq, gen, fseq uint64, healthy bool) {
 	f.deliver(Message{Kind: KindLoad, Epoch: epoch, Seq: seq, Load: Load{Healthy: healthy, Waiting: 1, FilterGen: gen, FilterSeq: fseq}})
 }
 
-// advance moves the router's clock (under its lock: its loop reads it).
-func (f *feedRouter) advance(d time.Duration) {
-	f.r.mu.Lock()
-	f.now = f.now.Add(d)
-	f.r.mu.Unlock()
-}
+func (f *feedRouter) advance(d time.Duration) { f.now = f.now.Add(d) }
 
 func (f *feedRouter) has(key uint64) bool { return hasKey(f.tb, "a", key) }
 
 // clearFrom delivers router from's route clear for sidecar a.
 func (f *feedRouter) clearFrom(from string) {
-	f.r.mu.Lock()
-	f.r.handle(&Message{Kind: KindClearRoutes, From: from, Names: []string{"a"}})
-	f.r.mu.Unlock()
+	f.take(f.r.Handle(&Message{Kind: KindClearRoutes, From: from, Names: []string{"a"}}, f.now))
 }
 
 // loadsFor sends epoch 7's load records every 100 ms for d, numbered on
@@ -90,7 +85,24 @@ func (f *feedRouter) loadsFor(d time.Duration, seq *uint64, gen, fseq uint64) {
 	}
 }
 
-func (f *feedRouter) resyncs() uint64 { return f.r.d.stats.Resyncs.Load() }
+func replica(tb *fleet.Table, name string) (fleet.Replica, bool) {
+	s := tb.Snapshot()
+	if i := s.Find(name); i >= 0 {
+		return s.Replicas[i], true
+	}
+	return fleet.Replica{}, false
+}
+
+func hasKey(tb *fleet.Table, name string, key uint64) bool {
+	s := tb.Snapshot()
+	i := s.Find(name)
+	if i < 0 {
+		return false
+	}
+	matched := make([]int, len(s.Replicas))
+	s.MatchPrefix([]uint64{key}, matched)
+	return matched[i] == 1
+}
 
 func TestRouterAppliesDeltasAndResyncsOnGap(t *testing.T) {
 	f := newFeedRouter(t)
@@ -104,12 +116,12 @@ func TestRouterAppliesDeltasAndResyncsOnGap(t *testing.T) {
 		t.Fatalf("%+v", rep)
 	}
 	f.delta(7, 1, 4, 104) // 3 was lost
-	if f.has(104) || f.resyncs() != 1 {
-		t.Fatalf("gap: has %v, resyncs %d", f.has(104), f.resyncs())
+	if f.has(104) || f.resyncs != 1 {
+		t.Fatalf("gap: has %v, resyncs %d", f.has(104), f.resyncs)
 	}
 	f.delta(7, 1, 5, 105) // still a gap, but rate-limited
-	if f.resyncs() != 1 {
-		t.Fatalf("resync not rate limited: %d", f.resyncs())
+	if f.resyncs != 1 {
+		t.Fatalf("resync not rate limited: %d", f.resyncs)
 	}
 	f.advance(time.Second)
 	f.snapshot(7, 1, 5, 100, 101, 102, 103, 104, 105) // the answer
@@ -128,7 +140,7 @@ func TestRouterBuffersDeltasAheadOfTheirSnapshot(t *testing.T) {
 	// Generation 2's first deltas overtake its snapshot (UDP vs TCP).
 	f.delta(7, 2, 1, 21)
 	f.delta(7, 2, 2, 22)
-	if f.has(21) || f.resyncs() != 0 {
+	if f.has(21) || f.resyncs != 0 {
 		t.Fatal("delta of an unknown generation applied or resynced")
 	}
 	f.snapshot(7, 2, 0, 20)
@@ -136,7 +148,7 @@ func TestRouterBuffersDeltasAheadOfTheirSnapshot(t *testing.T) {
 		t.Fatal("buffered deltas not replayed after their snapshot")
 	}
 	f.delta(7, 1, 9, 19) // old generation: ignored, no resync
-	if f.has(19) || f.resyncs() != 0 {
+	if f.has(19) || f.resyncs != 0 {
 		t.Fatal("old-generation delta applied or resynced")
 	}
 }
@@ -147,12 +159,12 @@ func TestRouterLoadRecordsDriveResyncAndEpochs(t *testing.T) {
 	for seq := uint64(1); seq <= 2; seq++ {
 		f.load(7, seq, 3, 4, true)
 	}
-	if f.resyncs() != 0 {
+	if f.resyncs != 0 {
 		t.Fatal("resync before three load records")
 	}
 	f.load(7, 3, 3, 4, true)
-	if f.resyncs() != 1 {
-		t.Fatalf("resyncs %d, want 1", f.resyncs())
+	if f.resyncs != 1 {
+		t.Fatalf("resyncs %d, want 1", f.resyncs)
 	}
 	f.snapshot(7, 3, 4, 30)
 	f.load(7, 2, 3, 4, true) // reordered old record: ignored
@@ -180,29 +192,19 @@ func TestRouterShowsKeptFilterAfterSilenceIfCurrent(t *testing.T) {
 	f.snapshot(7, 1, 0, 1)
 	f.load(7, 1, 1, 0, true)
 	f.advance(time.Second) // silent past DropAfter
-	f.r.mu.Lock()
-	dropped := f.tb.Expire(f.now)
-	f.r.mu.Unlock()
-	if len(dropped) != 1 || f.has(1) {
-		t.Fatalf("dropped %v, has %v", dropped, f.has(1))
+	out := f.r.Tick(f.now)
+	if len(out.Silent) != 1 || f.has(1) {
+		t.Fatalf("silent %v, has %v", out.Silent, f.has(1))
 	}
-	f.r.mu.Lock()
-	f.r.sidecars["sidecar/a"].hidden = true // as tick does
-	f.r.mu.Unlock()
 	f.load(7, 2, 1, 0, true) // back, nothing missed
-	if rep, _ := replica(f.tb, "a"); !rep.Online || !f.has(1) || f.resyncs() != 0 {
-		t.Fatalf("not restored without a snapshot: %+v resyncs %d", rep, f.resyncs())
+	if rep, _ := replica(f.tb, "a"); !rep.Online || !f.has(1) || f.resyncs != 0 {
+		t.Fatalf("not restored without a snapshot: %+v resyncs %d", rep, f.resyncs)
 	}
 }
 
 func TestRouterIgnoresFiltersOfAnotherKeyScheme(t *testing.T) {
 	f := newFeedRouter(t)
-	f.r.mu.Lock()
-	f.r.membership(event{kind: evUpdate, member: member{
-		node: &memberlist.Node{Name: "sidecar/a"},
-		meta: Meta{Role: RoleSidecar, Name: "a", SchemeVersion: blockkey.SchemeVersion + 1, Capabilities: CapKVEvents, Epoch: 7},
-	}})
-	f.r.mu.Unlock()
+	f.member(Meta{Role: RoleSidecar, Name: "a", SchemeVersion: blockkey.SchemeVersion + 1, Capabilities: CapKVEvents, Epoch: 7})
 	f.snapshot(7, 1, 0, 5)
 	if rep, _ := replica(f.tb, "a"); rep.KVEvents || f.has(5) {
 		t.Fatalf("foreign key scheme used for matching: %+v", rep)
@@ -212,14 +214,9 @@ func TestRouterIgnoresFiltersOfAnotherKeyScheme(t *testing.T) {
 func TestRouterResyncsWhenBlockSizeIsLearned(t *testing.T) {
 	f := newFeedRouter(t)
 	f.snapshot(7, 1, 0, 1)
-	f.r.mu.Lock()
-	f.r.membership(event{kind: evUpdate, member: member{
-		node: &memberlist.Node{Name: "sidecar/a"},
-		meta: Meta{Role: RoleSidecar, Name: "a", BlockSize: 32, SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents, Epoch: 7},
-	}})
-	f.r.mu.Unlock()
-	if f.has(1) || f.resyncs() != 1 {
-		t.Fatalf("block size change: has %v resyncs %d", f.has(1), f.resyncs())
+	f.member(Meta{Role: RoleSidecar, Name: "a", BlockSize: 32, SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents, Epoch: 7})
+	if f.has(1) || f.resyncs != 1 {
+		t.Fatalf("block size change: has %v resyncs %d", f.has(1), f.resyncs)
 	}
 	f.snapshot(7, 1, 0, 1)
 	if rep, _ := replica(f.tb, "a"); !f.has(1) || rep.BlockSize != 32 {
@@ -258,15 +255,15 @@ func TestRouterIgnoresLateLoadOfAnEpochLeft(t *testing.T) {
 	}
 	f.delta(8, 1, 1, 81)
 	f.load(8, 4, 1, 1, true)
-	if !f.has(81) || f.resyncs() != 0 {
-		t.Fatalf("new epoch's stream disturbed: has81 %v resyncs %d", f.has(81), f.resyncs())
+	if !f.has(81) || f.resyncs != 0 {
+		t.Fatalf("new epoch's stream disturbed: has81 %v resyncs %d", f.has(81), f.resyncs)
 	}
 }
 
 // TestRouterStopsAwaitingAClearedGenerationThatNeverComes: the generation a
 // sidecar rebuilt for another router's route clear (2) reached this router
 // before that clear did, so the clear makes it await generation 3, which a
-// sidecar without evictions never builds. The wait ends after clearWait:
+// sidecar without evictions never builds. The wait ends after ClearWait:
 // the filter held, proven current by the load records, is shown again.
 func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
 	f := newFeedRouter(t)
@@ -278,13 +275,13 @@ func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
 		t.Fatal("clear did not drop the filter")
 	}
 	seq := uint64(2)
-	f.loadsFor(clearWait-200*time.Millisecond, &seq, 2, 0)
+	f.loadsFor(ClearWait-200*time.Millisecond, &seq, 2, 0)
 	if f.has(2) {
 		t.Fatal("stopped awaiting a fresh generation early")
 	}
 	f.loadsFor(time.Second, &seq, 2, 0)
-	if !f.has(2) || f.resyncs() != 0 {
-		t.Fatalf("current filter not shown again after the wait: has %v resyncs %d", f.has(2), f.resyncs())
+	if !f.has(2) || f.resyncs != 0 {
+		t.Fatalf("current filter not shown again after the wait: has %v resyncs %d", f.has(2), f.resyncs)
 	}
 }
 
@@ -298,9 +295,9 @@ func TestRouterResyncsAfterAClearWhoseRebuildNeverComes(t *testing.T) {
 	f.clearFrom("router/A")
 	f.delta(7, 1, 1, 2) // ignored while awaiting generation 2
 	seq := uint64(2)
-	f.loadsFor(clearWait+time.Second, &seq, 1, 1)
-	if f.has(1) || f.resyncs() == 0 {
-		t.Fatalf("after the wait: has %v resyncs %d (want hidden, resynced)", f.has(1), f.resyncs())
+	f.loadsFor(ClearWait+time.Second, &seq, 1, 1)
+	if f.has(1) || f.resyncs == 0 {
+		t.Fatalf("after the wait: has %v resyncs %d (want hidden, resynced)", f.has(1), f.resyncs)
 	}
 	f.delta(7, 1, 1, 2) // the resent delta
 	if !f.has(1) || !f.has(2) {
@@ -314,16 +311,16 @@ func TestRouterKeepsDeltasThatOvertakeTheResyncSnapshot(t *testing.T) {
 	f.delta(7, 1, 1, 2)
 	f.delta(7, 1, 3, 4) // 2 lost: resync requested, 3 kept
 	f.delta(7, 1, 4, 5)
-	if f.resyncs() != 1 || f.has(4) {
-		t.Fatalf("resyncs %d has4 %v", f.resyncs(), f.has(4))
+	if f.resyncs != 1 || f.has(4) {
+		t.Fatalf("resyncs %d has4 %v", f.resyncs, f.has(4))
 	}
 	f.snapshot(7, 1, 3, 1, 2, 3, 4) // the answer, taken at seq 3
 	if !f.has(3) || !f.has(5) {
 		t.Fatal("delta 4, which overtook the snapshot, was not replayed")
 	}
 	f.delta(7, 1, 5, 6)
-	if !f.has(6) || f.resyncs() != 1 {
-		t.Fatalf("stream did not continue: has6 %v resyncs %d", f.has(6), f.resyncs())
+	if !f.has(6) || f.resyncs != 1 {
+		t.Fatalf("stream did not continue: has6 %v resyncs %d", f.has(6), f.resyncs)
 	}
 }
 
@@ -333,17 +330,15 @@ func TestRouterAsksForMissingDeltasFirstThenASnapshot(t *testing.T) {
 	f.delta(7, 1, 1, 2)
 	f.delta(7, 1, 3, 4) // 2 lost
 	f.delta(7, 1, 4, 5)
-	if f.resyncs() != 1 {
-		t.Fatalf("resyncs %d", f.resyncs())
+	if f.resyncs != 1 {
+		t.Fatalf("resyncs %d", f.resyncs)
 	}
 	f.delta(7, 1, 2, 3) // the resent delta fills the hole; 3 and 4 follow from the buffer
 	if !f.has(3) || !f.has(4) || !f.has(5) {
 		t.Fatal("buffered deltas not applied after the hole was filled")
 	}
-	f.r.mu.Lock()
 	p := f.r.sidecars["sidecar/a"]
 	pending, streak := len(p.pending), p.resyncStreak
-	f.r.mu.Unlock()
 	if pending != 0 || streak != 0 {
 		t.Fatalf("pending %d streak %d after recovery", pending, streak)
 	}
@@ -369,21 +364,19 @@ func TestRouterReadsInflightByTheSidecarsCapability(t *testing.T) {
 	}
 	// As after a tick reported 2 requests, 300 tokens (and a later tick
 	// reports the same).
-	f.r.ReportInflight("a", 2, 300)
-	f.r.mu.Lock()
-	f.r.sidecars["sidecar/a"].reported = inflight{2, 300}
-	f.r.mu.Unlock()
+	f.r.SetInflight("a", 2, 300)
+	f.r.Tick(f.now)
+	f.take(f.r.Tick(f.now)) // reports at every other tick
+	if last := f.sent[len(f.sent)-1].Msg; last.Kind != KindInflight || last.Requests != 2 || last.PrefillTokens != 300 {
+		t.Fatalf("report %+v", last)
+	}
 	f.deliver(Message{Kind: KindLoad, Epoch: 7, Seq: 1, Load: Load{Healthy: true, InflightRequests: 5, InflightPrefillTokens: 500}})
 	if got := others(); got != [2]int{3, 200} {
 		t.Fatalf("older sidecar: others %v, want its sum less this router's report (3, 200)", got)
 	}
-	f.r.mu.Lock()
-	f.r.membership(event{kind: evUpdate, member: member{
-		node: &memberlist.Node{Name: "sidecar/a"},
-		meta: Meta{Role: RoleSidecar, Name: "a", Models: []string{"m"}, Protocol: "vllm", BlockSize: 16,
-			SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 7},
-	}})
-	f.r.mu.Unlock()
+	withOthers := sidecarA
+	withOthers.Capabilities |= CapInflightOthers
+	f.member(withOthers)
 	f.deliver(Message{Kind: KindLoad, Epoch: 7, Seq: 2, Load: Load{Healthy: true, InflightRequests: 5, InflightPrefillTokens: 500}})
 	if got := others(); got != [2]int{5, 500} {
 		t.Fatalf("sidecar leaving this router out: others %v, want (5, 500) as sent", got)

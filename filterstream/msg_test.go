@@ -1,12 +1,10 @@
-package gossip
+package filterstream
 
 import (
 	"encoding/hex"
 	"reflect"
 	"strings"
 	"testing"
-
-	"github.com/hashicorp/memberlist"
 )
 
 func sampleMessages() []Message {
@@ -88,7 +86,7 @@ func TestMetaRoundTripAndLimit(t *testing.T) {
 		m.Models = append(m.Models, strings.Repeat("x", 20)+string(rune('a'+i%26)))
 	}
 	b, dropped, err = m.Encode()
-	if err != nil || len(b) > memberlist.MetaMaxSize || dropped == 0 {
+	if err != nil || len(b) > MetaMaxSize || dropped == 0 {
 		t.Fatalf("len %d dropped %d err %v", len(b), dropped, err)
 	}
 	got, err = DecodeMeta(b)
@@ -127,8 +125,19 @@ func FuzzDecodeMeta(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if _, _, err := m.Encode(); err != nil && len(b) <= memberlist.MetaMaxSize {
+		if _, _, err := m.Encode(); err != nil && len(b) <= MetaMaxSize {
 			t.Fatalf("decoded metadata does not re-encode: %v", err)
 		}
 	})
+}
+func BenchmarkLoadRecordCodec(b *testing.B) {
+	m := sampleMessages()[0]
+	buf := make([]byte, 0, 64)
+	b.ReportAllocs()
+	for b.Loop() {
+		buf = m.Append(buf[:0])
+		if _, err := Decode(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
