@@ -44,9 +44,6 @@ type RouterNode struct {
 	stop    chan struct{}
 	leaving atomic.Bool // set by the first Leave: stop is closed once
 	done    chan struct{}
-
-	// lose, set by tests under mu, drops chosen messages as a lossy network would.
-	lose func(*filterstream.Message) bool
 }
 
 // StartRouter joins the cluster as a router and starts feeding table.
@@ -155,12 +152,6 @@ func (r *RouterNode) step(input func(now time.Time) filterstream.Output) {
 }
 
 func (r *RouterNode) handle(m *filterstream.Message) {
-	r.mu.Lock()
-	lost := r.lose != nil && r.lose(m)
-	r.mu.Unlock()
-	if lost {
-		return
-	}
 	r.step(func(now time.Time) filterstream.Output { return r.recv.Handle(m, now) })
 }
 
