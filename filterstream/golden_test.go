@@ -99,3 +99,37 @@ func TestWireGoldens(t *testing.T) {
 		t.Errorf("testdata/wire holds %d files, the test %d cases", len(entries), n)
 	}
 }
+
+// TestDecodeIgnoresAppendedFields: a later version may append fields to the
+// fixed-layout kinds and to metadata; this one decodes what it knows and
+// ignores the rest, and still rejects every record cut short.
+func TestDecodeIgnoresAppendedFields(t *testing.T) {
+	later := []byte{0x05, 'l', 'a', 't', 'e', 'r', 0xff, 0x01}
+	for name, m := range goldenMessages() {
+		if m.Kind == KindSnapshot || m.Kind == KindDelta {
+			continue // the payload is the rest: bloom's encoding, versioned itself
+		}
+		b := m.Append(nil)
+		got, err := Decode(append(b, later...))
+		if err != nil || !reflect.DeepEqual(got, m) {
+			t.Errorf("%s with appended fields: %+v, %v; want %+v", name, got, err, m)
+		}
+		for n := range len(b) {
+			if _, err := Decode(b[:n]); err == nil {
+				t.Errorf("%s cut to %d of %d bytes: accepted", name, n, len(b))
+			}
+		}
+	}
+	for name, m := range goldenMetas() {
+		b, _, _ := m.Encode()
+		got, err := DecodeMeta(append(b, later...))
+		if err != nil || !reflect.DeepEqual(got, m) {
+			t.Errorf("%s with appended fields: %+v, %v; want %+v", name, got, err, m)
+		}
+		for n := range len(b) {
+			if _, err := DecodeMeta(b[:n]); err == nil {
+				t.Errorf("%s cut to %d of %d bytes: accepted", name, n, len(b))
+			}
+		}
+	}
+}

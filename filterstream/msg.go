@@ -150,6 +150,8 @@ func (m *Message) Append(dst []byte) []byte {
 }
 
 // Decode parses one message. Payload aliases b; copy b first if it is reused.
+// Fields a later version appends to a load record, resync, route clear or
+// in-flight report are ignored; a message cut short is rejected.
 func Decode(b []byte) (Message, error) {
 	var m Message
 	r := reader{b: b}
@@ -205,8 +207,11 @@ func Decode(b []byte) (Message, error) {
 	default:
 		r.fail(fmt.Errorf("filterstream: unknown message kind %d", uint8(m.Kind)))
 	}
-	if err := r.end(); err != nil {
-		return Message{}, err
+	// Bytes left after the fields of a fixed-layout kind are fields a later
+	// version appended: ignored, so that versions can be mixed in a
+	// rolling upgrade. Snapshots and deltas take the rest as their payload.
+	if r.err != nil {
+		return Message{}, r.err
 	}
 	if m.From == "" {
 		return Message{}, fmt.Errorf("filterstream: %s message without a sender", m.Kind)

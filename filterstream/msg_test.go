@@ -56,7 +56,6 @@ func TestDecodeRejects(t *testing.T) {
 		"version":       append([]byte{msgMagic, 9}, good[2:]...),
 		"kind":          append([]byte{msgMagic, msgVersion, 99}, good[3:]...),
 		"truncated":     good[:len(good)-1],
-		"trailing":      append(append([]byte{}, good...), 0),
 		"no sender":     (&Message{Kind: KindResync}).Append(nil),
 		"nan kv usage":  (&Message{Kind: KindLoad, From: "x", Load: Load{KVUsage: float32NaN()}}).Append(nil),
 		"health flag 3": func() []byte { b := append([]byte{}, good...); b[3+1+9+8+1] = 3; return b }(),

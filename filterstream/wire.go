@@ -17,7 +17,6 @@ func (w *writer) byte(v byte)      { w.b = append(w.b, v) }
 func (w *writer) uvarint(v uint64) { w.b = binary.AppendUvarint(w.b, v) }
 func (w *writer) u64(v uint64)     { w.b = binary.LittleEndian.AppendUint64(w.b, v) }
 func (w *writer) f32(v float32)    { w.b = binary.LittleEndian.AppendUint32(w.b, math.Float32bits(v)) }
-func (w *writer) bytes(v []byte)   { w.uvarint(uint64(len(v))); w.b = append(w.b, v...) }
 func (w *writer) str(v string)     { w.uvarint(uint64(len(v))); w.b = append(w.b, v...) }
 
 // reader consumes fields; the first error sticks and later reads return zero
@@ -106,12 +105,4 @@ func (r *reader) rest() []byte {
 	v := r.b
 	r.b = nil
 	return v
-}
-
-// end fails if bytes are left over.
-func (r *reader) end() error {
-	if r.err == nil && len(r.b) != 0 {
-		r.fail(fmt.Errorf("filterstream: %d trailing bytes", len(r.b)))
-	}
-	return r.err
 }
