@@ -85,23 +85,22 @@ func (f *feedRouter) loadsFor(d time.Duration, seq *uint64, gen, fseq uint64) {
 	}
 }
 
-func replica(tb *fleet.Table, name string) (fleet.Replica, bool) {
-	s := tb.Snapshot()
-	if i := s.Find(name); i >= 0 {
-		return s.Replicas[i], true
+// replica is the table's entry for name.
+func replica(tb *fleet.Table, name string) (rep fleet.Replica, ok bool) {
+	snap := tb.Snapshot()
+	if i := snap.Find(name); i >= 0 {
+		rep, ok = snap.Replicas[i], true
 	}
-	return fleet.Replica{}, false
+	return rep, ok
 }
 
+// hasKey reports whether routing matches key at replica name.
 func hasKey(tb *fleet.Table, name string, key uint64) bool {
-	s := tb.Snapshot()
-	i := s.Find(name)
-	if i < 0 {
-		return false
-	}
-	matched := make([]int, len(s.Replicas))
-	s.MatchPrefix([]uint64{key}, matched)
-	return matched[i] == 1
+	snap := tb.Snapshot()
+	matched := make([]int, len(snap.Replicas))
+	snap.MatchPrefix([]uint64{key}, matched)
+	i := snap.Find(name)
+	return i >= 0 && matched[i] == 1
 }
 
 func TestRouterAppliesDeltasAndResyncsOnGap(t *testing.T) {

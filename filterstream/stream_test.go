@@ -276,6 +276,20 @@ func (c *cluster) lacks(r *simRouter, s *simSidecar, key uint64) {
 	}
 }
 
+// loseFirst makes the network lose the next datagram of kind, and counts
+// the losses in *lost.
+func (c *cluster) loseFirst(kind Kind) (lost *int) {
+	lost = new(int)
+	c.fault = func(p packet) verdict {
+		if p.kind == kind && *lost == 0 {
+			*lost++
+			return 0
+		}
+		return 1
+	}
+	return lost
+}
+
 // seq returns n keys from base on.
 func seq(base uint64, n int) []uint64 {
 	out := make([]uint64, n)
@@ -358,14 +372,7 @@ func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
 	a.add(1)
 	c.settle()
 	snapshots := c.delivered[KindSnapshot]
-	lost := 0
-	c.fault = func(p packet) verdict {
-		if p.kind == KindDelta && lost == 0 {
-			lost++
-			return 0
-		}
-		return 1
-	}
+	lost := c.loseFirst(KindDelta)
 	a.add(2)
 	c.rounds(1)
 	c.lacks(r, a, 2)
@@ -374,8 +381,8 @@ func TestLostDeltaIsResentNotSnapshotted(t *testing.T) {
 	c.holds(r, a)
 	// Resent: the lost delta and the one after it, which the resync's
 	// answer covers too.
-	if lost != 1 || c.resends != 2 || c.delivered[KindSnapshot] != snapshots {
-		t.Fatalf("lost %d, resent %d, snapshots %d after the loss", lost, c.resends, c.delivered[KindSnapshot]-snapshots)
+	if *lost != 1 || c.resends != 2 || c.delivered[KindSnapshot] != snapshots {
+		t.Fatalf("lost %d, resent %d, snapshots %d after the loss", *lost, c.resends, c.delivered[KindSnapshot]-snapshots)
 	}
 }
 
@@ -386,20 +393,14 @@ func TestLostTrailingDeltaIsNoticedByLoadRecords(t *testing.T) {
 	r := c.addRouter("r1")
 	a := c.addSidecar("a", 0xa1)
 	c.settle()
-	c.fault = func(p packet) verdict {
-		if p.kind == KindDelta {
-			c.fault = nil
-			return 0
-		}
-		return 1
-	}
+	lost := c.loseFirst(KindDelta)
 	a.add(7)
 	c.rounds(1)
 	c.lacks(r, a, 7)
 	c.rounds(12) // three load records
 	c.holds(r, a)
-	if c.resyncs != 1 {
-		t.Fatalf("%d resyncs, want 1", c.resyncs)
+	if *lost != 1 || c.resyncs != 1 {
+		t.Fatalf("%d deltas lost, %d resyncs; want 1, 1", *lost, c.resyncs)
 	}
 }
 
@@ -416,17 +417,10 @@ func TestLeavingRecordsSurviveALostCopy(t *testing.T) {
 			c.settle()
 			c.holds(r, a)
 			if leaves {
-				lost := 0
-				c.fault = func(p packet) verdict {
-					if p.kind == KindLoad && lost == 0 {
-						lost++
-						return 0
-					}
-					return 1
-				}
+				lost := c.loseFirst(KindLoad)
 				c.take(a.member, a.s.Load(a.engine, a.g, true, c.now))
 				c.deliver()
-				if lost != 1 {
+				if *lost != 1 {
 					t.Fatal("no copy lost")
 				}
 			}
