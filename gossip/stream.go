@@ -1,6 +1,8 @@
 package gossip
 
 import (
+	"sync/atomic"
+
 	"github.com/hashicorp/memberlist"
 
 	"github.com/kvmesh/kvmesh/filterstream"
@@ -46,10 +48,15 @@ func (n *node) deliver(sends []outgoing) {
 // count adds what a state machine reports to the node's counters.
 func (n *node) count(out *filterstream.Output) {
 	s := &n.d.stats
-	s.BadMessages.Add(uint64(out.Bad))
-	s.Resyncs.Add(uint64(out.Resyncs))
-	s.Resends.Add(uint64(out.Resends))
+	add := func(c *atomic.Uint64, v int) {
+		if v > 0 {
+			c.Add(uint64(v))
+		}
+	}
+	add(&s.BadMessages, out.Bad)
+	add(&s.Resyncs, out.Resyncs)
+	add(&s.Resends, out.Resends)
 	for why, k := range out.ResyncReasons {
-		s.ResyncReasons[why].Add(uint64(k))
+		add(&s.ResyncReasons[why], k)
 	}
 }
