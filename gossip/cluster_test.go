@@ -345,6 +345,14 @@ func TestParseKey(t *testing.T) {
 	}
 }
 
+// abort stops the member without a word to the cluster, as a crash would.
+func (n *node) abort() {
+	if !n.down.Swap(true) {
+		close(n.quit)
+		_ = n.ml.Shutdown()
+	}
+}
+
 // crash stops a sidecar as kill -9 would: no last load record, no leave.
 func (s *SidecarNode) crash() {
 	s.abort() // first, so the loop's final load record cannot get out

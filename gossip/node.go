@@ -587,11 +587,3 @@ func (n *node) stats() StatsSnapshot {
 	}
 	return out
 }
-
-// abort stops the member without a word to the cluster, as a crash would.
-func (n *node) abort() {
-	if !n.down.Swap(true) {
-		close(n.quit)
-		_ = n.ml.Shutdown()
-	}
-}
