@@ -48,13 +48,13 @@
 //     expiry, driven by Tick); the mirror keeps its filter and shows it again
 //     once a load record proves it current. An unhealthy load record takes
 //     the filter down at once. A sidecar that leaves sends its leaving record
-//     LeavingCopies times and its replica leaves the table; one that just
-//     disappears leaves its replica routed by load (an orphan).
+//     three times (a datagram) and its replica leaves the table; one that
+//     just disappears leaves its replica routed by load (an orphan).
 //
 // A route clear (KindClearRoutes, from an operator at one router) drops the
 // named replicas' filters at every router and makes their sidecars rebuild:
 // each router then ignores filter state older than the generation after the
-// one it held, until the fresh one arrives or ClearWait passes.
+// one it held, until the fresh one arrives or 3 s pass.
 //
 // Routers also report, every other tick, their in-flight work at each replica
 // (KindInflight); the sidecar sums the live reports into its load records,

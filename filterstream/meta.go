@@ -9,11 +9,12 @@ import (
 type Role uint8
 
 const (
-	RoleUnknown Role = iota
-	RoleSidecar
-	RoleRouter
+	RoleUnknown Role = iota // not a member DecodeMeta accepts
+	RoleSidecar             // one per engine replica: sends its load and filter
+	RoleRouter              // routes requests: receives every sidecar's stream
 )
 
+// String names the role as member names start with ("sidecar/a").
 func (r Role) String() string {
 	switch r {
 	case RoleSidecar:

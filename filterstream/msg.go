@@ -16,6 +16,7 @@ const (
 	KindInflight                    // router → sidecar: what this router has in flight there
 )
 
+// String names the kind as metrics label it ("load", "delta", ...).
 func (k Kind) String() string {
 	switch k {
 	case KindLoad:

@@ -64,7 +64,7 @@ type sidecarPeer struct {
 	hidden bool
 	// awaitGen: after a route clear, filter state of generations below it
 	// is ignored until the sidecar publishes a fresh one, or until
-	// awaitUntil (see ClearWait).
+	// awaitUntil (see clearWait).
 	awaitGen   uint64
 	awaitUntil time.Time
 	// leaving: the sidecar's last load record said it leaves on purpose;
@@ -84,7 +84,7 @@ type sidecarPeer struct {
 // deltas at 40 a second).
 const maxPending = 256
 
-// ClearWait bounds how long a router ignores a sidecar's filter state older
+// clearWait bounds how long a router ignores a sidecar's filter state older
 // than the generation it awaits after a route clear. The wait cannot always
 // end on its own: the generation the sidecar rebuilt for the clear may have
 // reached this router before the clear did (the router then awaits one more,
@@ -93,7 +93,7 @@ const maxPending = 256
 // so its fresh generation is normally here well within this; after it the
 // router shows the filter it holds if a load record proves it current, or
 // resyncs as for any filter it lacks.
-const ClearWait = 3 * time.Second
+const clearWait = 3 * time.Second
 
 // idleRepeats is how many reports of no work follow a router's last work at
 // a replica.
@@ -152,7 +152,7 @@ func (r *Receiver) clear(names []string, now time.Time) {
 		if p := r.replicas[name]; p != nil {
 			if st := p.mirror.State(); st != nil {
 				p.awaitGen = st.Generation + 1
-				p.awaitUntil = now.Add(ClearWait)
+				p.awaitUntil = now.Add(clearWait)
 				// Kept: once the wait is over, it is shown again if a
 				// load record proves it current (no snapshot needed).
 				p.hidden = true
@@ -283,7 +283,7 @@ func (p *sidecarPeer) hasLeft(epoch uint64) bool {
 }
 
 // awaiting reports whether filter state of generation gen is still ignored
-// after a route clear; once ClearWait has passed, nothing is.
+// after a route clear; once clearWait has passed, nothing is.
 func (p *sidecarPeer) awaiting(gen uint64, now time.Time) bool {
 	if p.awaitGen != 0 && !now.Before(p.awaitUntil) {
 		p.awaitGen = 0

@@ -262,7 +262,7 @@ func TestRouterIgnoresLateLoadOfAnEpochLeft(t *testing.T) {
 // TestRouterStopsAwaitingAClearedGenerationThatNeverComes: the generation a
 // sidecar rebuilt for another router's route clear (2) reached this router
 // before that clear did, so the clear makes it await generation 3, which a
-// sidecar without evictions never builds. The wait ends after ClearWait:
+// sidecar without evictions never builds. The wait ends after clearWait:
 // the filter held, proven current by the load records, is shown again.
 func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
 	f := newFeedRouter(t)
@@ -274,7 +274,7 @@ func TestRouterStopsAwaitingAClearedGenerationThatNeverComes(t *testing.T) {
 		t.Fatal("clear did not drop the filter")
 	}
 	seq := uint64(2)
-	f.loadsFor(ClearWait-200*time.Millisecond, &seq, 2, 0)
+	f.loadsFor(clearWait-200*time.Millisecond, &seq, 2, 0)
 	if f.has(2) {
 		t.Fatal("stopped awaiting a fresh generation early")
 	}
@@ -294,7 +294,7 @@ func TestRouterResyncsAfterAClearWhoseRebuildNeverComes(t *testing.T) {
 	f.clearFrom("router/A")
 	f.delta(7, 1, 1, 2) // ignored while awaiting generation 2
 	seq := uint64(2)
-	f.loadsFor(ClearWait+time.Second, &seq, 1, 1)
+	f.loadsFor(clearWait+time.Second, &seq, 1, 1)
 	if f.has(1) || f.resyncs == 0 {
 		t.Fatalf("after the wait: has %v resyncs %d (want hidden, resynced)", f.has(1), f.resyncs)
 	}

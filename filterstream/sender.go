@@ -47,11 +47,11 @@ type sentDelta struct {
 // ≤ 1.3 KB each).
 const maxRecent = 512
 
-// LeavingCopies is how many times the leaving load record goes to each
+// leavingCopies is how many times the leaving load record goes to each
 // router: a datagram, lost, the router would take the leave for a failure
 // and keep routing to the draining engine while it answers. Copies share
 // the sequence: the router reads one.
-const LeavingCopies = 3
+const leavingCopies = 3
 
 // routerPeer is what a sidecar tracks about one router.
 type routerPeer struct {
@@ -213,7 +213,7 @@ func (s *Sender) wantAll(out *Output) {
 // Load sends every router a load record: engine's health and load, the
 // other routers' in-flight work, and the filter state of g (nil: a
 // load-only sidecar). leaving marks the sidecar's last record as it leaves
-// on purpose; it goes LeavingCopies times.
+// on purpose; it goes leavingCopies times.
 func (s *Sender) Load(engine Load, g *bloom.Generations, leaving bool, now time.Time) (out Output) {
 	s.loadSeq++
 	f := s.inflightSum(now)
@@ -233,7 +233,7 @@ func (s *Sender) Load(engine Load, g *bloom.Generations, leaving bool, now time.
 	}
 	copies := 1
 	if leaving {
-		copies = LeavingCopies
+		copies = leavingCopies
 	}
 	for name, rp := range s.routers {
 		m := msg

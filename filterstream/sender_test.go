@@ -8,7 +8,7 @@ import (
 // TestSenderHonoursClearFromARouterNotYetKnown: a route clear needs no
 // answer, so a sidecar acts on one even before the sender's membership
 // reaches it (the clearing router then waits for the rebuild, see
-// ClearWait), and only on one that names its replica.
+// clearWait), and only on one that names its replica.
 func TestSenderHonoursClearFromARouterNotYetKnown(t *testing.T) {
 	s := NewSender(SenderConfig{Self: "sidecar/a", Name: "a", Epoch: 5})
 	now := time.Unix(1_900_000_000, 0)

@@ -405,7 +405,7 @@ func TestLostTrailingDeltaIsNoticedByLoadRecords(t *testing.T) {
 }
 
 // TestLeavingRecordsSurviveALostCopy: the sidecar's last load record goes
-// LeavingCopies times; one lost, the replica still leaves routing when the
+// leavingCopies times; one lost, the replica still leaves routing when the
 // sidecar is gone, where a sidecar that vanished leaves an orphan.
 func TestLeavingRecordsSurviveALostCopy(t *testing.T) {
 	for _, leaves := range []bool{true, false} {
@@ -516,7 +516,7 @@ func TestLateJoinerGetsTheCurrentGeneration(t *testing.T) {
 
 // TestClearRacingARebuild: router r1 clears a's routes. The sidecar's
 // rebuild for it reaches r2 before r1's clear does, so r2 awaits a
-// generation that never comes and, after ClearWait, shows the filter the
+// generation that never comes and, after clearWait, shows the filter the
 // load records prove current. r1 shows the rebuilt generation once it
 // lands; neither routes by the pre-clear filter meanwhile.
 func TestClearRacingARebuild(t *testing.T) {
@@ -545,14 +545,14 @@ func TestClearRacingARebuild(t *testing.T) {
 		t.Fatalf("r2 heard %d clears", r2.clears)
 	}
 	c.lacks(r2, a, 1) // awaiting generation gen+2
-	c.rounds(int((ClearWait - 250*time.Millisecond) / (25 * time.Millisecond)))
+	c.rounds(int((clearWait - 250*time.Millisecond) / (25 * time.Millisecond)))
 	c.lacks(r2, a, 1)
 	c.rounds(40)
 	c.holds(r2, a)
 }
 
 // TestClearReachingNoSidecar: the clear never reaches the sidecar, which
-// goes on adding to the generation held; after ClearWait the routers fetch
+// goes on adding to the generation held; after clearWait the routers fetch
 // what they missed.
 func TestClearReachingNoSidecar(t *testing.T) {
 	c := newCluster(t)
