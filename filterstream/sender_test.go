@@ -3,6 +3,9 @@ package filterstream
 import (
 	"testing"
 	"time"
+
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/fleet"
 )
 
 // TestSenderHonoursClearFromARouterNotYetKnown: a route clear needs no
@@ -21,4 +24,36 @@ func TestSenderHonoursClearFromARouterNotYetKnown(t *testing.T) {
 			t.Errorf("clear of %v: cleared %v, sends %d; want %v, none", c.names, out.Cleared, len(out.Sends), c.want)
 		}
 	}
+}
+
+// FuzzHandle: whatever a member sends that decodes, neither side panics on
+// it, whichever member it claims to be from, and a sender answers a router
+// it knows with at most the deltas it keeps.
+func FuzzHandle(f *testing.F) {
+	for _, m := range goldenMessages() {
+		f.Add(m.Append(nil))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := Decode(b)
+		if err != nil {
+			return
+		}
+		now := time.Unix(1_900_000_000, 0)
+		tb := fleet.NewTable(fleet.TableConfig{})
+		r := NewReceiver(ReceiverConfig{Self: "router/r1", Epoch: 9}, tb)
+		r.Member(m.From, sidecarA, now)
+		r.Handle(&m, now)
+		r.Tick(now.Add(time.Second))
+
+		s := NewSender(SenderConfig{Self: "sidecar/a", Name: "a", Epoch: 7})
+		s.Member(m.From, Meta{Role: RoleRouter, Name: "r1", Capabilities: CapInflightOthers}, true)
+		g := bloom.NewGenerations(bloom.GenerationConfig{Capacity: 64, MaxDeltaKeys: 2}, 7, now)
+		g.Add(1)
+		s.Flush(g)
+		out := s.Handle(&m, now)
+		if len(out.Sends) > maxRecent {
+			t.Fatalf("%d messages sent for one %s", len(out.Sends), m.Kind)
+		}
+		s.Load(Load{Healthy: true}, g, false, now)
+	})
 }
