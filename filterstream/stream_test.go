@@ -304,10 +304,11 @@ func seq(base uint64, n int) []uint64 {
 // again every router holds every sidecar's current filter and load.
 func TestStreamConvergesUnderFaults(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		fault func(rng *rand.Rand, c *cluster) func(packet) verdict
+		name    string
+		repairs bool // resyncs expected
+		fault   func(rng *rand.Rand, c *cluster) func(packet) verdict
 	}{
-		{"lose a fifth of the datagrams", func(rng *rand.Rand, _ *cluster) func(packet) verdict {
+		{"lose a fifth of the datagrams", true, func(rng *rand.Rand, _ *cluster) func(packet) verdict {
 			return func(p packet) verdict {
 				if !p.reliable && rng.IntN(5) == 0 {
 					return 0
@@ -315,10 +316,10 @@ func TestStreamConvergesUnderFaults(t *testing.T) {
 				return 1
 			}
 		}},
-		{"duplicate everything", func(*rand.Rand, *cluster) func(packet) verdict {
+		{"duplicate everything", false, func(*rand.Rand, *cluster) func(packet) verdict {
 			return func(packet) verdict { return 2 }
 		}},
-		{"reorder", func(rng *rand.Rand, c *cluster) func(packet) verdict {
+		{"reorder", true, func(rng *rand.Rand, c *cluster) func(packet) verdict {
 			return func(p packet) verdict {
 				// Hold a third of the packets back behind the rest.
 				if rng.IntN(3) == 0 && len(c.queue) > 0 {
@@ -328,7 +329,7 @@ func TestStreamConvergesUnderFaults(t *testing.T) {
 				return 1
 			}
 		}},
-		{"lose and duplicate", func(rng *rand.Rand, _ *cluster) func(packet) verdict {
+		{"lose and duplicate", true, func(rng *rand.Rand, _ *cluster) func(packet) verdict {
 			return func(p packet) verdict {
 				if p.reliable {
 					return 1
@@ -358,6 +359,11 @@ func TestStreamConvergesUnderFaults(t *testing.T) {
 			}
 			if st := a.g.Stats(); st.Generation != 2 {
 				t.Fatalf("sidecar a at generation %d, want 2", st.Generation)
+			}
+			// A duplicate never looks like a loss; the other faults are
+			// noticed and repaired.
+			if resynced := c.resyncs > 0; resynced != tc.repairs {
+				t.Fatalf("%d resyncs (%d deltas resent), want repairs %v", c.resyncs, c.resends, tc.repairs)
 			}
 		})
 	}
