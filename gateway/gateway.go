@@ -27,10 +27,12 @@ import (
 
 	"github.com/kvmesh/kvmesh/console"
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tenant"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -84,6 +86,11 @@ type Settings struct {
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.
 	ResumeStreams bool
+	// Tenants names each request's tenant from its API key; nil: one
+	// default tenant, authenticated by APIKeys when set.
+	Tenants *tenant.Directory
+	// Flow holds requests in the router while the fleet is saturated.
+	Flow FlowControl
 
 	// plan and planModels are the above as the planner reads them
 	// (withDefaults).
@@ -130,6 +137,16 @@ func (s *Settings) withDefaults() *Settings {
 	if c.Policy == nil {
 		c.Policy, _ = routing.New("kvaware", routing.Config{})
 	}
+	if c.Tenants == nil {
+		keys := make([]string, 0, len(c.APIKeys))
+		for k := range c.APIKeys {
+			keys = append(keys, k)
+		}
+		// Keys from a map are distinct and, once in a map, not empty or
+		// the tenant package would refuse them: New cannot fail here.
+		c.Tenants, _ = tenant.New(tenant.Spec{Default: tenant.Tenant{MaxPriority: flowcontrol.Standard}, DefaultKeys: keys})
+	}
+	c.Flow = c.Flow.withDefaults()
 	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts}
 	c.planModels = make(map[string]plan.Model, len(c.Models))
 	for name, ms := range c.Models {
@@ -181,6 +198,7 @@ type Gateway struct {
 	upstreams atomic.Pointer[map[string]*proxy.Upstream] // by replica name, copy-on-write
 
 	watch   clientWatch // clients of long non-streamed requests
+	flow    *flowGate
 	ledgers sync.Pool
 	now     func() time.Time
 	started time.Time
@@ -195,6 +213,7 @@ func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) 
 		g.panicked("panic", v, stack).Msg("stream relay panicked")
 	}}
 	g.inflight.init()
+	g.flow = newFlowGate(g)
 	empty := map[string]*proxy.Upstream{}
 	g.upstreams.Store(&empty)
 	g.Apply(s)
@@ -205,7 +224,9 @@ func New(table *fleet.Table, cluster Clusterer, s Settings, log zerolog.Logger) 
 
 // Apply swaps in new settings; requests already routed finish with the old.
 func (g *Gateway) Apply(s Settings) {
-	old := g.settings.Swap(s.withDefaults())
+	ns := s.withDefaults()
+	old := g.settings.Swap(ns)
+	g.flow.configure(ns)
 	if old != nil && g.metrics != nil && old.Policy != s.Policy {
 		g.metrics.retirePolicy(old.Policy)
 	}
@@ -382,16 +403,24 @@ func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
 	proxy.WriteError(ctx, re.Status, re.Type, re.Message)
 }
 
-// authorize checks the client's bearer token against the configured keys.
+// authorize checks the client's bearer token against the configured keys
+// (the router's and its tenants').
 func (s *Settings) authorize(ctx *fasthttp.RequestCtx) error {
-	if len(s.APIKeys) == 0 {
+	if !s.Tenants.RequiresKey() {
 		return nil
 	}
 	tok, ok := bytes.CutPrefix(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization), []byte("Bearer "))
-	if !ok || !s.APIKeys[string(bytes.TrimSpace(tok))] {
-		return &request.Error{Status: 401, Type: "invalid_request_error", Message: "missing or invalid API key"}
+	if _, known := s.Tenants.Identify(string(bytes.TrimSpace(tok)), ""); !ok || !known {
+		return errUnauthorized
 	}
 	return nil
+}
+
+var errUnauthorized = &request.Error{Status: 401, Type: "invalid_request_error", Message: "missing or invalid API key"}
+
+// invalidHeader is a 400 naming the request header at fault.
+func invalidHeader(name, why string) error {
+	return request.Invalid("header %s: %s", name, why)
 }
 
 // upstream returns the connection pool for replica r, creating it on first

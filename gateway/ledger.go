@@ -13,9 +13,12 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/tenant"
 )
 
 // ledger is one request's account from its decision to its End, reused
@@ -54,6 +57,19 @@ type ledger struct {
 	// abort ends the request when its client leaves (watched by g.watch
 	// until End); nil for short non-streamed answers.
 	abort *proxy.Abort
+
+	// Flow control: the request's tenant and priority, its parsed body
+	// (planned again when a held request is let go), how long it was held,
+	// whether its first target's in-flight entry counts it already (the
+	// dispatcher reserved it), and the tokens its quota was charged.
+	tenant   *tenant.Tenant
+	priority flowcontrol.Priority
+	req      *request.Request
+	queued   time.Duration
+	reserved bool
+	// charged is what admission charged the tenant's quota (quotaHeld).
+	charged   int64
+	quotaHeld bool
 }
 
 // newLedger opens a ledger for a request decided under s.
@@ -62,6 +78,7 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.g, l.s = g, s
 	l.attempts, l.open, l.firstByte, l.ttft, l.measuresTTFT, l.decideTime = 0, -1, false, 0, false, 0
 	l.targets = l.targets[:0]
+	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
 	return l
 }
 
@@ -71,7 +88,8 @@ func (g *Gateway) release(l *ledger) {
 		g.watch.remove(l.abort)
 		l.abort = nil
 	}
-	l.s, l.loads = nil, nil
+	l.unreserve()
+	l.s, l.loads, l.req, l.tenant = nil, nil, nil, nil
 	l.plan.Release()
 	clear(l.targets[:cap(l.targets)])
 	g.ledgers.Put(l)
@@ -87,8 +105,24 @@ func (l *ledger) Attempt(i int) {
 	}
 	l.record(i)
 	if rl := l.load(i); rl != nil {
+		if i == 0 && l.reserved {
+			l.reserved = false // the dispatcher counted it
+			return
+		}
 		rl.requests.Add(1)
 		rl.prefill.Add(int64(l.plan.Targets[i].Uncached))
+	}
+}
+
+// unreserve returns a reservation no attempt took over.
+func (l *ledger) unreserve() {
+	if !l.reserved {
+		return
+	}
+	l.reserved = false
+	if rl := l.load(0); rl != nil {
+		rl.requests.Add(-1)
+		rl.prefill.Add(-int64(l.plan.Targets[0].Uncached))
 	}
 }
 
@@ -131,6 +165,12 @@ func (l *ledger) Header(i int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrMode, []byte(t.Mode))
 	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(l.hdrBuf[:0], int64(l.plan.Prompt.Tokens), 10))
 	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(l.hdrBuf[:0], int64(t.PredictedCached), 10))
+	if t.Picked && l.plan.Decision.PredictedTTFT > 0 {
+		h.SetCanonical(hdrPredictedTTFT, strconv.AppendInt(l.hdrBuf[:0], l.plan.Decision.PredictedTTFT.Milliseconds(), 10))
+	}
+	if l.s.Flow.Enabled {
+		h.SetCanonical(hdrQueueMs, strconv.AppendInt(l.hdrBuf[:0], l.queued.Milliseconds(), 10))
+	}
 	// X-Request-Id is already there: serveCompletion set it for every answer.
 }
 
@@ -152,15 +192,25 @@ func (l *ledger) Retry(i int, r proxy.Result) {
 // its debug line and releases l.
 func (l *ledger) End(r proxy.Result) {
 	i := l.open
+	if l.s.Flow.Enabled {
+		l.g.flow.ended()
+	}
 	if i < 0 { // no target was tried
 		l.g.release(l)
 		return
 	}
 	l.finish(i, r)
 	g, t, m := l.g, &l.plan.Targets[i], l.g.metrics
+	tokens := int64(l.plan.Prompt.Tokens)
+	if r.PromptTokens >= 0 {
+		tokens = int64(r.PromptTokens)
+	}
+	tokens += int64(l.req.MaxTokensAsked())
+	g.flow.correctQuota(l, tokens)
 	l.learn(t, r)
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone
 	if served {
+		m.tenantTokens.WithLabelValues(l.tenant.Name).Add(float64(tokens))
 		m.routed(t.Mode).Inc()
 		if t.PredictedCached > 0 {
 			m.prefixHits.Inc()
@@ -213,7 +263,7 @@ func (l *ledger) finish(i int, r proxy.Result) {
 		m.errors.WithLabelValues("stream").Inc()
 	case r.Status >= 500 || r.Status == 429:
 		m.errors.WithLabelValues("upstream_status").Inc()
-	case (r.Status == 401 || r.Status == 403) && tl != nil && (l.s.EngineAPIKey != "" || len(l.s.APIKeys) > 0):
+	case (r.Status == 401 || r.Status == 403) && tl != nil && (l.s.EngineAPIKey != "" || l.s.Tenants.RequiresKey()):
 		// The router, not the client, authenticates to replicas here, so a
 		// refusal is a configuration fault: say which flag to look at, once
 		// in a while. (Without either setting the client's own

@@ -30,6 +30,11 @@ type metrics struct {
 	promptsTooLong  prometheus.Counter
 	ttft            *prometheus.HistogramVec
 	upstreamLatency *prometheus.HistogramVec
+	queueDepth      *prometheus.GaugeVec
+	queueWait       *prometheus.HistogramVec
+	rejected        *prometheus.CounterVec
+	tenantTokens    *prometheus.CounterVec
+	quotaIsolated   prometheus.Counter
 	handler         fasthttp.RequestHandler
 
 	mu sync.Mutex
@@ -59,7 +64,17 @@ func newMetrics(g *Gateway) *metrics {
 		Name: "kvmesh_router_upstream_latency_seconds", Help: "Time from dispatch to the end of the response, by replica.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 20),
 	}, []string{"replica"})
-	m.reg.MustRegister(m.ttft, m.upstreamLatency,
+	m.queueDepth = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kvmesh_router_queue_depth", Help: "Requests held in this router while their model's fleet is saturated, by tenant and priority.",
+	}, []string{"tenant", "priority"})
+	m.queueWait = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "kvmesh_router_queue_wait_seconds", Help: "Time requests were held in this router before being dispatched or turned away, by priority.",
+		Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
+	}, []string{"priority"})
+	m.rejected = f.counterVec("kvmesh_router_rejected_total", "Requests turned away for overload, by reason: saturated, over_share, evicted, queue_full (503/429 from the router's queue), quota (429), slo (503, sheddable work no replica could serve within its X-Kvmesh-TTFT-SLO-Ms), client_left (the client hung up while held; nothing answered).", "reason")
+	m.tenantTokens = f.counterVec("kvmesh_router_tenant_tokens_total", "Tokens of served requests by tenant, as quotas count them: prompt tokens (the engine's count when it reported one) plus the max_tokens asked.", "tenant")
+	m.quotaIsolated = f.counter("kvmesh_router_quota_isolated_total", "Quota decisions this router took cut off from every other router it knew: it enforced its own share of the limit alone.")
+	m.reg.MustRegister(m.ttft, m.upstreamLatency, m.queueDepth, m.queueWait,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "kvmesh_router_degradations_total",
 			Help: "Switches of the kvaware policy into least-load mode for imbalance among a model's replicas.",
@@ -84,6 +99,8 @@ func newMetrics(g *Gateway) *metrics {
 		infoCollector{g},
 		costCollector{g},
 		collectors.NewGoCollector(),
+		// process_cpu_seconds_total sizes a router fleet (docs/production.md).
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	)
 	m.routesByMode = map[routing.Mode]prometheus.Counter{}
 	for _, mode := range []routing.Mode{routing.ModePrefix, routing.ModeBalance, routing.ModeCold, routing.ModeStatic, routing.ModeFallback} {

@@ -3,12 +3,14 @@ package gateway
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/rs/zerolog"
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/request"
@@ -20,12 +22,12 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	id := requestID(&ctx.Request.Header, idBuf[:0])
 	ctx.Response.Header.SetCanonical(hdrRequestID, id) // errors carry it too
 	s := g.Settings()
-	if err := s.authorize(ctx); err != nil {
+	tn, prio, slo, err := s.admission(ctx)
+	if err != nil {
 		g.fail(ctx, err)
 		return
 	}
 	var p *request.Request
-	var err error
 	path := string(ctx.Path())
 	if k == request.Passthrough {
 		p, err = request.ParsePassthrough(ctx.PostBody(), string(ctx.Request.Header.MultipartFormBoundary()))
@@ -47,9 +49,23 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	l := g.newLedger(s)
 	l.model, l.path = p.Model, path
 	l.requestID = append(l.requestID[:0], id...)
+	l.tenant, l.priority, l.req = tn, prio, p
 	if err := l.decide(snap, p); err != nil {
 		g.release(l)
 		g.fail(ctx, err)
+		return
+	}
+	if err := g.admit(ctx, l, slo); err != nil {
+		g.release(l)
+		var r *rejection
+		switch {
+		case errors.As(err, &r):
+			g.reject(ctx, r)
+		case errors.Is(err, errClientLeft):
+			ctx.SetConnectionClose()
+		default:
+			g.fail(ctx, err)
+		}
 		return
 	}
 	l.measuresTTFT = p.Stream && k != request.Passthrough
@@ -66,7 +82,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		Header:            &ctx.Request.Header,
 		Body:              body,
 		StripUsage:        strip,
-		DropAuthorization: len(s.APIKeys) > 0,
+		DropAuthorization: s.Tenants.RequiresKey(),
 		Stream:            p.Stream,
 	}
 	if p.Stream && s.ResumeStreams && k != request.Passthrough {
@@ -97,6 +113,33 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	// l belongs to the proxy from here: it is released on End, which may
 	// run after this handler returns.
 	g.fwd.Forward(ctx, &req, l.targets, l)
+}
+
+// admit applies flow control to l's planned request: sheddable work no
+// replica is predicted to serve within its TTFT SLO is turned away, then
+// its tenant's quota is charged, then, while the fleet is saturated, it is
+// held (hold) until a replica has room. On error nothing was charged.
+func (g *Gateway) admit(ctx *fasthttp.RequestCtx, l *ledger, slo time.Duration) error {
+	d := &l.plan.Decision
+	if slo > 0 && l.priority == flowcontrol.Sheddable && d.PredictedTTFT > slo {
+		return saturated("slo", fmt.Sprintf("no replica of %s is predicted to answer within %s (best: %s) and the request is sheddable", l.model, slo, d.PredictedTTFT.Round(time.Millisecond)), time.Second)
+	}
+	maxTokens := int64(l.req.MaxTokensAsked())
+	if err := g.flow.admitQuota(l, int64(l.plan.Prompt.Tokens)+maxTokens); err != nil {
+		return err
+	}
+	if !l.s.Flow.Enabled || !g.flow.mustWait(l) {
+		return nil
+	}
+	cost := maxTokens
+	if len(l.plan.Targets) > 0 {
+		cost += int64(l.plan.Targets[0].Uncached)
+	}
+	if err := g.flow.hold(ctx, l, cost); err != nil {
+		g.flow.refundQuota(l)
+		return err
+	}
+	return nil
 }
 
 // soleModel returns the only model the fleet serves, or "".

@@ -101,6 +101,19 @@ type fields struct {
 	MaxTokens            json.RawMessage `json:"max_tokens"`
 }
 
+// MaxTokensAsked is max_tokens (or max_completion_tokens) as a number, 0
+// when unset or not one: what a quota counts for the answer in advance.
+func (r *Request) MaxTokensAsked() int {
+	if r == nil {
+		return 0
+	}
+	n, err := strconv.Atoi(string(r.MaxTokens))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return n
+}
+
 // ShortAnswer reports a request asking for at most a few tokens: not worth
 // watching its client while the engine works.
 func (r *Request) ShortAnswer() bool {

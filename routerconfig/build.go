@@ -141,9 +141,10 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if err != nil {
 		errs = append(errs, err)
 	}
-	if _, err := c.tenants(clientKeys); err != nil {
+	if s.Tenants, err = c.tenants(clientKeys); err != nil {
 		errs = append(errs, err)
 	}
+	s.Flow = c.FlowControl.settings(rc.PrefillPerToken)
 	if len(clientKeys) > 0 {
 		s.APIKeys = map[string]bool{}
 		for _, k := range clientKeys {

@@ -54,6 +54,9 @@ type Config struct {
 	TenantList    []Tenant `yaml:"tenants"`
 	DefaultTenant Limits   `yaml:"default_tenant"`
 	TenantHeader  string   `yaml:"tenant_header"`
+	// FlowControl holds requests in the router while the fleet is
+	// saturated: strict priority, fair share between tenants, bounded waits.
+	FlowControl FlowControl `yaml:"flow_control"`
 	// EngineAPIKeyEnv names an environment variable holding the key the
 	// engines were started with (vllm serve --api-key); the router sends it
 	// to every replica instead of the client's Authorization.
@@ -249,6 +252,9 @@ func (c *Config) Validate() error {
 			}
 		}
 	}
+	if err := c.FlowControl.validate(); err != nil {
+		errs = append(errs, err)
+	}
 	statics := map[string]bool{}
 	for i, s := range c.StaticUpstreams {
 		if s.Name == "" || statics[s.Name] {
@@ -322,6 +328,12 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.TenantHeader != "" {
 		out.TenantHeader = file.TenantHeader
+	}
+	if fc := file.FlowControl; fc != (FlowControl{}) {
+		if fc.Enabled == nil {
+			fc.Enabled = base.FlowControl.Enabled
+		}
+		out.FlowControl = fc
 	}
 	out.Models = mergeByName(base.Models, file.Models, func(m Model) string { return m.Name }, func(b, o Model) Model {
 		if o.Tokenizer == "" {

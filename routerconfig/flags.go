@@ -38,6 +38,8 @@ type Flags struct {
 	MaxPrefixBytes  int
 	MaxAttempts     int
 	ResumeStreams   bool
+	// FlowControl holds requests in the router while the fleet is saturated.
+	FlowControl bool
 	// CalibrateCost: kvaware decides by the cost model fitted to measured TTFTs.
 	CalibrateCost bool
 }
@@ -45,7 +47,7 @@ type Flags struct {
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
 	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxPrefixBytes: f.MaxPrefixBytes, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
-		Routing: Routing{Calibrate: &f.CalibrateCost}}
+		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl}}
 	model := func(name string) *Model {
 		for i := range c.Models {
 			if c.Models[i].Name == name {

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/kvmesh/kvmesh/flowcontrol"
+	"github.com/kvmesh/kvmesh/gateway"
 	"github.com/kvmesh/kvmesh/quota"
 	"github.com/kvmesh/kvmesh/tenant"
 )
@@ -88,6 +90,61 @@ func (c *Config) tenants(clientKeys []string) (*tenant.Directory, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	return d, nil
+}
+
+// FlowControl configures the router-held queues (gateway.FlowControl).
+type FlowControl struct {
+	// Enabled holds requests while their model's fleet is saturated (nil:
+	// the --flow-control flag's setting).
+	Enabled *bool `yaml:"enabled"`
+	// MaxEngineQueue: the fleet is saturated for a request when its best
+	// replica's predicted wait behind queued work is over it; 0 is about one
+	// scheduler step of prefill at the cost model's prefill_per_token.
+	MaxEngineQueue time.Duration `yaml:"max_engine_queue"`
+	// MaxInflightPerReplica: also saturated when every candidate holds this
+	// many requests; 0 is no such limit.
+	MaxInflightPerReplica int `yaml:"max_inflight_per_replica"`
+	// Per-priority bounds; zero fields take the defaults.
+	Critical  Band `yaml:"critical"`
+	Standard  Band `yaml:"standard"`
+	Sheddable Band `yaml:"sheddable"`
+}
+
+// Band bounds one priority's queue.
+type Band struct {
+	// MaxQueued bounds its held requests, MaxPerTenant one tenant's.
+	MaxQueued    int `yaml:"max_queued"`
+	MaxPerTenant int `yaml:"max_per_tenant"`
+	// MaxWait is how long one is held before a 429 or 503.
+	MaxWait time.Duration `yaml:"max_wait"`
+}
+
+func (f FlowControl) validate() error {
+	if f.MaxEngineQueue < 0 || f.MaxInflightPerReplica < 0 {
+		return errors.New("config: flow_control: max_engine_queue and max_inflight_per_replica must not be negative")
+	}
+	for _, b := range []struct {
+		name string
+		Band
+	}{{"critical", f.Critical}, {"standard", f.Standard}, {"sheddable", f.Sheddable}} {
+		if b.MaxQueued < 0 || b.MaxPerTenant < 0 || b.MaxWait < 0 {
+			return fmt.Errorf("config: flow_control.%s: bounds must not be negative", b.name)
+		}
+	}
+	return nil
+}
+
+// settings is f as the gateway takes it; prefill is the cost model's
+// per-token prefill time, which the default engine-queue bound scales by.
+func (f FlowControl) settings(prefill time.Duration) gateway.FlowControl {
+	out := gateway.FlowControl{Enabled: f.Enabled != nil && *f.Enabled, MaxEngineQueue: f.MaxEngineQueue, MaxInflightPerReplica: f.MaxInflightPerReplica}
+	if out.MaxEngineQueue == 0 && prefill > 0 {
+		out.MaxEngineQueue = gateway.DefaultMaxEngineQueue / (30 * time.Microsecond) * prefill
+	}
+	for i, b := range []Band{f.Critical, f.Standard, f.Sheddable} {
+		out.Bands[i] = flowcontrol.Limits{MaxQueued: b.MaxQueued, MaxPerFlow: b.MaxPerTenant, MaxWait: b.MaxWait}
+	}
+	return out
 }
 
 // keys returns list plus the comma-separated keys in the variable env; an

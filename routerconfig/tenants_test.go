@@ -3,6 +3,7 @@ package routerconfig
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/flowcontrol"
@@ -81,5 +82,36 @@ func TestOverlayMergesTenantsByName(t *testing.T) {
 	out := Overlay(base, file)
 	if len(out.TenantList) != 2 || out.TenantList[1].APIKeys[0] != "k3" || out.TenantList[1].Weight != 2 || out.TenantHeader != "X-T" {
 		t.Fatalf("%+v", out)
+	}
+}
+
+func TestFlowControlFromFlagAndFile(t *testing.T) {
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	base, err := FromFlags(Flags{FlowControl: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	file, err := Parse([]byte("routing: {prefill_per_token: 60us}\nflow_control: {max_inflight_per_replica: 8, sheddable: {max_wait: 2s, max_per_tenant: 10}}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := b.Build(Overlay(base, file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := s.Flow
+	if !f.Enabled || f.MaxInflightPerReplica != 8 || f.Bands[flowcontrol.Sheddable].MaxWait != 2*time.Second ||
+		f.Bands[flowcontrol.Sheddable].MaxPerFlow != 10 || f.MaxEngineQueue != 8192*60*time.Microsecond {
+		t.Fatalf("%+v", f)
+	}
+	off, err := Parse([]byte("flow_control: {enabled: false}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := b.Build(Overlay(base, off)); err != nil || s.Flow.Enabled {
+		t.Fatalf("the file's enabled: false: %v %+v", err, s.Flow)
+	}
+	if _, err := Parse([]byte("flow_control: {critical: {max_wait: -1s}}\n")); err == nil || !strings.Contains(err.Error(), "flow_control.critical") {
+		t.Fatalf("negative bound: %v", err)
 	}
 }
