@@ -20,6 +20,14 @@
 // its blocks cross one host link at a cost per token and others are
 // scheduled; the engine keeps its own clock, the sum of the durations it
 // returned, to know when a load is done.
+//
+// For prefill/decode disaggregation the engine plays either side of vLLM's
+// NixlConnector: a request marked RemoteDecode (a prefill for another
+// engine) keeps its blocks when it finishes, until Release, for the decode
+// engine to read; a request marked RemotePrefill (the decode side) receives
+// the KV of the prompt tokens its own cache lacks over a network link, at a
+// cost per token, instead of computing them, waiting meanwhile as a host
+// tier load does.
 package engine
 
 import (
@@ -64,7 +72,20 @@ type Config struct {
 	// placeholders vLLM's connector sends without
 	// self_describing_kv_events (its default): hash only, no tokens.
 	CPUPlaceholderEvents bool
+	// TransferUsPerToken prices receiving a remote prefill's KV
+	// (RemotePrefill requests), in µs per token, transfers queueing on
+	// one network link; 0 means DefaultTransferUsPerToken.
+	TransferUsPerToken float64
 }
+
+// DefaultTransferUsPerToken prices a remote prefill's KV crossing the
+// network to the decode engine: a Llama-3-8B-shaped model holds 131,072
+// bytes of KV per token (../shared/calibration), and an H200 node gives each
+// GPU one 400 Gb/s NIC (50 GB/s) of which RDMA reads reach about 80 %,
+// ≈ 40 GB/s: 131,072 B / 40 GB/s ≈ 3.3 µs per token, about an eighth of
+// the 28.2 µs per token prefill costs (DefaultCost). Not measured here; a
+// profile parameter like the floor.
+const DefaultTransferUsPerToken = 3.3
 
 // DefaultHashSeed is the HashSeed a zero Config gets.
 var DefaultHashSeed = blockkey.Seed("", "enginesim")
@@ -79,6 +100,19 @@ type Request struct {
 	// Priority: lower is served earlier (vLLM's request priority, 0 by
 	// default); only with Config.PriorityScheduling.
 	Priority int
+	// RemoteDecode marks a prefill for a remote decode (vLLM's
+	// kv_transfer_params do_remote_decode): when it finishes at its
+	// length, its blocks stay referenced, listed in its last Output's
+	// HeldBlocks, until Release.
+	RemoteDecode bool
+	// RemotePrefill marks a request whose prompt KV another engine
+	// computed (do_remote_prefill): the tokens after its own cache's hit
+	// cross the network link at Config.TransferUsPerToken each instead of
+	// being computed, the request waiting meanwhile, and all but the last
+	// prompt token count as computed once they are in, as vLLM's
+	// scheduler counts a finished receive. Only the first scheduling
+	// receives: a request preempted later recomputes.
+	RemotePrefill bool
 }
 
 // FinishReason tells why a sequence stopped.
@@ -104,6 +138,10 @@ type Output struct {
 	CachedTokens int
 	// Output tokens so far, including Token.
 	Generated int
+	// HeldBlocks, on the last output of a RemoteDecode request, are the
+	// block ids kept for the remote decode until Release (vLLM's
+	// remote_block_ids).
+	HeldBlocks []int32
 }
 
 // StepResult is one engine step.
@@ -146,6 +184,9 @@ type Stats struct {
 	// scheduled that the GPU pool did not hold, and of those, the tokens
 	// loaded from the host tier.
 	ExternalQueries, ExternalHits uint64
+	// HeldRequests and HeldBlocks are the finished RemoteDecode requests
+	// whose blocks await Release, and those blocks.
+	HeldRequests, HeldBlocks int
 }
 
 // Errors returned by Add.
@@ -197,6 +238,10 @@ type seq struct {
 	loadReady  time.Duration // engine clock when the load is done
 	loadedTo   int           // tokens on the GPU once it is
 	loadHashes []uint64      // the loaded blocks, pinned in the host tier
+
+	remoteDecode  bool // hold the blocks at the end (RemoteDecode)
+	remotePrefill bool // receive the prompt's KV when first scheduled
+	received      bool // the load in flight is a remote prefill's
 }
 
 // Engine is the simulated engine. It is not safe for concurrent use: one
@@ -218,6 +263,12 @@ type Engine struct {
 	// loading counts the waiting sequences with a load started, in flight
 	// or done.
 	loading int
+	// netFree is when the network link is done with the remote prefills'
+	// transfers queued on it.
+	netFree time.Duration
+	// held are the blocks of finished RemoteDecode requests, by id.
+	held       map[uint64][]int32
+	heldBlocks int
 }
 
 // New checks cfg and returns an idle engine.
@@ -237,6 +288,12 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.CPULoadUsPerToken == 0 {
 		cfg.CPULoadUsPerToken = DefaultCPULoadUsPerToken
 	}
+	if cfg.TransferUsPerToken < 0 || cfg.TransferUsPerToken != cfg.TransferUsPerToken {
+		return nil, fmt.Errorf("engine: transfer cost must be ≥ 0 (got %v)", cfg.TransferUsPerToken)
+	}
+	if cfg.TransferUsPerToken == 0 {
+		cfg.TransferUsPerToken = DefaultTransferUsPerToken
+	}
 	if cfg.HashSeed == 0 {
 		cfg.HashSeed = DefaultHashSeed
 	}
@@ -246,7 +303,7 @@ func New(cfg Config) (*Engine, error) {
 			cfg.Vocab[i] = uint32(256 + i)
 		}
 	}
-	e := &Engine{cfg: cfg, seqs: make(map[uint64]*seq)}
+	e := &Engine{cfg: cfg, seqs: make(map[uint64]*seq), held: make(map[uint64][]int32)}
 	e.pool = newPool(cfg.KVBlocks, &e.events)
 	if cfg.CPUBlocks > 0 {
 		e.host = newHostPool(cfg.CPUBlocks, cfg.BlockSize, cfg.CPUPlaceholderEvents)
@@ -274,6 +331,9 @@ func (e *Engine) Add(r Request) error {
 	if _, dup := e.seqs[r.ID]; dup {
 		return ErrDuplicateID
 	}
+	if _, dup := e.held[r.ID]; dup {
+		return ErrDuplicateID
+	}
 	s := &seq{
 		id:         r.ID,
 		tokens:     append(make([]uint32, 0, len(r.Prompt)+r.MaxTokens), r.Prompt...),
@@ -283,6 +343,9 @@ func (e *Engine) Add(r Request) error {
 		priority:   r.Priority,
 		arrival:    e.arrived,
 		cachedToks: -1,
+
+		remoteDecode:  r.RemoteDecode,
+		remotePrefill: r.RemotePrefill,
 	}
 	e.arrived++
 	s.hashes = blockkey.Append(make([]uint64, 0, cap(s.tokens)/e.cfg.BlockSize), e.cfg.HashSeed, s.tokens, e.cfg.BlockSize)
@@ -341,7 +404,7 @@ func removeSeq(list []*seq, s *seq) []*seq {
 }
 
 func (e *Engine) release(s *seq) {
-	if s.load == loadInFlight {
+	if s.load == loadInFlight && s.loadHashes != nil {
 		e.host.unpin(s.loadHashes)
 	}
 	if s.load != loadNone {
@@ -352,6 +415,21 @@ func (e *Engine) release(s *seq) {
 	s.blocks = s.blocks[:0]
 	s.cachedBlks = 0
 	s.computed = 0
+}
+
+// Release frees the blocks a finished RemoteDecode request holds, once the
+// remote decode has read them or given up on them, and reports whether it
+// held any. The blocks stay cached until evicted, as any finished
+// request's.
+func (e *Engine) Release(id uint64) bool {
+	blocks, ok := e.held[id]
+	if !ok {
+		return false
+	}
+	delete(e.held, id)
+	e.heldBlocks -= len(blocks)
+	e.pool.free(blocks)
+	return true
 }
 
 // HasWork reports whether any request is queued or running.
@@ -378,6 +456,7 @@ func (e *Engine) Stats() Stats {
 	st.UsedBlocks = e.pool.used()
 	st.KVUsage = float64(st.UsedBlocks) / float64(e.cfg.KVBlocks)
 	st.CachedBlocks = e.pool.numCached
+	st.HeldRequests, st.HeldBlocks = len(e.held), e.heldBlocks
 	if e.host != nil {
 		st.OffloadedBlocks = e.host.lru.Len()
 	}
@@ -531,8 +610,16 @@ admission:
 				i++ // vLLM passes over a request waiting for its KV
 				continue
 			}
-			e.host.unpin(s.loadHashes)
+			if s.loadHashes != nil {
+				e.host.unpin(s.loadHashes)
+			}
 			s.load, s.loadHashes, s.computed = loadDone, nil, s.loadedTo
+			if s.received {
+				// vLLM caches a received prompt's blocks when its receive
+				// is done, then schedules its last token.
+				e.allocate(s, 0)
+				s.received = false
+			}
 			fallthrough
 		case loadDone:
 			// Its blocks cover the prompt: allocate only caches them.
@@ -549,9 +636,18 @@ admission:
 				continue
 			}
 			hit := e.longestHit(s)
+			if s.remotePrefill {
+				if e.startTransfer(s, hit) {
+					e.countFirstSchedule(s, hit, s.loadedTo, len(s.tokens)-hit*bs)
+				} else {
+					blocked = true
+				}
+				i++
+				continue
+			}
 			if loaded := e.hostHit(s, hit); loaded > 0 {
 				if e.startLoad(s, hit, loaded) {
-					e.countFirstSchedule(s, hit, loaded)
+					e.countFirstSchedule(s, hit, (hit+loaded)*bs, loaded*bs)
 				} else {
 					blocked = true
 				}
@@ -564,7 +660,7 @@ admission:
 				i++
 				continue
 			}
-			e.countFirstSchedule(s, hit, 0)
+			e.countFirstSchedule(s, hit, hit*bs, 0)
 		}
 		if i == 0 {
 			e.waiting[0] = nil
@@ -586,23 +682,44 @@ admission:
 }
 
 // countFirstSchedule counts a request's prefix-cache lookup the first time
-// it is scheduled (hit blocks from the GPU pool, loaded from the host tier).
-func (e *Engine) countFirstSchedule(s *seq, hit, loaded int) {
+// it is scheduled: hit blocks from the GPU pool, cached tokens in all (the
+// request's num_cached_tokens), external of them from a connector (loaded
+// from the host tier or received from a remote prefill).
+func (e *Engine) countFirstSchedule(s *seq, hit, cached, external int) {
 	if s.cachedToks >= 0 {
 		return
 	}
 	bs := e.cfg.BlockSize
 	// vLLM's num_cached_tokens counts the connector's tokens too; its
 	// prefix-cache counters only the GPU pool's.
-	s.cachedToks = (hit + loaded) * bs
+	s.cachedToks = cached
 	e.stats.PrefixQueries += uint64(len(s.tokens))
 	e.stats.PrefixHits += uint64(hit * bs)
 	e.stats.PromptTokens += uint64(s.promptLen)
-	if e.host != nil {
+	if e.host != nil || s.received {
 		// What the GPU pool missed is asked of the connector.
 		e.stats.ExternalQueries += uint64(len(s.tokens) - hit*bs)
-		e.stats.ExternalHits += uint64(loaded * bs)
+		e.stats.ExternalHits += uint64(external)
 	}
+}
+
+// startTransfer gives a RemotePrefill sequence its hit blocks and fresh
+// blocks for the rest of its prompt, and queues the receive of every token
+// after the hit on the network link (NixlConnector's
+// get_num_new_matched_tokens asks for them all, loaded asynchronously), or
+// changes nothing and returns false. Once received, all but the last
+// prompt token count as computed (vLLM's _update_waiting_for_remote_kv).
+func (e *Engine) startTransfer(s *seq, hit int) bool {
+	if !e.takeHitBlocks(s, hit, e.blocksFor(len(s.tokens))-hit) {
+		return false
+	}
+	s.blocks = e.pool.alloc(s.blocks, e.blocksFor(len(s.tokens))-hit)
+	n := len(s.tokens) - hit*e.cfg.BlockSize
+	e.netFree = max(e.netFree, e.clock) + time.Duration(e.cfg.TransferUsPerToken*1e3*float64(n))
+	s.load, s.loadReady, s.loadedTo = loadInFlight, e.netFree, len(s.tokens)-1
+	s.remotePrefill, s.received = false, true
+	e.loading++
+	return true
 }
 
 // startLoad gives a waiting sequence its hit blocks and fresh blocks for
@@ -784,6 +901,14 @@ func (e *Engine) advance(s *seq) {
 	if s.generated >= s.maxTokens {
 		out.Finished = FinishLength
 		e.running = removeSeq(e.running, s)
+		if s.remoteDecode && len(s.blocks) > 0 {
+			// NixlConnector's request_finished delays freeing a length-
+			// capped prefill's blocks for the decode engine to read.
+			out.HeldBlocks = slices.Clone(s.blocks)
+			e.held[s.id] = s.blocks
+			e.heldBlocks += len(s.blocks)
+			s.blocks = nil
+		}
 		e.release(s)
 		delete(e.seqs, s.id)
 		e.stats.FinishedRequests++
