@@ -40,6 +40,9 @@ type apiRequest struct {
 	// Priority is vLLM's request priority: lower is served earlier, under
 	// --scheduling-policy priority only.
 	Priority *int `json:"priority"`
+	// KVTransferParams are vLLM's disaggregation parameters
+	// (kv_transfer_params): see disagg.go.
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"`
 }
 
 type streamOptions struct {
@@ -326,13 +329,20 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		badRequest(ctx, fmt.Sprintf("Got priority %d but Priority scheduling is not enabled.", priority))
 		return
 	}
+	params, rerr := parseKVTransferParams(r.KVTransferParams)
+	if rerr != nil {
+		writeRequestError(ctx, rerr)
+		return
+	}
 	rk, rerr := s.pickRank(ctx)
 	if rerr != nil {
 		writeRequestError(ctx, rerr)
 		return
 	}
+	remoteDecode, remotePrefill := s.kvTransfer(params)
 	id := s.nextID.Add(1)
-	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority})
+	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority,
+		RemoteDecode: remoteDecode, RemotePrefill: remotePrefill})
 	c.stream = stream
 	c.loop = rk.loop
 	select {
@@ -341,7 +351,7 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
 	}
-	rs := response{s: s, chat: chat, id: id, created: time.Now().Unix(), promptLen: len(ids),
+	rs := response{s: s, chat: chat, id: id, rank: rk.loop.rank, created: time.Now().Unix(), promptLen: len(ids),
 		requestID: string(ctx.Request.Header.Peek("X-Request-Id"))}
 	if !stream {
 		s.respond(ctx, c, &rs)
@@ -415,8 +425,11 @@ func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
 		default:
 		}
 	}
+	if held := c.heldBlocks(); held != nil {
+		rs.kvParams = s.appendKVTransferParams(make([]byte, 0, 256+len(held)*6), rs.rank, rs.id, held)
+	}
 	ctx.SetContentType("application/json")
-	ctx.SetBody(rs.full(make([]byte, 0, 512+len(toks)*8), toks))
+	ctx.SetBody(rs.full(make([]byte, 0, 512+len(toks)*8+len(rs.kvParams)), toks))
 }
 
 func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
@@ -491,12 +504,16 @@ type response struct {
 	s            *Server
 	chat         bool
 	id           uint64
+	rank         int    // the data-parallel rank serving it
 	requestID    string // the client's X-Request-Id: vLLM makes it the answer's id
 	created      int64
 	promptLen    int
 	cached       int
 	completion   int
 	includeUsage bool
+	// kvParams are the kv_transfer_params of a prefill held for a remote
+	// decode, nil otherwise (vLLM's null, left out).
+	kvParams []byte
 }
 
 func (r *response) head(b []byte, object string) []byte {
@@ -550,6 +567,12 @@ func (r *response) full(b []byte, toks []uint32) []byte {
 		b = append(b, `,"logprobs":null,"finish_reason":"length","stop_reason":null,"prompt_logprobs":null}],`...)
 	}
 	b = r.usage(b)
+	if r.kvParams != nil {
+		// vLLM's CompletionResponse and ChatCompletionResponse end with
+		// kv_transfer_params.
+		b = append(b, `,"kv_transfer_params":`...)
+		b = append(b, r.kvParams...)
+	}
 	return append(b, '}')
 }
 

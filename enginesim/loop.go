@@ -3,6 +3,7 @@ package enginesim
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -27,6 +28,8 @@ type call struct {
 	notify   chan struct{} // capacity 1: "something changed"
 	// stream callers want every token; others only the end.
 	stream bool
+	// held are the blocks the finished request holds for a remote decode.
+	held []int32
 
 	arrival time.Duration // simulated clock when the loop took it
 }
@@ -50,6 +53,13 @@ func (c *call) take(dst []uint32, from int) (toks []uint32, cached int, done boo
 	return append(dst, c.tokens[from:]...), c.cached, c.finished != engine.NotFinished || c.err != nil, c.err
 }
 
+// heldBlocks are the blocks the finished call holds for a remote decode.
+func (c *call) heldBlocks() []int32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.held
+}
+
 // loop owns the engine: one goroutine steps it and sleeps each step's
 // simulated duration times the time scale, so the engine itself never sees
 // a clock. Handlers talk to it only through channels.
@@ -66,6 +76,14 @@ type loop struct {
 
 	calls map[uint64]*call
 
+	// holdFor bounds how long a prefill's blocks stay held (simulated);
+	// held are those blocks and their deadlines by request, heldOrder the
+	// requests by deadline (the order they were held in, the bound being
+	// one and the clock monotonic).
+	holdFor   time.Duration
+	held      map[uint64]heldKV
+	heldOrder []uint64
+
 	// Simulated clock, and the real instant it was last anchored to.
 	sim        time.Duration
 	anchorReal time.Time
@@ -81,7 +99,48 @@ func newLoop(eng *engine.Engine, rank int, scale float64, sink engine.EventSink,
 		abort:   make(chan uint64, 4096),
 		control: make(chan func(), 16),
 		calls:   make(map[uint64]*call),
+		held:    make(map[uint64]heldKV),
 	}
+}
+
+// heldKV is a finished prefill's blocks kept for a remote decode.
+type heldKV struct {
+	blocks   []int32
+	deadline time.Duration // simulated
+}
+
+// expireHeld frees the held blocks whose bound has passed, as vLLM's
+// prefill side releases expired blocks no decode engine read
+// (NixlConnectorWorker.get_finished), and returns the next deadline, if
+// any.
+func (l *loop) expireHeld() (next time.Duration, ok bool) {
+	for len(l.heldOrder) > 0 {
+		id := l.heldOrder[0]
+		if h, held := l.held[id]; held {
+			if h.deadline > l.sim {
+				return h.deadline, true
+			}
+			delete(l.held, id)
+			l.eng.Release(id)
+		}
+		l.heldOrder[0] = 0
+		l.heldOrder = l.heldOrder[1:]
+	}
+	return 0, false
+}
+
+// release frees request id's held blocks for a decode engine that read
+// them, if they are still held and are blocks.
+func (l *loop) release(id uint64, blocks []int32) bool {
+	l.expireHeld()
+	h, ok := l.held[id]
+	if !ok || !slices.Equal(h.blocks, blocks) {
+		return false
+	}
+	delete(l.held, id)
+	l.eng.Release(id)
+	l.publishStats()
+	return true
 }
 
 func (l *loop) run(ctx context.Context) {
@@ -90,7 +149,18 @@ func (l *loop) run(ctx context.Context) {
 		if !l.eng.HasWork() {
 			l.publishStats()
 			idleSince := time.Now()
+			// Held blocks expire while the engine idles too; at time
+			// scale 0 idle time does not pass, and they expire at the
+			// next activity past their deadline.
+			var expiry <-chan time.Time
+			var timer *time.Timer
+			if next, ok := l.expireHeld(); ok && l.scale > 0 {
+				timer = time.NewTimer(time.Duration(float64(next-l.sim) * l.scale))
+				expiry = timer.C
+			}
 			select {
+			case <-expiry:
+				l.advanceIdle(idleSince)
 			case c := <-l.submit:
 				l.advanceIdle(idleSince)
 				l.add(c)
@@ -103,12 +173,16 @@ func (l *loop) run(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			}
+			if timer != nil {
+				timer.Stop()
+			}
 			l.anchorReal, l.anchorSim = time.Now(), l.sim
 		}
 		if ctx.Err() != nil {
 			return
 		}
 		l.drain()
+		l.expireHeld()
 		if !l.eng.HasWork() {
 			continue
 		}
@@ -178,6 +252,10 @@ func (l *loop) add(c *call) {
 
 func (l *loop) deliver(outs []engine.Output) {
 	for _, o := range outs {
+		if o.HeldBlocks != nil {
+			l.held[o.ID] = heldKV{blocks: o.HeldBlocks, deadline: l.sim + l.holdFor}
+			l.heldOrder = append(l.heldOrder, o.ID)
+		}
 		c := l.calls[o.ID]
 		if c == nil {
 			continue
@@ -191,6 +269,7 @@ func (l *loop) deliver(outs []engine.Output) {
 		}
 		c.cached = o.CachedTokens
 		c.finished = o.Finished
+		c.held = o.HeldBlocks
 		c.mu.Unlock()
 		if c.stream || o.Finished != engine.NotFinished {
 			c.poke()

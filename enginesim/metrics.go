@@ -45,8 +45,9 @@ type metrics struct {
 	e2e   histogram
 	label string // {engine="0",model_name="..."}
 	info  string // vllm:cache_config_info labels
-	// external: the engine has a host tier, whose hits vLLM counts as a
-	// connector's (vllm:external_prefix_cache_*).
+	// external: the engine has a host tier or plays a side of
+	// disaggregation, whose hits vLLM counts as a connector's
+	// (vllm:external_prefix_cache_*).
 	external bool
 }
 
@@ -54,10 +55,10 @@ type metrics struct {
 // engine index; with several ranks its cache_config_info carries the
 // engine label too (PrometheusStatLogger.log_metrics_info in
 // vllm/v1/metrics/loggers.py, one sample per engine index).
-func newMetrics(model string, cfg engine.Config, rank int, dataParallel bool) *metrics {
+func newMetrics(model string, cfg engine.Config, rank int, dataParallel, connector bool) *metrics {
 	engineLabel := `engine="` + strconv.Itoa(rank) + `"`
 	m := &metrics{
-		external: cfg.CPUBlocks > 0,
+		external: cfg.CPUBlocks > 0 || connector,
 		ttft:     newHistogram(ttftBuckets),
 		e2e:      newHistogram(e2eBuckets),
 		label:    engineLabel + `,model_name="` + escapeLabel(model) + `"`,

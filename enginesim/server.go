@@ -11,6 +11,12 @@
 // prefix cache, scheduler and event stream (batches stamped with
 // data_parallel_rank), a request carrying X-data-parallel-rank goes to that
 // rank, and any other is placed by vLLM's internal load balancer.
+//
+// With a KV role the server plays a side of vLLM's disaggregated prefill
+// and decode (its kv_transfer_params protocol, NixlConnector's): a prefill
+// holds its blocks for a remote decode and names them in its answer, a
+// decode given those parameters reads them from the prefill engine, over
+// HTTP here, and is charged a transfer instead of the prefill.
 package enginesim
 
 import (
@@ -19,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -58,7 +65,20 @@ type Config struct {
 	// APIKey, when set, is the bearer token every /v1 call must carry, as
 	// with vllm serve --api-key (other paths and OPTIONS stay open).
 	APIKey string
-	Logger zerolog.Logger
+	// KVRole is the side of prefill/decode disaggregation the server
+	// plays; empty means KVRoleBoth.
+	KVRole KVRole
+	// KVTransferTimeout is how long a prefill's blocks stay held for a
+	// decode engine that does not read them, in simulated time
+	// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); 0 means DefaultKVTransferTimeout.
+	KVTransferTimeout time.Duration
+	// EngineID is the server's remote_engine_id (vLLM's
+	// kv_transfer_config.engine_id); empty means a random one.
+	EngineID string
+	// SideChannel is the host:port decode engines read this server's held
+	// blocks at (remote_host, remote_port): its HTTP address.
+	SideChannel string
+	Logger      zerolog.Logger
 }
 
 // Server is the HTTP face of one simulated engine per data-parallel rank.
@@ -72,6 +92,8 @@ type Server struct {
 	nextID    atomic.Uint64
 	running   atomic.Bool
 	stopped   chan struct{}
+	// sideClient reads held blocks from prefill engines.
+	sideClient *fasthttp.Client
 }
 
 // New builds a Server; call Run to start its engine.
@@ -92,6 +114,27 @@ func New(cfg Config) (*Server, error) {
 	if cfg.BalanceInterval <= 0 {
 		cfg.BalanceInterval = defaultBalanceInterval
 	}
+	switch cfg.KVRole {
+	case "":
+		cfg.KVRole = KVRoleBoth
+	case KVRoleBoth, KVRolePrefill, KVRoleDecode:
+	default:
+		return nil, fmt.Errorf("enginesim: KV role %q: want both, prefill or decode", cfg.KVRole)
+	}
+	if cfg.KVTransferTimeout < 0 {
+		return nil, fmt.Errorf("enginesim: KV transfer timeout %v: want ≥ 0", cfg.KVTransferTimeout)
+	}
+	if cfg.KVTransferTimeout == 0 {
+		cfg.KVTransferTimeout = DefaultKVTransferTimeout
+	}
+	if cfg.EngineID == "" {
+		cfg.EngineID = fmt.Sprintf("%016x%016x", rand.Uint64(), rand.Uint64())
+	}
+	if cfg.SideChannel != "" {
+		if _, port, err := net.SplitHostPort(cfg.SideChannel); err != nil || port == "" {
+			return nil, fmt.Errorf("enginesim: side channel %q: want host:port", cfg.SideChannel)
+		}
+	}
 	vocab, text := outputVocab(cfg.Tokenizer)
 	cfg.Engine.Vocab = vocab
 	s := &Server{
@@ -99,6 +142,8 @@ func New(cfg Config) (*Server, error) {
 		created:   time.Now().Unix(),
 		idPrefix:  strconv.FormatUint(rand.Uint64()>>16, 16),
 		stopped:   make(chan struct{}),
+		sideClient: &fasthttp.Client{Name: "enginesim", ReadTimeout: sideChannelTimeout, WriteTimeout: sideChannelTimeout,
+			MaxIdleConnDuration: 5 * time.Second},
 	}
 	for i := range cfg.DataParallelSize {
 		eng, err := engine.New(cfg.Engine)
@@ -124,7 +169,7 @@ type rank struct {
 }
 
 func newRank(i int, eng *engine.Engine, cfg Config) *rank {
-	r := &rank{eng: eng, metrics: newMetrics(cfg.Model, cfg.Engine, i, cfg.DataParallelSize > 1)}
+	r := &rank{eng: eng, metrics: newMetrics(cfg.Model, cfg.Engine, i, cfg.DataParallelSize > 1, cfg.KVRole != KVRoleBoth)}
 	var publishErrors uint64 // owned by the loop goroutine
 	log := cfg.Logger.With().Int("data_parallel_rank", i).Logger()
 	r.loop = newLoop(eng, i, cfg.TimeScale, cfg.Events, r.metrics, func(err error) {
@@ -134,6 +179,7 @@ func newRank(i int, eng *engine.Engine, cfg Config) *rank {
 		}
 		publishErrors++
 	})
+	r.loop.holdFor = cfg.KVTransferTimeout
 	return r
 }
 
@@ -172,7 +218,7 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 	switch path {
 	case "/v1/models", "/health", "/metrics", "/version", "/ping":
 		want = "GET"
-	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache":
+	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache", sideChannelPath:
 	default:
 		ctx.SetStatusCode(fasthttp.StatusNotFound)
 		ctx.SetContentType("application/json")
@@ -212,6 +258,8 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 		ctx.SetBody(appendMetricsText(make([]byte, 0, 8<<10*len(ms)), ms))
 	case "/reset_prefix_cache":
 		s.resetPrefixCache(ctx)
+	case sideChannelPath:
+		s.sideChannel(ctx)
 	}
 }
 

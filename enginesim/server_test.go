@@ -39,11 +39,14 @@ func startServer(t testing.TB, cfg Config) *testServer {
 	if cfg.Engine.BlockSize == 0 {
 		cfg.Engine = engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 8192, Cost: engine.DefaultCost}
 	}
-	srv, err := New(cfg)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if cfg.SideChannel == "" {
+		cfg.SideChannel = ln.Addr().String()
+	}
+	srv, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
