@@ -51,6 +51,10 @@ type options struct {
 	cpuOffloadBlocks             int
 	cpuLoadUsPerToken            float64
 	cpuOffloadEvents             string
+	kvRole, kvEngineID           string
+	kvTransferHost               string
+	kvTransferUsPerToken         float64
+	kvTransferTimeout            time.Duration
 	kvMaxMessageBytes            int64
 	kvHandshakeTimeout           time.Duration
 	timeScale                    float64
@@ -82,6 +86,11 @@ func run(ctx context.Context, args []string) error {
 	fs.IntVar(&o.cpuOffloadBlocks, "cpu-offload-blocks", 0, "host-memory KV tier in blocks, as vLLM's OffloadingConnector with its CPU backend: every GPU block is written through to it (LRU), a prefix the GPU cache lost but the host holds is loaded back instead of recomputed, and its KV events carry medium CPU; 0 disables it")
 	fs.Float64Var(&o.cpuLoadUsPerToken, "cpu-load-us-per-token", engine.DefaultCPULoadUsPerToken, "cost in µs per token of loading KV back from the host tier, instead of computing it; the default is 131,072 B/token of an 8B model over ≈50 GB/s of PCIe Gen5 x16")
 	fs.StringVar(&o.cpuOffloadEvents, "cpu-offload-events", "self-describing", "the host tier's BlockStored events: self-describing (vLLM v0.24+ with self_describing_kv_events: parent, tokens, block size) or placeholder (vLLM's default: the hash alone)")
+	fs.StringVar(&o.kvRole, "kv-role", "both", "side of vLLM's prefill/decode disaggregation (kv_transfer_params, NixlConnector's) this engine plays: prefill (kv_producer: a request with do_remote_decode keeps its blocks and is answered with kv_transfer_params naming them), decode (kv_consumer: a request with do_remote_prefill reads them and is charged the transfer instead of the prefill), or both (kv_both)")
+	fs.Float64Var(&o.kvTransferUsPerToken, "kv-transfer-us-per-token", engine.DefaultTransferUsPerToken, "cost in µs per token of receiving a remote prefill's KV, instead of computing it; the default is 131,072 B/token of an 8B model over ≈40 GB/s, 80 % of a 400 Gb/s NIC")
+	fs.DurationVar(&o.kvTransferTimeout, "kv-transfer-timeout", enginesim.DefaultKVTransferTimeout, "how long, in simulated time, a prefill's blocks stay held for a decode engine that does not read them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.StringVar(&o.kvEngineID, "kv-engine-id", "", "remote_engine_id in kv_transfer_params (vLLM's kv_transfer_config engine_id, _dpR appended per data-parallel rank); empty: a random one")
+	fs.StringVar(&o.kvTransferHost, "kv-transfer-host", "", "remote_host in kv_transfer_params, the host decode engines read held blocks from (enginesim's side channel is its HTTP port); empty: the --listen host, localhost for a wildcard one (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST default)")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -98,6 +107,12 @@ func run(ctx context.Context, args []string) error {
 	}
 	if o.cpuOffloadEvents != "self-describing" && o.cpuOffloadEvents != "placeholder" {
 		return fmt.Errorf("--cpu-offload-events %q: want self-describing or placeholder", o.cpuOffloadEvents)
+	}
+	if o.kvRole != "both" && o.kvRole != "prefill" && o.kvRole != "decode" {
+		return fmt.Errorf("--kv-role %q: want prefill, decode or both", o.kvRole)
+	}
+	if !(o.kvTransferUsPerToken > 0) || o.kvTransferTimeout <= 0 {
+		return fmt.Errorf("--kv-transfer-us-per-token %v, --kv-transfer-timeout %v: want > 0", o.kvTransferUsPerToken, o.kvTransferTimeout)
 	}
 	if o.dataParallelSize < 1 {
 		return fmt.Errorf("--data-parallel-size %d: want ≥ 1", o.dataParallelSize)
@@ -119,6 +134,13 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pubs.Close()
+	// Listen first: kv_transfer_params name the address decode engines
+	// reach.
+	ln, err := net.Listen("tcp", o.listen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
 	srv, err := enginesim.New(enginesim.Config{
 		Model:     o.model,
 		Tokenizer: tok,
@@ -128,21 +150,22 @@ func run(ctx context.Context, args []string) error {
 			MaxModelLen: o.maxModelLen, Cost: cost, PriorityScheduling: o.schedulingPolicy == "priority",
 			CPUBlocks: o.cpuOffloadBlocks, CPULoadUsPerToken: o.cpuLoadUsPerToken,
 			CPUPlaceholderEvents: o.cpuOffloadEvents == "placeholder",
+			TransferUsPerToken:   o.kvTransferUsPerToken,
 		},
-		TimeScale:        o.timeScale,
-		DataParallelSize: o.dataParallelSize,
-		Events:           sink(pubs),
-		APIKey:           o.apiKey,
-		Logger:           log,
+		KVRole:            enginesim.KVRole(o.kvRole),
+		KVTransferTimeout: o.kvTransferTimeout,
+		EngineID:          o.kvEngineID,
+		SideChannel:       sideChannel(ln.Addr(), o.kvTransferHost),
+		TimeScale:         o.timeScale,
+		DataParallelSize:  o.dataParallelSize,
+		Events:            sink(pubs),
+		APIKey:            o.apiKey,
+		Logger:            log,
 	})
 	if err != nil {
 		return err
 	}
 
-	ln, err := net.Listen("tcp", o.listen)
-	if err != nil {
-		return err
-	}
 	// fasthttp's Serve returns on an accept error (EMFILE under a load test
 	// with a low nofile): keep accepting instead.
 	ln = listener.Guard(ln, log)
@@ -162,7 +185,7 @@ func run(ctx context.Context, args []string) error {
 	go func() { serveErr <- hs.Serve(ln) }()
 	log.Info().Str("version", buildinfo.Version()).Str("listen", ln.Addr().String()).Str("model", o.model).Str("tokenizer", o.tokenizer).
 		Int("block_size", o.blockSize).Int("kv_blocks", o.kvBlocks).Float64("time_scale", o.timeScale).
-		Str("kv_events", o.kvEvents).Int("data_parallel_size", o.dataParallelSize).Int("cpu_offload_blocks", o.cpuOffloadBlocks).Interface("cost", cost).Msg("serving")
+		Str("kv_events", o.kvEvents).Str("kv_role", o.kvRole).Int("data_parallel_size", o.dataParallelSize).Int("cpu_offload_blocks", o.cpuOffloadBlocks).Interface("cost", cost).Msg("serving")
 	select {
 	case err = <-serveErr:
 	case <-ctx.Done():
@@ -174,6 +197,19 @@ func run(ctx context.Context, args []string) error {
 	defer cancel()
 	_ = hs.ShutdownWithContext(shutCtx)
 	return err
+}
+
+// sideChannel is the host:port kv_transfer_params name for reading held
+// blocks: host, else the listener's host, localhost for a wildcard one.
+func sideChannel(addr net.Addr, host string) string {
+	h, port, _ := net.SplitHostPort(addr.String())
+	if host == "" {
+		host = h
+		if ip := net.ParseIP(h); ip != nil && ip.IsUnspecified() {
+			host = "localhost"
+		}
+	}
+	return net.JoinHostPort(host, port)
 }
 
 func loadTokenizer(spec string) (tokenize.Model, error) {

@@ -220,6 +220,9 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"--cpu-offload-events", "full"},
 		{"--cpu-offload-blocks", "100", "--cpu-load-us-per-token", "0"},
 		{"--data-parallel-size", "2", "--kv-events", "ipc:///tmp/enginesim-dp-test.sock"},
+		{"--kv-role", "producer"},
+		{"--kv-role", "decode", "--kv-transfer-us-per-token", "0"},
+		{"--kv-role", "prefill", "--kv-transfer-timeout", "0s"},
 	} {
 		if err := run(context.Background(), append(args, "--log-level", "error")); err == nil {
 			t.Fatalf("%v accepted", args)
@@ -363,4 +366,50 @@ func TestDataParallelRanksPublishOnShiftedPorts(t *testing.T) {
 	}
 	stopCommand(t, cancel, runErr)
 	subsDone.Wait()
+}
+
+// TestPrefillAndDecodeCommands: two commands, one per role, do vLLM's
+// two-step request: the prefill command's kv_transfer_params name its own
+// listen address and engine id, and the decode command reads the blocks
+// there.
+func TestPrefillAndDecodeCommands(t *testing.T) {
+	prefillAddr, decodeAddr := freePort(t), freePort(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errs := [2]chan error{make(chan error, 1), make(chan error, 1)}
+	for i, args := range [][]string{
+		{"--listen", prefillAddr, "--kv-role", "prefill", "--kv-engine-id", "p0"},
+		{"--listen", decodeAddr, "--kv-role", "decode"},
+	} {
+		go func() {
+			errs[i] <- run(ctx, append(args, "--model", "sim", "--time-scale", "0", "--kv-blocks", "512", "--max-model-len", "4096", "--log-level", "warn"))
+		}()
+	}
+	prompt := strings.Repeat("word ", 40) // 42 tokens with BOS and the trailing space
+	var code int
+	var body string
+	for range 100 { // until the command listens
+		if code, body = poster(prefillAddr)("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}`); code != 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	host, port, _ := net.SplitHostPort(prefillAddr)
+	i := strings.Index(body, `,"kv_transfer_params":`)
+	want := `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[0,1,2],"remote_engine_id":"p0","remote_request_id":"`
+	if code != 200 || i < 0 || !strings.HasPrefix(body[i+22:], want) || !strings.HasSuffix(body, `","remote_host":"`+host+`","remote_port":`+port+`,"tp_size":1}}`) {
+		t.Fatalf("prefill: %d %s", code, body)
+	}
+	params := body[i+22 : len(body)-1]
+	for range 100 {
+		if code, body = poster(decodeAddr)("/v1/completions", `{"prompt":"`+prompt+`","max_tokens":3,"kv_transfer_params":`+params+`}`); code != 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code != 200 || !strings.Contains(body, `"prompt_tokens_details":{"cached_tokens":41}`) {
+		t.Fatalf("decode: %d %s", code, body)
+	}
+	stopCommand(t, cancel, errs[0])
+	stopCommand(t, func() {}, errs[1])
 }
