@@ -233,3 +233,49 @@ func TestUnusableKVTransferParams(t *testing.T) {
 		t.Fatalf("side channel: %d %s, %d held", code, raw, heldBlocks(p))
 	}
 }
+
+// FuzzKVTransferParams: any kv_transfer_params either fail as a client
+// error or resolve, and usable remote parameters name a host and port.
+func FuzzKVTransferParams(f *testing.F) {
+	for _, seed := range []string{
+		proxyPrefillParams,
+		`{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2],"remote_engine_id":"e","remote_request_id":"r","remote_host":"h","remote_port":5600,"tp_size":1}`,
+		`{"do_remote_prefill":1,"remote_block_ids":[0],"remote_engine_id":null,"remote_request_id":"r","remote_host":"h","remote_port":"1"}`,
+		`[]`, `null`, `{"do_remote_decode":0.0}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		if !json.Valid(raw) {
+			return // the request body's decoder refuses it first
+		}
+		p, rerr := parseKVTransferParams(bytes.TrimSpace(raw))
+		if rerr != nil {
+			if rerr.code != 400 {
+				t.Fatalf("%q: %+v", raw, rerr)
+			}
+			return
+		}
+		_ = p.truthy("do_remote_decode") || p.truthy("do_remote_prefill")
+		if rk, ok := p.remote(); ok && (rk.Host == "" || rk.Port <= 0 || rk.Port >= 1<<16 || len(rk.BlockIDs) == 0) {
+			t.Fatalf("%q: usable %+v", raw, rk)
+		}
+	})
+}
+
+// TestHeldBlocksStallUntilTheyExpire: when held blocks leave no room, a
+// request waits for them to expire, as on vLLM; at time scale 0 the
+// simulated clock jumps to the expiry instead of the engine waiting
+// forever.
+func TestHeldBlocksStallUntilTheyExpire(t *testing.T) {
+	cfg := engine.Config{BlockSize: 16, KVBlocks: 16, MaxNumSeqs: 4, MaxNumBatchedTokens: 256, MaxModelLen: 256, Cost: engine.DefaultCost}
+	p := startServer(t, Config{Engine: cfg, KVRole: KVRolePrefill, TimeScale: 0})
+	complete(t, p, `{"prompt":"`+words("p", 200)+`","max_tokens":1,"kv_transfer_params":`+proxyPrefillParams+`}`)
+	if heldBlocks(p) != 13 {
+		t.Fatalf("%d blocks held, want 13", heldBlocks(p))
+	}
+	ttft := simTTFT(p, func() { complete(t, p, `{"prompt":"`+words("q", 100)+`","max_tokens":1}`) }) // needs 7 blocks: 3 are free
+	if heldBlocks(p) != 0 || ttft < DefaultKVTransferTimeout {
+		t.Fatalf("after the stall: %d blocks held, TTFT %v, want 0 and past the %v bound", heldBlocks(p), ttft, DefaultKVTransferTimeout)
+	}
+}

@@ -146,37 +146,8 @@ func (l *loop) release(id uint64, blocks []int32) bool {
 func (l *loop) run(ctx context.Context) {
 	defer l.failAll()
 	for {
-		if !l.eng.HasWork() {
-			l.publishStats()
-			idleSince := time.Now()
-			// Held blocks expire while the engine idles too; at time
-			// scale 0 idle time does not pass, and they expire at the
-			// next activity past their deadline.
-			var expiry <-chan time.Time
-			var timer *time.Timer
-			if next, ok := l.expireHeld(); ok && l.scale > 0 {
-				timer = time.NewTimer(time.Duration(float64(next-l.sim) * l.scale))
-				expiry = timer.C
-			}
-			select {
-			case <-expiry:
-				l.advanceIdle(idleSince)
-			case c := <-l.submit:
-				l.advanceIdle(idleSince)
-				l.add(c)
-			case id := <-l.abort:
-				l.eng.Abort(id)
-				delete(l.calls, id)
-			case f := <-l.control:
-				l.advanceIdle(idleSince)
-				f()
-			case <-ctx.Done():
-				return
-			}
-			if timer != nil {
-				timer.Stop()
-			}
-			l.anchorReal, l.anchorSim = time.Now(), l.sim
+		if !l.eng.HasWork() && !l.wait(ctx, false) {
+			return
 		}
 		if ctx.Err() != nil {
 			return
@@ -197,7 +168,53 @@ func (l *loop) run(ctx context.Context) {
 		}
 		l.publishStats()
 		l.deliver(res.Outputs)
+		// A step that scheduled nothing and waited for nothing: the
+		// blocks prefills hold for remote decodes leave no room, and
+		// only their expiry or a new call can change that.
+		if res.Scheduled == 0 && res.Duration == 0 && !l.wait(ctx, true) {
+			return
+		}
 	}
+}
+
+// wait blocks until a submission, abort or control call arrives or the
+// first held blocks expire, moving the simulated clock over the time
+// waited, and reports false once ctx ends. At time scale 0 idle time does
+// not pass, so held blocks expire at the next activity past their
+// deadline; but a stalled engine (no room but what held blocks take)
+// would wait forever, and its clock jumps to the first expiry instead.
+func (l *loop) wait(ctx context.Context, stalled bool) bool {
+	l.publishStats()
+	next, held := l.expireHeld()
+	if stalled && held && l.scale <= 0 {
+		l.sim = max(l.sim, next)
+		l.expireHeld()
+		return true
+	}
+	idleSince := time.Now()
+	var expiry <-chan time.Time
+	if held && l.scale > 0 {
+		timer := time.NewTimer(time.Duration(float64(next-l.sim) * l.scale))
+		defer timer.Stop()
+		expiry = timer.C
+	}
+	select {
+	case <-expiry:
+		l.advanceIdle(idleSince)
+	case c := <-l.submit:
+		l.advanceIdle(idleSince)
+		l.add(c)
+	case id := <-l.abort:
+		l.eng.Abort(id)
+		delete(l.calls, id)
+	case f := <-l.control:
+		l.advanceIdle(idleSince)
+		f()
+	case <-ctx.Done():
+		return false
+	}
+	l.anchorReal, l.anchorSim = time.Now(), l.sim
+	return true
 }
 
 // advanceIdle moves the simulated clock over an idle spell, so simulated

@@ -572,20 +572,24 @@ func TestEventsOverHTTPReproduceResidentSet(t *testing.T) {
 
 func FuzzHandler(f *testing.F) {
 	cfg := engine.Config{BlockSize: 4, KVBlocks: 64, MaxNumSeqs: 4, MaxNumBatchedTokens: 64, MaxModelLen: 128, Cost: engine.DefaultCost}
-	srv, err := New(Config{Model: "m", Tokenizer: tokenize.Builtin{}, Engine: cfg})
+	// The prefill role: a fuzzed do_remote_prefill never reaches out to a
+	// host (FuzzKVTransferParams covers those parameters).
+	srv, err := New(Config{Model: "m", Tokenizer: tokenize.Builtin{}, Engine: cfg, KVRole: KVRolePrefill, SideChannel: "127.0.0.1:1"})
 	if err != nil {
 		f.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go srv.Run(ctx)
-	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize"}
+	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize", sideChannelPath}
 	for _, seed := range []string{
 		`{"prompt":"hello there","max_tokens":3}`,
 		`{"prompt":[1,2,3],"max_tokens":2,"model":"m"}`,
 		`{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"add_special_tokens":true}`,
 		`{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}`,
+		`{"prompt":"hello there","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"remote_block_ids":null}}`,
+		`{"remote_engine_id":"x","remote_request_id":"1","remote_block_ids":[0,1]}`,
 	} {
 		for i := range paths {
 			f.Add(uint8(i), []byte(seed))
