@@ -2,6 +2,7 @@ package engine
 
 import (
 	"maps"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -178,5 +179,97 @@ func TestHeldBlocks(t *testing.T) {
 	}
 	if _, err := New(Config{BlockSize: 4, KVBlocks: 8, MaxNumSeqs: 1, MaxNumBatchedTokens: 8, MaxModelLen: 8, TransferUsPerToken: -1}); err == nil {
 		t.Fatal("negative transfer cost accepted")
+	}
+}
+
+// TestRandomDisaggregatedWorkload: requests of both sides at random, with
+// aborts and releases, keep the events' replay equal to the cache, the
+// held blocks counted, and leave nothing used once drained and released.
+func TestRandomDisaggregatedWorkload(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	e, err := New(Config{BlockSize: 4, KVBlocks: 40, MaxNumSeqs: 6, MaxNumBatchedTokens: 24, MaxModelLen: 64, Cost: DefaultCost, TransferUsPerToken: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	held := map[uint64][]int32{}
+	var heldIDs []uint64
+	var next uint64
+	received, stalls := 0, 0
+	for i := range 3000 {
+		if rng.IntN(3) == 0 && e.Stats().Waiting < 20 {
+			next++
+			p := seqTokens(rng.IntN(3)*1000, 1+rng.IntN(40))
+			r := Request{ID: next, Prompt: p, MaxTokens: 1 + rng.IntN(6), OutputSeed: next}
+			switch rng.IntN(3) {
+			case 0:
+				r.RemoteDecode, r.MaxTokens = true, 1
+			case 1:
+				r.RemotePrefill = true
+			}
+			if err := e.Add(r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if rng.IntN(40) == 0 && next > 0 {
+			e.Abort(uint64(1 + rng.IntN(int(next))))
+		}
+		res := e.Step(float64(i))
+		stalled := false
+		if res.Scheduled == 0 && res.Duration == 0 && e.HasWork() {
+			stalls++ // held blocks fill the cache: release the oldest
+			stalled = true
+		}
+		if (stalled || rng.IntN(25) == 0) && len(heldIDs) > 0 {
+			if !e.Release(heldIDs[0]) {
+				t.Fatalf("step %d: held %d unknown to Release", i, heldIDs[0])
+			}
+			delete(held, heldIDs[0])
+			heldIDs = heldIDs[1:]
+		}
+		if res.Events != nil {
+			if err := rec.Publish(res.Events); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, o := range res.Outputs {
+			if o.HeldBlocks != nil {
+				held[o.ID] = o.HeldBlocks
+				heldIDs = append(heldIDs, o.ID)
+			}
+			if o.First && o.CachedTokens > 0 && o.CachedTokens%4 != 0 {
+				received++ // all but the last prompt token: a receive
+			}
+		}
+		st := e.Stats()
+		n, distinct := 0, map[int32]bool{}
+		for _, bs := range held {
+			n += len(bs)
+			for _, b := range bs {
+				distinct[b] = true
+			}
+		}
+		// Held requests may share prefix blocks: used counts each once.
+		if st.HeldRequests != len(held) || st.HeldBlocks != n || st.UsedBlocks > 40 || st.UsedBlocks < len(distinct) {
+			t.Fatalf("step %d: %+v, %d held requests of %d blocks", i, st, len(held), n)
+		}
+		if !maps.Equal(rec.resident, e.Resident()) {
+			t.Fatalf("step %d: replay differs from the cache", i)
+		}
+	}
+	t.Logf("%d receives, %d stalled steps, %+v", received, stalls, e.Stats())
+	for _, id := range heldIDs {
+		e.Release(id)
+	}
+	for i := 0; e.HasWork() && i < 5000; i++ {
+		res := e.Step(0)
+		for _, o := range res.Outputs {
+			if o.HeldBlocks != nil {
+				e.Release(o.ID)
+			}
+		}
+	}
+	if st := e.Stats(); st.UsedBlocks != 0 || e.HasWork() || received == 0 {
+		t.Fatalf("after draining: %+v, %d receives seen", st, received)
 	}
 }
