@@ -19,25 +19,8 @@ import (
 // tokens and the step's events.
 func serveOne(t *testing.T, e *Engine, id uint64, prompt []uint32) (time.Duration, int, []kvevents.Event) {
 	t.Helper()
-	if err := e.Add(Request{ID: id, Prompt: prompt, MaxTokens: 1}); err != nil {
-		t.Fatal(err)
-	}
-	var ttft time.Duration
-	var events []kvevents.Event
-	for range 100 {
-		res := e.Step(0)
-		ttft += res.Duration
-		if res.Events != nil {
-			events = append(events, res.Events.Events...)
-		}
-		for _, o := range res.Outputs {
-			if o.ID == id && o.First {
-				return ttft, o.CachedTokens, events
-			}
-		}
-	}
-	t.Fatalf("request %d produced no token in 100 steps", id)
-	return 0, 0, nil
+	ttft, out, events := serveReq(t, e, Request{ID: id, Prompt: prompt, MaxTokens: 1})
+	return ttft, out.CachedTokens, events
 }
 
 // mpStr is msgpack's fixstr (enough for these field names).
