@@ -94,6 +94,11 @@ func TestTwoStepProtocolOverHTTP(t *testing.T) {
 			t.Errorf("%s engine's batches %x\nwant one %x", name, batches, stored)
 		}
 	}
+	// A chat completion's answer ends with them too.
+	code, raw := p.doHeader(t, "/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"kv_transfer_params":`+proxyPrefillParams+`}`)
+	if code != 200 || !bytes.Contains(raw, []byte(`}},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[`)) || !bytes.HasSuffix(raw, []byte(`,"tp_size":1}}`)) {
+		t.Fatalf("chat prefill answer %d %s", code, raw)
+	}
 	_, m := d.do(t, "GET", "/metrics", nil)
 	for _, line := range []string{
 		`vllm:external_prefix_cache_hits_total{engine="0",model_name="sim"} 201`,
