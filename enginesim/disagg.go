@@ -256,7 +256,7 @@ func (s *Server) readRemote(rk remoteKV) error {
 // it is a prefill to hold for a remote decode, or a decode whose prompt KV
 // was read from a remote prefill (false for both when the parameters
 // cannot be used: the prompt is computed locally).
-func (s *Server) kvTransfer(p kvTransferParams) (remoteDecode, remotePrefill bool) {
+func (s *Server) kvTransfer(rk *rank, p kvTransferParams) (remoteDecode, remotePrefill bool) {
 	if p == nil {
 		return false, false
 	}
@@ -265,13 +265,14 @@ func (s *Server) kvTransfer(p kvTransferParams) (remoteDecode, remotePrefill boo
 		if !role.consumer() {
 			return false, false
 		}
-		rk, ok := p.remote()
+		remote, ok := p.remote()
 		if !ok {
 			s.cfg.Logger.Warn().Msg("got invalid kv_transfer_params: this request will not utilize KV transfer")
 			return false, false
 		}
-		if err := s.readRemote(rk); err != nil {
-			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", rk.EngineID).Msg("KV transfer failed: recomputing the prompt")
+		if err := s.readRemote(remote); err != nil {
+			rk.metrics.countFailedTransfer()
+			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", remote.EngineID).Msg("KV transfer failed: recomputing the prompt")
 			return false, false
 		}
 		return false, true

@@ -212,6 +212,11 @@ func TestUnusableKVTransferParams(t *testing.T) {
 	if heldBlocks(p) != 7 {
 		t.Fatalf("prefill engine holds %d blocks, want its 7 untouched", heldBlocks(p))
 	}
+	// The four reads that failed (not the parameters never used) count as
+	// vLLM's failed NIXL transfers.
+	if _, m := d.do(t, "GET", "/metrics", nil); !bytes.Contains(m, []byte("\nvllm:nixl_num_failed_transfers_total{engine=\"0\",model_name=\"sim\"} 4\n")) {
+		t.Fatalf("decode metrics lack 4 failed transfers:\n%s", m)
+	}
 
 	code, raw := d.doHeader(t, "/v1/completions", client+`,"kv_transfer_params":5}`)
 	if want := `{"error":{"message":"kv_transfer_params: Input should be a valid dictionary","type":"BadRequestError","param":null,"code":400}}`; code != 400 || string(raw) != want {

@@ -49,6 +49,10 @@ type metrics struct {
 	// disaggregation, whose hits vLLM counts as a connector's
 	// (vllm:external_prefix_cache_*).
 	external bool
+	// connector: the engine plays a side of disaggregation, as vLLM's
+	// NixlConnector, whose failed reads it counts.
+	connector       bool
+	failedTransfers uint64
 }
 
 // newMetrics makes rank's metrics. vLLM labels every sample with its
@@ -58,10 +62,11 @@ type metrics struct {
 func newMetrics(model string, cfg engine.Config, rank int, dataParallel, connector bool) *metrics {
 	engineLabel := `engine="` + strconv.Itoa(rank) + `"`
 	m := &metrics{
-		external: cfg.CPUBlocks > 0 || connector,
-		ttft:     newHistogram(ttftBuckets),
-		e2e:      newHistogram(e2eBuckets),
-		label:    engineLabel + `,model_name="` + escapeLabel(model) + `"`,
+		external:  cfg.CPUBlocks > 0 || connector,
+		connector: connector,
+		ttft:      newHistogram(ttftBuckets),
+		e2e:       newHistogram(e2eBuckets),
+		label:     engineLabel + `,model_name="` + escapeLabel(model) + `"`,
 		info: `block_size="` + strconv.Itoa(cfg.BlockSize) + `",num_gpu_blocks="` + strconv.Itoa(cfg.KVBlocks) +
 			`",enable_prefix_caching="True",prefix_caching_hash_algo="xxhash"`,
 	}
@@ -90,6 +95,13 @@ func (m *metrics) observeTTFT(s float64) {
 func (m *metrics) observeE2E(s float64) {
 	m.mu.Lock()
 	m.e2e.observe(s)
+	m.mu.Unlock()
+}
+
+// countFailedTransfer counts a remote prefill's KV that could not be read.
+func (m *metrics) countFailedTransfer() {
+	m.mu.Lock()
+	m.failedTransfers++
 	m.mu.Unlock()
 }
 
@@ -128,6 +140,15 @@ func appendMetricsText(b []byte, ms []*metrics) []byte {
 	family("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", func(st *engine.Stats) float64 { return float64(st.Preemptions) })
 	family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", func(st *engine.Stats) float64 { return float64(st.PromptTokens) })
 	family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", func(st *engine.Stats) float64 { return float64(st.GenerationTokens) })
+	if ms[0].connector {
+		// NixlPromMetrics' counter, named by prometheus_client with _total.
+		b = append(b, "# HELP vllm:nixl_num_failed_transfers_total Number of failed NIXL KV Cache transfers.\n# TYPE vllm:nixl_num_failed_transfers_total counter\n"...)
+		for _, m := range ms {
+			b = append(b, "vllm:nixl_num_failed_transfers_total{"+m.label+"} "...)
+			b = strconv.AppendUint(b, m.failedTransfers, 10)
+			b = append(b, '\n')
+		}
+	}
 	b = append(b, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter\n"...)
 	for _, m := range ms {
 		b = append(b, "vllm:request_success_total{"+m.label+`,finished_reason="length"} `...)
