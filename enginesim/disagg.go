@@ -70,8 +70,9 @@ const (
 	KVRoleDecode  KVRole = "decode"  // kv_consumer
 )
 
-// DefaultKVTransferTimeout is VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default:
-// how long a prefill engine keeps blocks no decode engine read.
+// DefaultKVTransferTimeout is VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default
+// (vllm/envs.py, 480 s): how long a prefill engine keeps blocks no decode
+// engine read.
 const DefaultKVTransferTimeout = 480 * time.Second
 
 // sideChannelPath is where a decode engine reads a prefill engine's held
@@ -149,7 +150,8 @@ func (p kvTransferParams) remote() (remoteKV, bool) {
 }
 
 // engineID is rank i's remote_engine_id: vLLM suffixes each data-parallel
-// rank's kv_transfer_config.engine_id with _dp<rank>.
+// rank's kv_transfer_config.engine_id with _dp<rank>
+// (EngineCoreProc.run_engine_core, vllm/v1/engine/core.py at 00080ee1).
 func (s *Server) engineID(i int) string {
 	if len(s.ranks) == 1 {
 		return s.cfg.EngineID
