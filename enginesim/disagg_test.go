@@ -289,3 +289,23 @@ func TestHeldBlocksStallUntilTheyExpire(t *testing.T) {
 		t.Fatalf("after the stall: %d blocks held, TTFT %v, want 0 and past the %v bound", heldBlocks(p), ttft, DefaultKVTransferTimeout)
 	}
 }
+
+// TestDataParallelPrefillRanks: each rank names itself <engine id>_dp<R>,
+// and the read frees the blocks on that rank.
+func TestDataParallelPrefillRanks(t *testing.T) {
+	p := startServer(t, Config{KVRole: KVRolePrefill, EngineID: "p", DataParallelSize: 2})
+	d := startServer(t, Config{KVRole: KVRoleDecode})
+	client := `{"prompt":"` + words("p", 40) + `","max_tokens":1`
+	code, raw := p.doHeader(t, "/v1/completions", client+`,"kv_transfer_params":`+proxyPrefillParams+`}`, "X-data-parallel-rank", "1")
+	var pa completion
+	if code != 200 || json.Unmarshal(raw, &pa) != nil || !bytes.Contains(pa.KVTransferParams, []byte(`"remote_engine_id":"p_dp1"`)) {
+		t.Fatalf("rank 1's prefill: %d %s", code, raw)
+	}
+	if got := p.srv.ranks[1].metrics.stats().HeldBlocks; got != 3 || heldBlocks(p) != 0 {
+		t.Fatalf("held on rank 1: %d, rank 0: %d; want 3 and 0", got, heldBlocks(p))
+	}
+	da, _ := complete(t, d, client+`,"kv_transfer_params":`+string(pa.KVTransferParams)+`}`)
+	if da.Usage.PromptTokensDetails.CachedTokens != 40 || p.srv.ranks[1].metrics.stats().HeldBlocks != 0 {
+		t.Fatalf("decode %+v; rank 1 holds %d", da.Usage, p.srv.ranks[1].metrics.stats().HeldBlocks)
+	}
+}
