@@ -194,9 +194,9 @@ func (s *Server) appendKVTransferParams(b []byte, rankIndex int, id uint64, bloc
 // other ones).
 var errNotHeld = errors.New("no such held KV blocks: unknown request, expired, or other block ids")
 
-// sideChannel serves a decode engine's read of held blocks: 200 and the
+// readHeld serves a decode engine's read of held blocks: 200 and the
 // blocks freed, or 404 when they are not held.
-func (s *Server) sideChannel(ctx *fasthttp.RequestCtx) {
+func (s *Server) readHeld(ctx *fasthttp.RequestCtx) {
 	var rk remoteKV
 	if err := json.Unmarshal(ctx.PostBody(), &rk); err != nil {
 		badRequest(ctx, "invalid read: "+jsonErrorText(err))

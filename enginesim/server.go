@@ -259,7 +259,7 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 	case "/reset_prefix_cache":
 		s.resetPrefixCache(ctx)
 	case sideChannelPath:
-		s.sideChannel(ctx)
+		s.readHeld(ctx)
 	}
 }
 
