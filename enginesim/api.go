@@ -339,7 +339,11 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeRequestError(ctx, rerr)
 		return
 	}
-	remoteDecode, remotePrefill := s.kvTransfer(rk, params)
+	remoteDecode, remotePrefill, failed := s.kvTransfer(rk, params)
+	if failed {
+		writeGenerationError(ctx, stream)
+		return
+	}
 	id := s.nextID.Add(1)
 	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority,
 		RemoteDecode: remoteDecode, RemotePrefill: remotePrefill})

@@ -39,8 +39,11 @@ package enginesim
 //   - Blocks that expired or an unreachable prefill engine: vLLM's read
 //     fails (or, on blocks already freed, reads whatever they hold while the
 //     prefill engine logs "Potentially invalid KV blocks ... may have
-//     expired"); with kv_load_failure_policy "recompute", its default, the
-//     request is computed locally. enginesim recomputes in both cases.
+//     expired"). Its kv_load_failure_policy decides: "fail", the default
+//     (vllm/config/kv_transfer.py), finishes the request with finish reason
+//     error, which the API server answers as a 500 "Internal server error"
+//     (GenerationError); "recompute" computes the prompt locally. enginesim
+//     does the same in both cases, as soon as the read fails.
 
 import (
 	"bytes"
@@ -69,6 +72,20 @@ const (
 	KVRolePrefill KVRole = "prefill" // kv_producer
 	KVRoleDecode  KVRole = "decode"  // kv_consumer
 )
+
+// KVLoadFailurePolicy is what a decode engine does when a remote prefill's
+// KV cannot be read, as vLLM's kv_transfer_config kv_load_failure_policy.
+type KVLoadFailurePolicy string
+
+// The policies.
+const (
+	KVLoadFail      KVLoadFailurePolicy = "fail"      // the request fails (500), vLLM's default
+	KVLoadRecompute KVLoadFailurePolicy = "recompute" // the prompt is computed locally
+)
+
+// errGeneration is vLLM's GenerationError message, for a request that
+// finished with finish reason error.
+const errGeneration = "Internal server error"
 
 // DefaultKVTransferTimeout is VLLM_NIXL_ABORT_REQUEST_TIMEOUT's default
 // (vllm/envs.py, 480 s): how long a prefill engine keeps blocks no decode
@@ -257,27 +274,40 @@ func (s *Server) readRemote(rk remoteKV) error {
 // kvTransfer resolves a generation request's kv_transfer_params: whether
 // it is a prefill to hold for a remote decode, or a decode whose prompt KV
 // was read from a remote prefill (false for both when the parameters
-// cannot be used: the prompt is computed locally).
-func (s *Server) kvTransfer(rk *rank, p kvTransferParams) (remoteDecode, remotePrefill bool) {
+// cannot be used: the prompt is computed locally), or a decode whose read
+// failed under the fail policy (failed: the request fails).
+func (s *Server) kvTransfer(rk *rank, p kvTransferParams) (remoteDecode, remotePrefill, failed bool) {
 	if p == nil {
-		return false, false
+		return false, false, false
 	}
 	role := s.cfg.KVRole
 	if p.truthy("do_remote_prefill") {
 		if !role.consumer() {
-			return false, false
+			return false, false, false
 		}
 		remote, ok := p.remote()
 		if !ok {
 			s.cfg.Logger.Warn().Msg("got invalid kv_transfer_params: this request will not utilize KV transfer")
-			return false, false
+			return false, false, false
 		}
 		if err := s.readRemote(remote); err != nil {
 			rk.metrics.countFailedTransfer()
-			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", remote.EngineID).Msg("KV transfer failed: recomputing the prompt")
-			return false, false
+			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", remote.EngineID).Str("kv_load_failure_policy", string(s.cfg.KVLoadFailurePolicy)).Msg("KV transfer failed")
+			return false, false, s.cfg.KVLoadFailurePolicy == KVLoadFail
 		}
-		return false, true
+		return false, true, false
 	}
-	return role.producer() && p.truthy("do_remote_decode"), false
+	return role.producer() && p.truthy("do_remote_decode"), false, false
+}
+
+// writeGenerationError answers a request that failed in the engine as
+// vLLM's API server does: a 500 ErrorResponse, or for a stream the error
+// as its one event before [DONE].
+func writeGenerationError(ctx *fasthttp.RequestCtx, stream bool) {
+	if !stream {
+		writeError(ctx, fasthttp.StatusInternalServerError, "InternalServerError", errGeneration)
+		return
+	}
+	ctx.SetContentType("text/event-stream; charset=utf-8")
+	ctx.SetBodyString(`data: {"error":{"message":"` + errGeneration + `","type":"InternalServerError","param":null,"code":500}}` + "\n\ndata: [DONE]\n\n")
 }

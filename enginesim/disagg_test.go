@@ -139,10 +139,13 @@ func TestSplitTTFTOverHTTP(t *testing.T) {
 
 // TestHeldBlocksExpire: blocks no decode engine reads are freed after the
 // bound (here 100 ms of simulated time, the engine idle meanwhile); a
-// decode engine given their parameters afterwards recomputes the prompt.
+// decode engine given their parameters afterwards fails the request, as
+// vLLM's default kv_load_failure_policy does, or with "recompute" computes
+// the prompt itself.
 func TestHeldBlocksExpire(t *testing.T) {
 	p := startServer(t, Config{KVRole: KVRolePrefill, TimeScale: 1, KVTransferTimeout: 100 * time.Millisecond})
-	d := startServer(t, Config{KVRole: KVRoleDecode, TimeScale: 0})
+	d := startServer(t, Config{KVRole: KVRoleDecode, TimeScale: 0, KVLoadFailurePolicy: KVLoadRecompute})
+	strict := startServer(t, Config{KVRole: KVRoleDecode, TimeScale: 0})
 	client := `{"prompt":"` + words("p", 100) + `","max_tokens":1`
 	start := time.Now()
 	pa, _ := complete(t, p, client+`,"kv_transfer_params":`+proxyPrefillParams+`}`)
@@ -155,21 +158,36 @@ func TestHeldBlocksExpire(t *testing.T) {
 	if heldBlocks(p) != 0 || time.Since(start) < 100*time.Millisecond {
 		t.Fatalf("%d blocks held after %v", heldBlocks(p), time.Since(start))
 	}
-	da, _ := complete(t, d, client+`,"kv_transfer_params":`+string(pa.KVTransferParams)+`}`)
+	decodeBody := client + `,"kv_transfer_params":` + string(pa.KVTransferParams) + `}`
+	da, _ := complete(t, d, decodeBody)
 	if c := da.Usage.PromptTokensDetails.CachedTokens; c != 0 {
 		t.Fatalf("decode with expired parameters: %d cached, want 0 (recomputed)", c)
+	}
+	for _, c := range []struct{ body, want string }{
+		{decodeBody, `{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}`},
+		{strings.Replace(decodeBody, `"max_tokens":1`, `"max_tokens":1,"stream":true`, 1),
+			`data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}` + "\n\ndata: [DONE]\n\n"},
+	} {
+		code, raw := strict.doHeader(t, "/v1/completions", c.body)
+		if wantCode := map[bool]int{true: 200, false: 500}[strings.HasPrefix(c.want, "data:")]; code != wantCode || string(raw) != c.want {
+			t.Errorf("fail policy: %d %q, want %d %q", code, raw, wantCode, c.want)
+		}
+	}
+	if st := strict.srv.ranks[0].metrics.stats(); st.FinishedRequests != 0 || st.PromptTokens != 0 {
+		t.Fatalf("failed requests reached the engine: %+v", st)
 	}
 }
 
 // TestUnusableKVTransferParams: parameters vLLM cannot use. A non-object
 // is refused; incomplete ones, ones naming blocks the prefill engine does
 // not hold (other ids, another request, another engine) or an engine that
-// is not there make the decode engine compute the prompt itself, leaving
+// is not there make the decode engine (policy recompute) compute the
+// prompt itself, leaving
 // what the prefill engine holds alone. Each role ignores the other side's
 // parameters.
 func TestUnusableKVTransferParams(t *testing.T) {
 	p := startServer(t, Config{KVRole: KVRolePrefill, EngineID: "p"})
-	d := startServer(t, Config{KVRole: KVRoleDecode})
+	d := startServer(t, Config{KVRole: KVRoleDecode, KVLoadFailurePolicy: KVLoadRecompute})
 	client := `{"prompt":"` + words("p", 100) + `","max_tokens":1`
 	pa, _ := complete(t, p, client+`,"kv_transfer_params":`+proxyPrefillParams+`}`)
 	var good map[string]any

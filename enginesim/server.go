@@ -72,6 +72,9 @@ type Config struct {
 	// decode engine that does not read them, in simulated time
 	// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT); 0 means DefaultKVTransferTimeout.
 	KVTransferTimeout time.Duration
+	// KVLoadFailurePolicy is what a decode does when it cannot read a
+	// remote prefill's KV; empty means KVLoadFail, vLLM's default.
+	KVLoadFailurePolicy KVLoadFailurePolicy
 	// EngineID is the server's remote_engine_id (vLLM's
 	// kv_transfer_config.engine_id); empty means a random one.
 	EngineID string
@@ -120,6 +123,13 @@ func New(cfg Config) (*Server, error) {
 	case KVRoleBoth, KVRolePrefill, KVRoleDecode:
 	default:
 		return nil, fmt.Errorf("enginesim: KV role %q: want both, prefill or decode", cfg.KVRole)
+	}
+	switch cfg.KVLoadFailurePolicy {
+	case "":
+		cfg.KVLoadFailurePolicy = KVLoadFail
+	case KVLoadFail, KVLoadRecompute:
+	default:
+		return nil, fmt.Errorf("enginesim: KV load failure policy %q: want fail or recompute", cfg.KVLoadFailurePolicy)
 	}
 	if cfg.KVTransferTimeout < 0 {
 		return nil, fmt.Errorf("enginesim: KV transfer timeout %v: want ≥ 0", cfg.KVTransferTimeout)

@@ -53,6 +53,7 @@ type options struct {
 	cpuOffloadEvents             string
 	kvRole, kvEngineID           string
 	kvTransferHost               string
+	kvLoadFailurePolicy          string
 	kvTransferUsPerToken         float64
 	kvTransferTimeout            time.Duration
 	kvMaxMessageBytes            int64
@@ -89,6 +90,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&o.kvRole, "kv-role", "both", "side of vLLM's prefill/decode disaggregation (kv_transfer_params, NixlConnector's) this engine plays: prefill (kv_producer: a request with do_remote_decode keeps its blocks and is answered with kv_transfer_params naming them), decode (kv_consumer: a request with do_remote_prefill reads them and is charged the transfer instead of the prefill), or both (kv_both)")
 	fs.Float64Var(&o.kvTransferUsPerToken, "kv-transfer-us-per-token", engine.DefaultTransferUsPerToken, "cost in µs per token of receiving a remote prefill's KV, instead of computing it; the default is 131,072 B/token of an 8B model over ≈40 GB/s, 80 % of a 400 Gb/s NIC")
 	fs.DurationVar(&o.kvTransferTimeout, "kv-transfer-timeout", enginesim.DefaultKVTransferTimeout, "how long, in simulated time, a prefill's blocks stay held for a decode engine that does not read them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.StringVar(&o.kvLoadFailurePolicy, "kv-load-failure-policy", "fail", "what a decode engine does when it cannot read a remote prefill's KV (expired, not held, engine gone), as vLLM's kv_load_failure_policy: fail (its default: the request gets vLLM's 500 \"Internal server error\") or recompute (the prompt is computed locally)")
 	fs.StringVar(&o.kvEngineID, "kv-engine-id", "", "remote_engine_id in kv_transfer_params (vLLM's kv_transfer_config engine_id, _dpR appended per data-parallel rank); empty: a random one")
 	fs.StringVar(&o.kvTransferHost, "kv-transfer-host", "", "remote_host in kv_transfer_params, the host decode engines read held blocks from (enginesim's side channel is its HTTP port); empty: the --listen host, localhost for a wildcard one (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST default)")
 	fs.StringVar(&o.costProfile, "cost-profile", "", `step cost overrides, key=value list or JSON: floor_ms, prefill_us_per_token, prefill_ns_per_pair, decode_us_per_seq, decode_ns_per_context_token (default calibrated to an 8B model on one H200 with a 5 ms floor)`)
@@ -110,6 +112,9 @@ func run(ctx context.Context, args []string) error {
 	}
 	if o.kvRole != "both" && o.kvRole != "prefill" && o.kvRole != "decode" {
 		return fmt.Errorf("--kv-role %q: want prefill, decode or both", o.kvRole)
+	}
+	if o.kvLoadFailurePolicy != "fail" && o.kvLoadFailurePolicy != "recompute" {
+		return fmt.Errorf("--kv-load-failure-policy %q: want fail or recompute", o.kvLoadFailurePolicy)
 	}
 	if !(o.kvTransferUsPerToken > 0) || o.kvTransferTimeout <= 0 {
 		return fmt.Errorf("--kv-transfer-us-per-token %v, --kv-transfer-timeout %v: want > 0", o.kvTransferUsPerToken, o.kvTransferTimeout)
@@ -152,15 +157,16 @@ func run(ctx context.Context, args []string) error {
 			CPUPlaceholderEvents: o.cpuOffloadEvents == "placeholder",
 			TransferUsPerToken:   o.kvTransferUsPerToken,
 		},
-		KVRole:            enginesim.KVRole(o.kvRole),
-		KVTransferTimeout: o.kvTransferTimeout,
-		EngineID:          o.kvEngineID,
-		SideChannel:       sideChannel(ln.Addr(), o.kvTransferHost),
-		TimeScale:         o.timeScale,
-		DataParallelSize:  o.dataParallelSize,
-		Events:            sink(pubs),
-		APIKey:            o.apiKey,
-		Logger:            log,
+		KVRole:              enginesim.KVRole(o.kvRole),
+		KVTransferTimeout:   o.kvTransferTimeout,
+		KVLoadFailurePolicy: enginesim.KVLoadFailurePolicy(o.kvLoadFailurePolicy),
+		EngineID:            o.kvEngineID,
+		SideChannel:         sideChannel(ln.Addr(), o.kvTransferHost),
+		TimeScale:           o.timeScale,
+		DataParallelSize:    o.dataParallelSize,
+		Events:              sink(pubs),
+		APIKey:              o.apiKey,
+		Logger:              log,
 	})
 	if err != nil {
 		return err

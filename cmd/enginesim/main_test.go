@@ -221,6 +221,7 @@ func TestBadFlagsAreErrors(t *testing.T) {
 		{"--cpu-offload-blocks", "100", "--cpu-load-us-per-token", "0"},
 		{"--data-parallel-size", "2", "--kv-events", "ipc:///tmp/enginesim-dp-test.sock"},
 		{"--kv-role", "producer"},
+		{"--kv-load-failure-policy", "retry"},
 		{"--kv-role", "decode", "--kv-transfer-us-per-token", "0"},
 		{"--kv-role", "prefill", "--kv-transfer-timeout", "0s"},
 	} {
