@@ -430,7 +430,13 @@ func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
 		}
 	}
 	if held := c.heldBlocks(); held != nil {
-		rs.kvParams = s.appendKVTransferParams(make([]byte, 0, 256+len(held)*6), rs.rank, rs.id, held)
+		// Without a configured side channel, the address the prefill
+		// request reached is the one a decode engine can reach too.
+		side := s.cfg.SideChannel
+		if side == "" {
+			side = ctx.LocalAddr().String()
+		}
+		rs.kvParams = appendKVTransferParams(make([]byte, 0, 256+len(held)*6), side, s.engineID(rs.rank), s.remoteRequestID(rs.id), held)
 	}
 	ctx.SetContentType("application/json")
 	ctx.SetBody(rs.full(make([]byte, 0, 512+len(toks)*8+len(rs.kvParams)), toks))

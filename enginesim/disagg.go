@@ -182,9 +182,10 @@ func (s *Server) remoteRequestID(id uint64) string {
 }
 
 // appendKVTransferParams renders what NixlConnector's request_finished
-// returns for a prefill held for a remote decode, in its key order.
-func (s *Server) appendKVTransferParams(b []byte, rankIndex int, id uint64, blocks []int32) []byte {
-	host, port, _ := net.SplitHostPort(s.cfg.SideChannel)
+// returns for a prefill held for a remote decode, in its key order, naming
+// sideChannel as the host and port to read them at.
+func appendKVTransferParams(b []byte, sideChannel, engineID, requestID string, blocks []int32) []byte {
+	host, port, _ := net.SplitHostPort(sideChannel)
 	b = append(b, `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[`...)
 	for i, blk := range blocks {
 		if i > 0 {
@@ -193,14 +194,14 @@ func (s *Server) appendKVTransferParams(b []byte, rankIndex int, id uint64, bloc
 		b = strconv.AppendInt(b, int64(blk), 10)
 	}
 	b = append(b, `],"remote_engine_id":`...)
-	b = appendJSONString(b, s.engineID(rankIndex))
+	b = appendJSONString(b, engineID)
 	b = append(b, `,"remote_request_id":`...)
-	b = appendJSONString(b, s.remoteRequestID(id))
+	b = appendJSONString(b, requestID)
 	b = append(b, `,"remote_host":`...)
 	b = appendJSONString(b, host)
 	b = append(b, `,"remote_port":`...)
 	if port == "" {
-		port = "null" // no side channel configured: no decode engine can read them
+		port = "null" // not host:port (a unix socket): no decode engine can read them
 	}
 	b = append(b, port...)
 	// enginesim's ranks have no tensor parallelism.

@@ -79,7 +79,8 @@ type Config struct {
 	// kv_transfer_config.engine_id); empty means a random one.
 	EngineID string
 	// SideChannel is the host:port decode engines read this server's held
-	// blocks at (remote_host, remote_port): its HTTP address.
+	// blocks at (remote_host, remote_port): its HTTP address; empty means
+	// the local address each prefill request arrived at.
 	SideChannel string
 	Logger      zerolog.Logger
 }

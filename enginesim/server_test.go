@@ -43,9 +43,6 @@ func startServer(t testing.TB, cfg Config) *testServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.SideChannel == "" {
-		cfg.SideChannel = ln.Addr().String()
-	}
 	srv, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
