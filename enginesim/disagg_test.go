@@ -327,3 +327,39 @@ func TestDataParallelPrefillRanks(t *testing.T) {
 		t.Fatalf("decode %+v; rank 1 holds %d", da.Usage, p.srv.ranks[1].metrics.stats().HeldBlocks)
 	}
 }
+
+// TestConcurrentSplitRequests: 64 two-step requests at once, with shared
+// prefixes, through one prefill and one decode engine: every decode reads
+// its prefill's blocks, and the prefill engine holds nothing at the end.
+func TestConcurrentSplitRequests(t *testing.T) {
+	p := startServer(t, Config{KVRole: KVRolePrefill})
+	d := startServer(t, Config{KVRole: KVRoleDecode})
+	const n = 64
+	errs := make(chan string, n)
+	for i := range n {
+		go func() {
+			prompt := words(fmt.Sprintf("g%d", i%8), 50) + " " + words(fmt.Sprintf("u%d", i), 30)
+			client := `{"prompt":"` + prompt + `","max_tokens":3`
+			code, raw := p.do(t, "POST", "/v1/completions", []byte(client+`,"kv_transfer_params":`+proxyPrefillParams+`}`))
+			var pa, da completion
+			if code != 200 || json.Unmarshal(raw, &pa) != nil || pa.KVTransferParams == nil {
+				errs <- fmt.Sprintf("prefill %d: %d %s", i, code, raw)
+				return
+			}
+			code, raw = d.do(t, "POST", "/v1/completions", []byte(client+`,"kv_transfer_params":`+string(pa.KVTransferParams)+`}`))
+			if code != 200 || json.Unmarshal(raw, &da) != nil || da.Usage.PromptTokensDetails.CachedTokens != da.Usage.PromptTokens-1 {
+				errs <- fmt.Sprintf("decode %d: %d %s", i, code, raw)
+				return
+			}
+			errs <- ""
+		}()
+	}
+	for range n {
+		if e := <-errs; e != "" {
+			t.Error(e)
+		}
+	}
+	if heldBlocks(p) != 0 {
+		t.Fatalf("prefill engine holds %d blocks", heldBlocks(p))
+	}
+}
