@@ -130,7 +130,7 @@ func (l *loop) expireHeld() (next time.Duration, ok bool) {
 }
 
 // release frees request id's held blocks for a decode engine that read
-// them, if they are still held and are blocks.
+// them, if it still holds exactly those blocks.
 func (l *loop) release(id uint64, blocks []int32) bool {
 	l.expireHeld()
 	h, ok := l.held[id]
