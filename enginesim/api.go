@@ -339,19 +339,23 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeRequestError(ctx, rerr)
 		return
 	}
-	remoteDecode, remotePrefill, failed := s.kvTransfer(rk, params)
+	remoteDecode, remote, failed := s.kvTransfer(rk, params)
 	if failed {
 		writeGenerationError(ctx, stream)
 		return
 	}
 	id := s.nextID.Add(1)
 	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority,
-		RemoteDecode: remoteDecode, RemotePrefill: remotePrefill})
+		RemoteDecode: remoteDecode, RemotePrefill: remote != nil})
 	c.stream = stream
 	c.loop = rk.loop
+	if remote != nil {
+		c.remote, c.received = remote, make(chan struct{})
+	}
 	select {
 	case rk.loop.submit <- c:
 	case <-s.stopped:
+		s.doneWithRemote(c)
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
 	}
@@ -389,8 +393,15 @@ const clientPoll = 100 * time.Millisecond
 // its end and a stream nothing while queued or in prefill, and fasthttp
 // tells of a client gone only at a failed write: the socket is looked at.
 func (s *Server) await(c *call, conn net.Conn, poll *time.Ticker) bool {
+	received := c.received
+	if c.notified {
+		received = nil
+	}
 	for {
 		select {
+		case <-received:
+			s.doneWithRemote(c)
+			received = nil
 		case <-c.notify:
 			return true
 		case <-s.stopped:
@@ -404,7 +415,17 @@ func (s *Server) await(c *call, conn net.Conn, poll *time.Ticker) bool {
 	}
 }
 
+// doneWithRemote tells a remote prefill's engine, once, that c no longer
+// needs its blocks: the KV is in, or c ended without it.
+func (s *Server) doneWithRemote(c *call) {
+	if c.remote != nil && !c.notified {
+		c.notified = true
+		s.notifyRemote(c.remote)
+	}
+}
+
 func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
+	defer s.doneWithRemote(c)
 	var toks []uint32
 	poll := time.NewTicker(clientPoll)
 	defer poll.Stop()
@@ -443,6 +464,7 @@ func (s *Server) respond(ctx *fasthttp.RequestCtx, c *call, rs *response) {
 }
 
 func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
+	defer s.doneWithRemote(c)
 	var (
 		toks []uint32
 		buf  []byte

@@ -25,9 +25,13 @@ package enginesim
 // VLLM_NIXL_SIDE_CHANNEL_PORT plus its data-parallel rank). enginesim has no
 // KV to move: its side channel is its HTTP server (remote_port is the
 // HTTP port for every rank, remote_engine_id telling ranks apart, suffixed
-// _dpR as vLLM suffixes each rank's engine_id), and the decode engine's
-// read is one POST of the parameters to sideChannelPath, which frees the
-// blocks if they are still held, before it charges the transfer time.
+// _dpR as vLLM suffixes each rank's engine_id). The decode engine's read is
+// a POST of the parameters to readPath, which answers whether the blocks
+// are still held, before the transfer is charged; once the transfer is
+// done (the request's first token) or the request ends without it, a POST
+// to notifyPath frees them, as NIXL's notification does. Until then the
+// blocks stay held, so another decode engine can still read them with the
+// same parameters if the first one fails.
 //
 // What vLLM does with parameters it cannot use, and enginesim with it:
 //   - kv_transfer_params not an object: the request's validation refuses it
@@ -92,9 +96,13 @@ const errGeneration = "Internal server error"
 // engine read.
 const DefaultKVTransferTimeout = 480 * time.Second
 
-// sideChannelPath is where a decode engine reads a prefill engine's held
-// blocks (enginesim's stand-in for NIXL's read and notification).
-const sideChannelPath = "/enginesim/kv_transfer/read"
+// readPath and notifyPath are where a decode engine reads a prefill
+// engine's held blocks and then frees them (enginesim's stand-in for NIXL's
+// read and its notification).
+const (
+	readPath   = "/enginesim/kv_transfer/read"
+	notifyPath = "/enginesim/kv_transfer/notify"
+)
 
 // sideChannelTimeout bounds a decode engine's read: a prefill engine that
 // does not answer by then counts as a failed transfer.
@@ -212,9 +220,10 @@ func appendKVTransferParams(b []byte, sideChannel, engineID, requestID string, b
 // other ones).
 var errNotHeld = errors.New("no such held KV blocks: unknown request, expired, or other block ids")
 
-// readHeld serves a decode engine's read of held blocks: 200 and the
-// blocks freed, or 404 when they are not held.
-func (s *Server) readHeld(ctx *fasthttp.RequestCtx) {
+// sideChannel serves a decode engine's read of held blocks (200 if held)
+// or its notification that it has them (200 and the blocks freed), 404
+// when they are not held.
+func (s *Server) sideChannel(ctx *fasthttp.RequestCtx, free bool) {
 	var rk remoteKV
 	if err := json.Unmarshal(ctx.PostBody(), &rk); err != nil {
 		badRequest(ctx, "invalid read: "+jsonErrorText(err))
@@ -230,7 +239,7 @@ func (s *Server) readHeld(ctx *fasthttp.RequestCtx) {
 	l := s.ranks[rankIndex].loop
 	result := make(chan bool, 1)
 	select {
-	case l.control <- func() { result <- l.release(id, rk.BlockIDs) }:
+	case l.control <- func() { result <- l.holds(id, rk.BlockIDs, free) }:
 	case <-s.stopped:
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
@@ -246,12 +255,27 @@ func (s *Server) readHeld(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	ctx.SetContentType("application/json")
-	ctx.SetBodyString(`{"released_blocks":` + strconv.Itoa(len(rk.BlockIDs)) + `}`)
+	key := `{"held_blocks":`
+	if free {
+		key = `{"released_blocks":`
+	}
+	ctx.SetBodyString(key + strconv.Itoa(len(rk.BlockIDs)) + `}`)
 }
 
-// readRemote reads a prefill's held blocks from its engine: nil once they
-// are freed there and the transfer may be charged.
-func (s *Server) readRemote(rk remoteKV) error {
+// notifyRemote tells the prefill engine the decode engine is done with its
+// blocks, in the background: vLLM's decode side does not wait on its
+// notification either, and one that fails leaves the blocks to expire.
+func (s *Server) notifyRemote(rk *remoteKV) {
+	go func() {
+		if err := s.postSideChannel(*rk, notifyPath); err != nil {
+			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", rk.EngineID).Msg("KV transfer notification failed: the prefill engine's blocks will expire")
+		}
+	}()
+}
+
+// postSideChannel posts rk to a prefill engine's side channel at path: nil
+// when it holds the blocks (and, for notifyPath, freed them).
+func (s *Server) postSideChannel(rk remoteKV, path string) error {
 	body, err := json.Marshal(rk)
 	if err != nil {
 		return err
@@ -259,7 +283,7 @@ func (s *Server) readRemote(rk remoteKV) error {
 	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
 	defer fasthttp.ReleaseRequest(req)
 	defer fasthttp.ReleaseResponse(resp)
-	req.SetRequestURI("http://" + net.JoinHostPort(rk.Host, strconv.Itoa(rk.Port)) + sideChannelPath)
+	req.SetRequestURI("http://" + net.JoinHostPort(rk.Host, strconv.Itoa(rk.Port)) + path)
 	req.Header.SetMethod(fasthttp.MethodPost)
 	req.Header.SetContentType("application/json")
 	req.SetBody(body)
@@ -276,29 +300,30 @@ func (s *Server) readRemote(rk remoteKV) error {
 // it is a prefill to hold for a remote decode, or a decode whose prompt KV
 // was read from a remote prefill (false for both when the parameters
 // cannot be used: the prompt is computed locally), or a decode whose read
-// failed under the fail policy (failed: the request fails).
-func (s *Server) kvTransfer(rk *rank, p kvTransferParams) (remoteDecode, remotePrefill, failed bool) {
+// failed under the fail policy (failed: the request fails). A remote
+// prefill's remote is where to notify once its KV is in.
+func (s *Server) kvTransfer(rk *rank, p kvTransferParams) (remoteDecode bool, remote *remoteKV, failed bool) {
 	if p == nil {
-		return false, false, false
+		return false, nil, false
 	}
 	role := s.cfg.KVRole
 	if p.truthy("do_remote_prefill") {
 		if !role.consumer() {
-			return false, false, false
+			return false, nil, false
 		}
-		remote, ok := p.remote()
+		r, ok := p.remote()
 		if !ok {
 			s.cfg.Logger.Warn().Msg("got invalid kv_transfer_params: this request will not utilize KV transfer")
-			return false, false, false
+			return false, nil, false
 		}
-		if err := s.readRemote(remote); err != nil {
+		if err := s.postSideChannel(r, readPath); err != nil {
 			rk.metrics.countFailedTransfer()
-			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", remote.EngineID).Str("kv_load_failure_policy", string(s.cfg.KVLoadFailurePolicy)).Msg("KV transfer failed")
-			return false, false, s.cfg.KVLoadFailurePolicy == KVLoadFail
+			s.cfg.Logger.Debug().Err(err).Str("remote_engine_id", r.EngineID).Str("kv_load_failure_policy", string(s.cfg.KVLoadFailurePolicy)).Msg("KV transfer failed")
+			return false, nil, s.cfg.KVLoadFailurePolicy == KVLoadFail
 		}
-		return false, true, false
+		return false, &r, false
 	}
-	return role.producer() && p.truthy("do_remote_decode"), false, false
+	return role.producer() && p.truthy("do_remote_decode"), nil, false
 }
 
 // writeGenerationError answers a request that failed in the engine as

@@ -30,6 +30,13 @@ type call struct {
 	stream bool
 	// held are the blocks the finished request holds for a remote decode.
 	held []int32
+	// received, for a remote prefill, is closed by the loop at its first
+	// token, its KV in; nil otherwise.
+	received chan struct{}
+	// remote is where its KV came from, to notify; notified once done
+	// (both the handler's).
+	remote   *remoteKV
+	notified bool
 
 	arrival time.Duration // simulated clock when the loop took it
 }
@@ -129,13 +136,16 @@ func (l *loop) expireHeld() (next time.Duration, ok bool) {
 	return 0, false
 }
 
-// release frees request id's held blocks for a decode engine that read
-// them, if it still holds exactly those blocks.
-func (l *loop) release(id uint64, blocks []int32) bool {
+// holds reports whether request id still holds exactly blocks, and with
+// free frees them, for a decode engine done with them.
+func (l *loop) holds(id uint64, blocks []int32, free bool) bool {
 	l.expireHeld()
 	h, ok := l.held[id]
 	if !ok || !slices.Equal(h.blocks, blocks) {
 		return false
+	}
+	if !free {
+		return true
 	}
 	delete(l.held, id)
 	l.eng.Release(id)
@@ -279,6 +289,9 @@ func (l *loop) deliver(outs []engine.Output) {
 		}
 		if o.First {
 			l.metrics.observeTTFT((l.sim - c.arrival).Seconds())
+			if c.received != nil {
+				close(c.received)
+			}
 		}
 		c.mu.Lock()
 		if o.HasToken {

@@ -229,7 +229,7 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 	switch path {
 	case "/v1/models", "/health", "/metrics", "/version", "/ping":
 		want = "GET"
-	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache", sideChannelPath:
+	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache", readPath, notifyPath:
 	default:
 		ctx.SetStatusCode(fasthttp.StatusNotFound)
 		ctx.SetContentType("application/json")
@@ -269,8 +269,10 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 		ctx.SetBody(appendMetricsText(make([]byte, 0, 8<<10*len(ms)), ms))
 	case "/reset_prefix_cache":
 		s.resetPrefixCache(ctx)
-	case sideChannelPath:
-		s.readHeld(ctx)
+	case readPath:
+		s.sideChannel(ctx, false)
+	case notifyPath:
+		s.sideChannel(ctx, true)
 	}
 }
 

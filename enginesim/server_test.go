@@ -578,7 +578,7 @@ func FuzzHandler(f *testing.F) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go srv.Run(ctx)
-	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize", sideChannelPath}
+	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize", readPath, notifyPath}
 	for _, seed := range []string{
 		`{"prompt":"hello there","max_tokens":3}`,
 		`{"prompt":[1,2,3],"max_tokens":2,"model":"m"}`,
