@@ -30,8 +30,9 @@ import (
 //
 // Saturation is read from the plan, so every router sees the same: the
 // cost model's predicted wait behind the work already at the best replica
-// (its engine's queue, gossiped, plus every router's in-flight prefills)
-// over MaxEngineQueue, or every candidate at MaxInflightPerReplica.
+// (its engine's queue and running batch, gossiped, plus every router's
+// in-flight prefills) over MaxEngineQueue (scaled by priority: bandBound),
+// or every candidate at MaxInflightPerReplica.
 
 // FlowControl configures the router-held queues (Settings.Flow).
 type FlowControl struct {
@@ -213,19 +214,37 @@ func (f *flowGate) saturated(l *ledger) bool {
 	if len(pl.Targets) == 0 || pl.Targets[0].Replica < 0 {
 		return false
 	}
-	if pl.Decision.Queue > fc.MaxEngineQueue {
+	if pl.Decision.Queue > bandBound(fc.MaxEngineQueue, l.priority) {
 		return true
 	}
 	if fc.MaxInflightPerReplica <= 0 || len(pl.Candidates) == 0 {
 		return false
 	}
+	limit := max(int(bandBound(time.Duration(fc.MaxInflightPerReplica), l.priority)), 1)
 	for i := range pl.Candidates {
 		c := &pl.Candidates[i]
-		if max(c.InflightRequests, c.Waiting+c.Running) < fc.MaxInflightPerReplica {
+		if max(c.InflightRequests, c.Waiting+c.Running) < limit {
 			return false
 		}
 	}
 	return true
+}
+
+// bandBound is the engine-queue (or in-flight) bound a request of priority
+// p is held at: twice the configured one for critical work, half for
+// sheddable. Lower
+// bands stop short of filling the engines, so a critical request arriving
+// at a saturated fleet finds room at once instead of waiting for a replica
+// to drain; with engine priority (Model.EnginePriority) it then also
+// passes the queued work there.
+func bandBound(bound time.Duration, p flowcontrol.Priority) time.Duration {
+	switch p {
+	case flowcontrol.Critical:
+		return 2 * bound
+	case flowcontrol.Sheddable:
+		return bound / 2
+	}
+	return bound
 }
 
 // hold parks the handler of l's request until the dispatcher lets it go

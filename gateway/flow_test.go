@@ -121,20 +121,7 @@ func TestHigherPriorityLeavesFirst(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := newFlowRouter(t, FlowControl{MaxInflightPerReplica: 1}, anyPriority)
-	// An engine that notes the order requests reach it in.
-	var mu sync.Mutex
-	var order []string
-	engine := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
-		var body struct {
-			Messages []struct{ Content string } `json:"messages"`
-		}
-		_ = json.Unmarshal(ctx.PostBody(), &body)
-		mu.Lock()
-		order = append(order, body.Messages[0].Content)
-		mu.Unlock()
-		ctx.SetContentType("application/json")
-		ctx.SetBodyString(`{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}`)
-	}})
+	engine, bodies := recordingEngine(t)
 	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: engine, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, time.Now())
 	var replies []<-chan reply
 	for i, p := range []string{"sheddable", "standard", "critical"} {
@@ -151,6 +138,14 @@ func TestHigherPriorityLeavesFirst(t *testing.T) {
 		if rep := waitReply(t, c, 10*time.Second); rep.status != 200 {
 			t.Fatalf("%d %s", rep.status, rep.body)
 		}
+	}
+	var order []string
+	for _, b := range bodies() {
+		var body struct {
+			Messages []struct{ Content string } `json:"messages"`
+		}
+		_ = json.Unmarshal([]byte(b), &body)
+		order = append(order, body.Messages[0].Content)
 	}
 	if got := strings.Join(order, " "); got != "critical standard sheddable" {
 		t.Fatalf("the engine got them in order %s", got)
@@ -285,6 +280,47 @@ func TestQuotaIs429WithRetryAfter(t *testing.T) {
 		}
 		if want == 429 && (rep.header["x-kvmesh-reject-reason"] != "quota" || rep.header["retry-after"] == "" || !strings.Contains(rep.body, "2 requests a minute")) {
 			t.Fatalf("%v %s", rep.header, rep.body)
+		}
+	}
+}
+
+// recordingEngine answers every chat with a fixed completion and returns
+// the bodies it received, in order.
+func recordingEngine(t *testing.T) (string, func() []string) {
+	var mu sync.Mutex
+	var bodies []string
+	url := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		mu.Lock()
+		bodies = append(bodies, string(ctx.PostBody()))
+		mu.Unlock()
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}`)
+	}})
+	return url, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), bodies...)
+	}
+}
+
+func TestEnginePriorityCarriesTheBand(t *testing.T) {
+	anyPriority, err := tenant.New(tenant.Spec{Default: tenant.Tenant{MaxPriority: flowcontrol.Critical}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t, Settings{Tenants: anyPriority, Models: map[string]Model{testModel: {EnginePriority: true}}}, 1<<20)
+	engine, bodies := recordingEngine(t)
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: engine, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, time.Now())
+	r.table.SetLoad("a", fleet.Load{}, true, time.Now())
+	for _, p := range []string{"critical", "", "sheddable"} {
+		if rep := r.post(t, "/v1/chat/completions", flowChat, "X-Kvmesh-Priority", p); rep.status != 200 {
+			t.Fatalf("%d %s", rep.status, rep.body)
+		}
+	}
+	got := bodies()
+	for i, want := range []string{`,"priority":-1}`, `,"priority":0}`, `,"priority":1}`} {
+		if !strings.HasSuffix(got[i], want) {
+			t.Errorf("request %d reached the engine as %s, want it to end %s", i, got[i], want)
 		}
 	}
 }

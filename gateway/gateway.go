@@ -113,6 +113,10 @@ type Model struct {
 	// prefill its cached prefix saves: cold prompts spill before warm
 	// ones). 0: the fallback only takes what no replica can serve.
 	SpillAfter time.Duration
+	// EnginePriority: its replicas run vLLM's --scheduling-policy
+	// priority, and each request's band is sent as its priority field
+	// (enginePriority), so the engine serves critical work first too.
+	EnginePriority bool
 }
 
 // tokenizer is ms's tokenizer, else the default one (nil: none).

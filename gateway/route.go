@@ -76,6 +76,11 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 			body, strip = b, true
 		}
 	}
+	if s.Models[p.Model].EnginePriority && k != request.Passthrough {
+		if b, err := request.WithPriority(body, enginePriority(l.priority)); err == nil {
+			body = b
+		}
+	}
 	req := proxy.Request{
 		ID:                l.requestID,
 		Path:              l.path,
@@ -141,6 +146,11 @@ func (g *Gateway) admit(ctx *fasthttp.RequestCtx, l *ledger, slo time.Duration) 
 	}
 	return nil
 }
+
+// enginePriority is vLLM's request priority for band p (lower is served
+// first): standard is vLLM's default 0, so requests reaching an engine
+// without the router keep their place.
+func enginePriority(p flowcontrol.Priority) int { return int(p) - int(flowcontrol.Standard) }
 
 // soleModel returns the only model the fleet serves, or "".
 func soleModel(snap *fleet.Snapshot) string {

@@ -123,8 +123,9 @@ type run struct {
 	w            workload.Workload
 }
 
-// parseRun reads "policy[+variant...]": "+without=X" drops the requests of
-// tenant or priority X, "+only=X" keeps only those (the same traffic, less a part of it, since
+// parseRun reads "policy[+variant...]": "+fc" turns the routers' flow
+// control on, "+without=X" drops the requests of tenant or priority X,
+// "+only=X" keeps only those (the same traffic, less a part of it, since
 // workload streams are drawn independently).
 func parseRun(spec string, w workload.Workload) (run, error) {
 	parts := strings.Split(spec, "+")
@@ -133,6 +134,8 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 		key, val, _ := strings.Cut(v, "=")
 		var err error
 		switch {
+		case key == "fc" && val == "":
+			r.routerArgs = append(r.routerArgs, "--flow-control")
 		case (key == "without" || key == "only") && val != "":
 			keep := key == "only"
 			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
@@ -140,7 +143,7 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 				err = fmt.Errorf("%s leaves no request", spec)
 			}
 		default:
-			err = fmt.Errorf("%s: unknown variant %q (want without=X or only=X)", spec, v)
+			err = fmt.Errorf("%s: unknown variant %q (want fc, without=X or only=X)", spec, v)
 		}
 		if err != nil {
 			return run{}, err

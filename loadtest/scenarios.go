@@ -170,8 +170,11 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		"overload": {
 			Name: "overload", About: "three tenants at critical, standard and sheddable priority offering ≈2× what 2 replicas serve (5 + 11 + 17 req/s of tenants-shaped requests)",
 			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
-			RouterConfig: tenantConfig(OverloadStreams),
-			Policies:     []string{"kvaware", "kvaware+only=critical"},
+			// Engines schedule by priority as vLLM's --scheduling-policy
+			// priority does, and the routers send each request's band.
+			EngineArgs:   []string{"--scheduling-policy", "priority"},
+			RouterConfig: tenantConfig(OverloadStreams) + "models: [{name: sim, engine_priority: true}]\n",
+			Policies:     []string{"kvaware", "kvaware+fc", "kvaware+only=critical"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Mix("overload", OverloadStreams, seed, d)
 			},
@@ -180,7 +183,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Name: "noisy", About: "two tenants chatting over a shared 1,500-token prompt at 3 req/s each, a third sending 40 req/s of cold 3,000-token prompts",
 			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			RouterConfig: tenantConfig(NoisyStreams),
-			Policies:     []string{"kvaware", "kvaware+without=noisy"},
+			Policies:     []string{"kvaware", "kvaware+fc", "kvaware+without=noisy"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Mix("noisy", NoisyStreams, seed, d)
 			},

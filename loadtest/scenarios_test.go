@@ -3,6 +3,7 @@ package loadtest
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -67,11 +68,11 @@ func TestRunVariants(t *testing.T) {
 		}
 		return n
 	}
-	r, err := parseRun("kvaware+without=noisy", w)
+	r, err := parseRun("kvaware+fc+without=noisy", w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.policy != "kvaware" || r.name != "kvaware+without=noisy" || len(r.routerArgs) != 0 ||
+	if r.policy != "kvaware" || r.name != "kvaware+fc+without=noisy" || strings.Join(r.routerArgs, " ") != "--flow-control" ||
 		count(r.w, "noisy") != 0 || count(r.w, "a") != count(w, "a") {
 		t.Fatalf("%+v", r)
 	}

@@ -439,18 +439,34 @@ func WithIncludeUsage(body []byte, streamOptions json.RawMessage) ([]byte, error
 	if err != nil {
 		return nil, err
 	}
+	return appendField(body, "stream_options", enc)
+}
+
+// WithPriority returns body with vLLM's request priority set to n (lower is
+// served first, under --scheduling-policy priority), appended last so that
+// it wins over a priority the client sent.
+func WithPriority(body []byte, n int) ([]byte, error) {
+	return appendField(body, "priority", strconv.AppendInt(nil, int64(n), 10))
+}
+
+// appendField appends "key":value as the last member of the JSON object
+// body: JSON decoders in Python and Go keep the last of duplicate keys.
+func appendField(body []byte, key string, value []byte) ([]byte, error) {
 	end := bytes.LastIndexByte(body, '}')
-	if end < 0 {
+	start := bytes.IndexByte(body, '{')
+	if end < 0 || start < 0 || start > end {
 		return nil, errors.New("request: body is not an object")
 	}
-	inner := bytes.TrimSpace(body[bytes.IndexByte(body, '{')+1 : end])
-	out := make([]byte, 0, len(body)+len(enc)+20)
+	inner := bytes.TrimSpace(body[start+1 : end])
+	out := make([]byte, 0, len(body)+len(key)+len(value)+4)
 	out = append(out, body[:end]...)
 	if len(inner) > 0 {
 		out = append(out, ',')
 	}
-	out = append(out, `"stream_options":`...)
-	out = append(out, enc...)
+	out = append(out, '"')
+	out = append(out, key...)
+	out = append(out, '"', ':')
+	out = append(out, value...)
 	out = append(out, body[end:]...)
 	return out, nil
 }

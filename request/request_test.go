@@ -84,3 +84,19 @@ func TestChatInput(t *testing.T) {
 		t.Fatalf("as sent: %+v", c)
 	}
 }
+
+func TestWithPriorityIsAppendedLast(t *testing.T) {
+	for body, want := range map[string]string{
+		`{"model":"m","priority":5}`: `{"model":"m","priority":5,"priority":-1}`,
+		"{\"model\":\"m\"}\n":        "{\"model\":\"m\",\"priority\":-1}\n",
+		`{}`:                         `{"priority":-1}`,
+	} {
+		got, err := WithPriority([]byte(body), -1)
+		if err != nil || string(got) != want {
+			t.Errorf("%q: %q %v, want %q", body, got, err, want)
+		}
+	}
+	if _, err := WithPriority([]byte(`[1]`), 0); err == nil {
+		t.Error("an array accepted")
+	}
+}

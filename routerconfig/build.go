@@ -103,7 +103,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		byName[m.Name] = m
 	}
 	for _, m := range c.Models {
-		gm := gateway.Model{Base: m.AdapterOf, SpillAfter: m.SpillAfter}
+		gm := gateway.Model{Base: m.AdapterOf, SpillAfter: m.SpillAfter, EnginePriority: m.EnginePriority}
 		if m.AdapterOf != "" {
 			gm.Adapter = m.Name
 		}

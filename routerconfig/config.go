@@ -113,6 +113,10 @@ type Model struct {
 	// replica's predicted time to first token is over it (kvaware only;
 	// 0: never).
 	SpillAfter time.Duration `yaml:"spill_after"`
+	// EnginePriority: its replicas run vLLM's --scheduling-policy priority;
+	// each request's priority band is sent as vLLM's priority field
+	// (critical -1, standard 0, sheddable 1).
+	EnginePriority bool `yaml:"engine_priority"`
 }
 
 // Endpoint is a fallback upstream.
@@ -333,6 +337,12 @@ func Overlay(base, file *Config) *Config {
 		if fc.Enabled == nil {
 			fc.Enabled = base.FlowControl.Enabled
 		}
+		if fc.MaxEngineQueue == 0 {
+			fc.MaxEngineQueue = base.FlowControl.MaxEngineQueue
+		}
+		if fc.MaxInflightPerReplica == 0 {
+			fc.MaxInflightPerReplica = base.FlowControl.MaxInflightPerReplica
+		}
 		out.FlowControl = fc
 	}
 	out.Models = mergeByName(base.Models, file.Models, func(m Model) string { return m.Name }, func(b, o Model) Model {
@@ -348,6 +358,7 @@ func Overlay(base, file *Config) *Config {
 		if o.SpillAfter == 0 {
 			o.SpillAfter = b.SpillAfter
 		}
+		o.EnginePriority = o.EnginePriority || b.EnginePriority
 		return o
 	})
 	out.StaticUpstreams = mergeByName(base.StaticUpstreams, file.StaticUpstreams, func(s Static) string { return s.Name },

@@ -40,6 +40,11 @@ type Flags struct {
 	ResumeStreams   bool
 	// FlowControl holds requests in the router while the fleet is saturated.
 	FlowControl bool
+	// FlowMaxEngineQueue bounds the predicted wait at the best replica
+	// before requests are held (flow_control.max_engine_queue).
+	FlowMaxEngineQueue time.Duration
+	// FlowMaxInflightPerReplica (flow_control.max_inflight_per_replica).
+	FlowMaxInflightPerReplica int
 	// CalibrateCost: kvaware decides by the cost model fitted to measured TTFTs.
 	CalibrateCost bool
 }
@@ -47,7 +52,7 @@ type Flags struct {
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
 	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxPrefixBytes: f.MaxPrefixBytes, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
-		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl}}
+		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl, MaxEngineQueue: f.FlowMaxEngineQueue, MaxInflightPerReplica: f.FlowMaxInflightPerReplica}}
 	model := func(name string) *Model {
 		for i := range c.Models {
 			if c.Models[i].Name == name {

@@ -68,6 +68,8 @@ func parse(args []string) (*options, error) {
 	fs.IntVar(&c.Flags.MaxAttempts, "max-attempts", 3, "replicas tried per request before the fallback")
 	fs.BoolVar(&c.Flags.CalibrateCost, "calibrate-cost", false, "kvaware decides by the cost model it fits per model to the times to first token of streamed requests (exported in /metrics either way) instead of by routing.prefill_per_token and per_running")
 	fs.BoolVar(&c.Flags.FlowControl, "flow-control", false, "hold requests in the router while their model's fleet is saturated and dispatch them by priority (X-Kvmesh-Priority) and fair share between tenants as replicas free up; bounds in the config file's flow_control")
+	fs.DurationVar(&c.Flags.FlowMaxEngineQueue, "flow-max-engine-queue", 0, "with --flow-control, hold requests while the best replica's predicted wait behind queued work is over this (0: about one scheduler step of prefill, 8,192 tokens at the cost model's prefill_per_token)")
+	fs.IntVar(&c.Flags.FlowMaxInflightPerReplica, "flow-max-inflight-per-replica", 0, "with --flow-control, also hold requests while every replica of their model has this many requests running, waiting or in flight (0: no such limit)")
 	fs.BoolVar(&c.Flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
 	fs.StringVar(&c.PprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
 	fs.StringVar(&c.TLSCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
