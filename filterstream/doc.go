@@ -61,6 +61,10 @@
 // leaving out the recipient's own share when it announces CapInflightOthers,
 // so every router sees the work the others sent there.
 //
+// Routers that announce CapTenantUsage also send each other their
+// per-tenant usage over the last minute (KindTenantUsage, every 500 ms),
+// which package quota turns into quotas kept across routers.
+//
 // # Wire format
 //
 // A message is the magic byte 'k', the wire version (1), the kind, the

@@ -34,6 +34,10 @@ func goldenMessages() map[string]Message {
 		"clear-routes-some": {Kind: KindClearRoutes, From: "router/r1", Epoch: 9, Seq: 1 << 63, Names: []string{"a", "b"}},
 		"clear-routes-all":  {Kind: KindClearRoutes, From: "router/r1", Epoch: 9, Seq: 43},
 		"inflight":          {Kind: KindInflight, From: "router/r1", Epoch: 9, Seq: 8, Requests: 3, PrefillTokens: 4096},
+		"tenant-usage": {Kind: KindTenantUsage, From: "router/r1", Epoch: 9, Usage: []TenantUsage{
+			{Tenant: "search", Requests: 120, Tokens: 1 << 33, ReservedRequests: 5, ReservedTokens: 40000},
+			{Tenant: "default", Requests: 1},
+		}},
 	}
 }
 

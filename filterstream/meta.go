@@ -37,6 +37,9 @@ const (
 	// last report out of a sum that may have been made before it arrived
 	// (and so count a request that had already finished).
 	CapInflightOthers
+	// CapTenantUsage: the router reads other routers' per-tenant usage
+	// (KindTenantUsage) to enforce quotas across the cluster.
+	CapTenantUsage
 )
 
 const metaVersion = 1

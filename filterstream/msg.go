@@ -14,6 +14,10 @@ const (
 	KindResync                      // router → sidecar: send the deltas I miss, or a snapshot
 	KindClearRoutes                 // router → sidecars and routers
 	KindInflight                    // router → sidecar: what this router has in flight there
+	KindTenantUsage                 // router → routers: what each tenant used here in the last minute
+
+	// MaxKind is the highest kind this build knows (counters index by kind).
+	MaxKind = KindTenantUsage
 )
 
 // String names the kind as metrics label it ("load", "delta", ...).
@@ -31,6 +35,8 @@ func (k Kind) String() string {
 		return "clear_routes"
 	case KindInflight:
 		return "inflight"
+	case KindTenantUsage:
+		return "tenant_usage"
 	}
 	return fmt.Sprintf("kind%d", uint8(k))
 }
@@ -41,6 +47,9 @@ const (
 	// maxNames bounds a route-clear list (a selection is at most 50 replicas;
 	// leave room for larger fleets).
 	maxNames = 4096
+	// maxTenants bounds a tenant-usage report (tenants come from the
+	// routers' config).
+	maxTenants = 4096
 	// maxPayload bounds a filter payload: memberlist's own reliable-message cap.
 	maxPayload = 20 << 20
 )
@@ -104,6 +113,18 @@ type Message struct {
 	// recipient's replica (KindInflight).
 	Requests      int
 	PrefillTokens int
+	// Usage is a router's whole per-tenant report (KindTenantUsage): a
+	// tenant left out used nothing there.
+	Usage []TenantUsage
+}
+
+// TenantUsage is what one router admitted of a tenant over the last minute,
+// and the part of its share of the tenant's quota it has not spent yet
+// (which the others count as used: package quota).
+type TenantUsage struct {
+	Tenant                           string
+	Requests, Tokens                 int64
+	ReservedRequests, ReservedTokens int64
 }
 
 // Append appends m's encoding to dst.
@@ -146,13 +167,21 @@ func (m *Message) Append(dst []byte) []byte {
 	case KindInflight:
 		w.uvarint(uint64(max(m.Requests, 0)))
 		w.uvarint(uint64(max(m.PrefillTokens, 0)))
+	case KindTenantUsage:
+		w.uvarint(uint64(len(m.Usage)))
+		for _, u := range m.Usage {
+			w.str(u.Tenant)
+			for _, v := range [...]int64{u.Requests, u.Tokens, u.ReservedRequests, u.ReservedTokens} {
+				w.uvarint(uint64(max(v, 0)))
+			}
+		}
 	}
 	return w.b
 }
 
 // Decode parses one message. Payload aliases b; copy b first if it is reused.
-// Fields a later version appends to a load record, resync, route clear or
-// in-flight report are ignored; a message cut short is rejected.
+// Fields a later version appends to a load record, resync, route clear,
+// in-flight or tenant-usage report are ignored; a message cut short is rejected.
 func Decode(b []byte) (Message, error) {
 	var m Message
 	r := reader{b: b}
@@ -205,6 +234,15 @@ func Decode(b []byte) (Message, error) {
 	case KindInflight:
 		m.Requests = r.int(maxCount)
 		m.PrefillTokens = r.int(maxCount)
+	case KindTenantUsage:
+		n := r.int(maxTenants)
+		for i := 0; i < n && r.err == nil; i++ {
+			u := TenantUsage{Tenant: r.str(255)}
+			for _, v := range [...]*int64{&u.Requests, &u.Tokens, &u.ReservedRequests, &u.ReservedTokens} {
+				*v = int64(r.int(1 << 62))
+			}
+			m.Usage = append(m.Usage, u)
+		}
 	default:
 		r.fail(fmt.Errorf("filterstream: unknown message kind %d", uint8(m.Kind)))
 	}

@@ -59,4 +59,13 @@ type Output struct {
 	// a word) and which stay routed by load while their engine answers.
 	Silent   []string
 	Orphaned []string
+	// Usage is another router's per-tenant report, for the caller's quota
+	// ledger (Receiver).
+	Usage *UsageReport
+}
+
+// UsageReport is one router's KindTenantUsage message.
+type UsageReport struct {
+	From  string
+	Usage []TenantUsage
 }

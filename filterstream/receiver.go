@@ -27,7 +27,7 @@ type Receiver struct {
 	table    *fleet.Table
 	sidecars map[string]*sidecarPeer // by member name
 	replicas map[string]*sidecarPeer // by replica name
-	routers  map[string]bool         // the other routers, by member name
+	routers  map[string]uint32       // the other routers' capabilities, by member name
 	inflight map[string]inflight     // this router's in-flight work, by replica
 	ticks    uint64
 }
@@ -109,7 +109,7 @@ func NewReceiver(cfg ReceiverConfig, table *fleet.Table) *Receiver {
 		table:    table,
 		sidecars: map[string]*sidecarPeer{},
 		replicas: map[string]*sidecarPeer{},
-		routers:  map[string]bool{},
+		routers:  map[string]uint32{},
 		inflight: map[string]inflight{},
 	}
 }
@@ -165,7 +165,7 @@ func (r *Receiver) clear(names []string, now time.Time) {
 func (r *Receiver) Member(name string, meta Meta, now time.Time) (out Output) {
 	switch meta.Role {
 	case RoleRouter:
-		r.routers[name] = true
+		r.routers[name] = meta.Capabilities
 		return out
 	case RoleSidecar:
 	default:
@@ -231,8 +231,27 @@ func usesFilter(p *sidecarPeer) bool {
 	return p.meta.Capabilities&CapKVEvents != 0 && p.meta.SchemeVersion == blockkey.SchemeVersion
 }
 
+// ShareUsage sends this router's per-tenant report to every other router
+// that reads one (CapTenantUsage), as datagrams while it fits one (the next
+// report, an interval later, replaces a lost one), else reliably.
+func (r *Receiver) ShareUsage(usage []TenantUsage) (out Output) {
+	msg := Message{Kind: KindTenantUsage, From: r.cfg.Self, Epoch: r.cfg.Epoch, Usage: usage}
+	for name, caps := range r.routers {
+		if caps&CapTenantUsage != 0 {
+			out.Sends = append(out.Sends, Send{To: name, Msg: msg, Reliable: len(usage) > 32})
+		}
+	}
+	return out
+}
+
 // Handle takes one message from another member.
 func (r *Receiver) Handle(m *Message, now time.Time) (out Output) {
+	if m.Kind == KindTenantUsage {
+		if _, ok := r.routers[m.From]; ok {
+			out.Usage = &UsageReport{From: m.From, Usage: m.Usage}
+		}
+		return out
+	}
 	if m.Kind == KindClearRoutes {
 		r.clear(m.Names, now)
 		out.Cleared, out.ClearedNames = true, slices.Clone(m.Names)

@@ -381,3 +381,31 @@ func TestRouterReadsInflightByTheSidecarsCapability(t *testing.T) {
 		t.Fatalf("sidecar leaving this router out: others %v, want (5, 500) as sent", got)
 	}
 }
+
+// TestTenantUsageGoesToRoutersThatReadIt: a router's report reaches only
+// the routers announcing CapTenantUsage (an older one would count it as a
+// bad message), and only a known router's report is taken.
+func TestTenantUsageGoesToRoutersThatReadIt(t *testing.T) {
+	now := time.Unix(1000, 0)
+	r := NewReceiver(ReceiverConfig{Self: "r0", Epoch: 1}, fleet.NewTable(fleet.TableConfig{}))
+	r.Member("r1", Meta{Role: RoleRouter, Name: "r1", Capabilities: CapInflightOthers | CapTenantUsage}, now)
+	r.Member("r-old", Meta{Role: RoleRouter, Name: "r-old", Capabilities: CapInflightOthers}, now)
+	usage := []TenantUsage{{Tenant: "t", Requests: 3, Tokens: 900}}
+	out := r.ShareUsage(usage)
+	if len(out.Sends) != 1 || out.Sends[0].To != "r1" || out.Sends[0].Msg.Kind != KindTenantUsage || out.Sends[0].Reliable {
+		t.Fatalf("sends %+v", out.Sends)
+	}
+	b := out.Sends[0].Msg.Append(nil)
+	m, err := Decode(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.From = "r1"
+	if got := r.Handle(&m, now).Usage; got == nil || got.From != "r1" || len(got.Usage) != 1 || got.Usage[0] != usage[0] {
+		t.Fatalf("report from r1: %+v", got)
+	}
+	m.From = "stranger"
+	if got := r.Handle(&m, now).Usage; got != nil {
+		t.Fatalf("a report from no known router was taken: %+v", got)
+	}
+}

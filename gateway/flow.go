@@ -11,6 +11,7 @@ import (
 
 	"github.com/valyala/fasthttp"
 
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/hangup"
 	"github.com/kvmesh/kvmesh/proxy"
@@ -157,9 +158,54 @@ func (w *waiter) wake() {
 	}
 }
 
+// UsageReportEvery is how often a router tells the others its per-tenant
+// usage; quota's bounds follow from it: a report arrives within
+// usageMaxLag on a LAN, and a router silent for three intervals and that
+// lag no longer shares the limits.
+const (
+	UsageReportEvery = 500 * time.Millisecond
+	usageMaxLag      = 500 * time.Millisecond
+)
+
 func newFlowGate(g *Gateway) *flowGate {
 	return &flowGate{g: g, pools: map[string]*flowcontrol.Queue[*waiter]{}, kick: make(chan struct{}, 1),
-		quota: quota.New(quota.Config{})}
+		quota: quota.New(quota.Config{PeerTTL: 3*UsageReportEvery + usageMaxLag, MaxLag: usageMaxLag})}
+}
+
+// ReportTenantUsage tells the cluster this router's per-tenant usage every
+// interval until stop closes (an empty report too: it counts this router
+// among those sharing the limits). Without a cluster it returns at once.
+func (g *Gateway) ReportTenantUsage(every time.Duration, stop <-chan struct{}) {
+	if g.cluster == nil {
+		return
+	}
+	var buf []quota.TenantUsage
+	var out []filterstream.TenantUsage
+	repeat(every, stop, func() {
+		f := g.flow
+		f.quotaMu.Lock()
+		buf = f.quota.Report(g.now(), buf[:0])
+		f.quotaMu.Unlock()
+		out = out[:0]
+		for _, u := range buf {
+			out = append(out, filterstream.TenantUsage{Tenant: u.Tenant, Requests: u.Used.Requests, Tokens: u.Used.Tokens,
+				ReservedRequests: u.Reserved.Requests, ReservedTokens: u.Reserved.Tokens})
+		}
+		g.cluster.ShareTenantUsage(out)
+	})
+}
+
+// MergeTenantUsage takes another router's per-tenant report.
+func (g *Gateway) MergeTenantUsage(from string, usage []filterstream.TenantUsage) {
+	in := make([]quota.TenantUsage, len(usage))
+	for i, u := range usage {
+		in[i] = quota.TenantUsage{Tenant: u.Tenant, Used: quota.Usage{Requests: u.Requests, Tokens: u.Tokens},
+			Reserved: quota.Usage{Requests: u.ReservedRequests, Tokens: u.ReservedTokens}}
+	}
+	f := g.flow
+	f.quotaMu.Lock()
+	f.quota.Merge(from, g.now(), in)
+	f.quotaMu.Unlock()
 }
 
 // configure installs s's bounds and tenant weights; held requests keep

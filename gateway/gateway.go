@@ -26,6 +26,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/console"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/plan"
@@ -176,6 +177,10 @@ func (s *Settings) planModel(model string, ms Model) plan.Model {
 type Clusterer interface {
 	ReportInflight(replica string, requests, prefillTokens int)
 	ClearRoutes(names []string)
+	// ShareTenantUsage tells the other routers what each tenant used here
+	// (quotas across routers); their reports come back through
+	// MergeTenantUsage.
+	ShareTenantUsage(usage []filterstream.TenantUsage)
 }
 
 // Gateway serves the router's HTTP API.

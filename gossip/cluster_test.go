@@ -434,3 +434,41 @@ func TestLargestFilterReachesRouter(t *testing.T) {
 	waitFor(t, 10*time.Second, "key of the largest filter at router", func() bool { return hasKey(tb, name, 11) })
 	t.Logf("capacity %d at fpr 0.01: snapshot of %d bytes delivered", capacity, bloom.SnapshotSize(g.Stats().M))
 }
+
+// TestTenantUsageReachesTheOtherRouters: a router's per-tenant report
+// arrives at every other router, named by its sender.
+func TestTenantUsageReachesTheOtherRouters(t *testing.T) {
+	r1, _ := startTestRouter(t, "r1")
+	type report struct {
+		from  string
+		usage []filterstream.TenantUsage
+	}
+	got := make(chan report, 64)
+	cfg := RouterConfig{Config: baseConfig("r2", r1.Addr()), OnTenantUsage: func(from string, u []filterstream.TenantUsage) {
+		select {
+		case got <- report{from, u}:
+		default:
+		}
+	}}
+	r2, err := StartRouter(cfg, fleet.NewTable(fleet.TableConfig{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r2.Leave(0) })
+	waitFor(t, 3*time.Second, "r1 knows r2", func() bool { r1.mu.Lock(); defer r1.mu.Unlock(); return r1.recv.Routers() == 1 })
+	want := []filterstream.TenantUsage{{Tenant: "search", Requests: 7, Tokens: 7000, ReservedTokens: 100}}
+	deadline := time.After(3 * time.Second)
+	for {
+		r1.ShareTenantUsage(want) // datagrams: sent each interval in use
+		select {
+		case rep := <-got:
+			if rep.from != "router/r1" || len(rep.usage) != 1 || rep.usage[0] != want[0] {
+				t.Fatalf("r2 got %+v", rep)
+			}
+			return
+		case <-time.After(100 * time.Millisecond):
+		case <-deadline:
+			t.Fatalf("no report reached r2: received %v", r2.Stats().Received)
+		}
+	}
+}

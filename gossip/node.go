@@ -204,9 +204,9 @@ func splitHostPort(s, defHost string, defPort int) (string, int, error) {
 
 // Stats count what a node received, sent and rejected. Read them with Load.
 type Stats struct {
-	Received      [filterstream.KindInflight + 1]atomic.Uint64 // decoded messages by kind
-	ReceivedBytes [filterstream.KindInflight + 1]atomic.Uint64 // their bytes, by kind
-	Sent          [filterstream.KindInflight + 1]atomic.Uint64 // messages sent by kind
+	Received      [filterstream.MaxKind + 1]atomic.Uint64 // decoded messages by kind
+	ReceivedBytes [filterstream.MaxKind + 1]atomic.Uint64 // their bytes, by kind
+	Sent          [filterstream.MaxKind + 1]atomic.Uint64 // messages sent by kind
 	SentBytes     atomic.Uint64
 	SendErrors    atomic.Uint64
 	// BadMessages failed to decode (ours: wrong magic, truncated, garbage).
@@ -579,7 +579,7 @@ func (n *node) stats() StatsSnapshot {
 	for why := range filterstream.NumResyncReasons {
 		out.ResyncReasons[why.String()] = s.ResyncReasons[why].Load()
 	}
-	for k := filterstream.KindLoad; k <= filterstream.KindInflight; k++ {
+	for k := filterstream.KindLoad; k <= filterstream.MaxKind; k++ {
 		out.Received[k.String()] = s.Received[k].Load()
 		out.ReceivedBytesByKind[k.String()] = s.ReceivedBytes[k].Load()
 		out.ReceivedBytes += s.ReceivedBytes[k].Load()

@@ -21,6 +21,10 @@ type RouterConfig struct {
 	// route records another router cleared, so the router can drop its own
 	// speculative records too. It runs on the node's loop: do not block.
 	OnClearRoutes func(names []string)
+	// OnTenantUsage, when set, is called with another router's per-tenant
+	// report (ShareTenantUsage), for quotas. It runs on the node's loop: do
+	// not block.
+	OnTenantUsage func(from string, usage []filterstream.TenantUsage)
 	// Tick paces table expiry (default 50 ms: a silent sidecar is out of
 	// routing within DropAfter + Tick) and in-flight reports (every other tick).
 	Tick time.Duration
@@ -55,7 +59,7 @@ func StartRouter(cfg RouterConfig, table *fleet.Table) (*RouterNode, error) {
 		cfg.Tick = 50 * time.Millisecond
 	}
 	meta := filterstream.Meta{Role: filterstream.RoleRouter, Name: cfg.Name, SchemeVersion: blockkey.SchemeVersion,
-		Capabilities: filterstream.CapInflightOthers, Epoch: rand.Uint64() | 1}
+		Capabilities: filterstream.CapInflightOthers | filterstream.CapTenantUsage, Epoch: rand.Uint64() | 1}
 	n, err := start(cfg.Config, meta)
 	if err != nil {
 		return nil, err
@@ -88,6 +92,16 @@ func (r *RouterNode) ReportInflight(replica string, requests, prefillTokens int)
 func (r *RouterNode) ClearRoutes(names []string) {
 	r.mu.Lock()
 	out := r.recv.ClearRoutes(names, rand.Uint64(), time.Now())
+	sends := r.resolve(&out)
+	r.mu.Unlock()
+	r.deliver(sends)
+}
+
+// ShareTenantUsage sends this router's per-tenant report to the other
+// routers (quotas across routers, package quota).
+func (r *RouterNode) ShareTenantUsage(usage []filterstream.TenantUsage) {
+	r.mu.Lock()
+	out := r.recv.ShareUsage(usage)
 	sends := r.resolve(&out)
 	r.mu.Unlock()
 	r.deliver(sends)
@@ -147,6 +161,9 @@ func (r *RouterNode) step(input func(now time.Time) filterstream.Output) {
 	}
 	if out.Cleared && r.cfg.OnClearRoutes != nil {
 		r.cfg.OnClearRoutes(out.ClearedNames)
+	}
+	if out.Usage != nil && r.cfg.OnTenantUsage != nil {
+		r.cfg.OnTenantUsage(out.Usage.From, out.Usage.Usage)
 	}
 	r.deliver(sends)
 }

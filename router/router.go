@@ -138,6 +138,7 @@ func Run(ctx context.Context, cfg Config) error {
 			return err
 		}
 		go g.ReportInflight(100*time.Millisecond, drained)
+		go g.ReportTenantUsage(gateway.UsageReportEvery, drained)
 		go g.ProbeOrphans(cfg.OrphanProbe, min(cfg.OrphanProbe, 2*time.Second), stop)
 	}
 	go g.DiscoverStatic(10*time.Second, stop)
@@ -248,5 +249,5 @@ func startGossip(cfg *Config, table *fleet.Table, g *gateway.Gateway) (*gossip.R
 		gc.BindAddr = "127.0.0.1:0"
 	}
 	gc.Logger = cfg.Logger.With().Str("component", "gossip").Logger()
-	return gossip.StartRouter(gossip.RouterConfig{Config: gc, OnClearRoutes: g.ClearRecords}, table)
+	return gossip.StartRouter(gossip.RouterConfig{Config: gc, OnClearRoutes: g.ClearRecords, OnTenantUsage: g.MergeTenantUsage}, table)
 }
