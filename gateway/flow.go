@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -541,4 +543,51 @@ func (s *Settings) admission(ctx *fasthttp.RequestCtx) (*tenant.Tenant, flowcont
 		slo = time.Duration(ms * float64(time.Millisecond))
 	}
 	return tn, prio, slo, nil
+}
+
+// queueView is one model's held requests as /admin/queues shows them.
+type queueView struct {
+	Model string `json:"model"`
+	Held  int    `json:"held"`
+	// ByPriority and ByTenant count the held requests.
+	ByPriority map[string]int `json:"by_priority"`
+	ByTenant   map[string]int `json:"by_tenant"`
+}
+
+// queuesView is the body of GET /admin/queues.
+type queuesView struct {
+	FlowControl    bool        `json:"flow_control"`
+	MaxEngineQueue string      `json:"max_engine_queue"`
+	Queues         []queueView `json:"queues"`
+	// QuotaIsolated: this router hears from no other router it knew and
+	// enforces its own share of each quota alone.
+	QuotaIsolated bool `json:"quota_isolated"`
+}
+
+func (g *Gateway) serveQueues(ctx *fasthttp.RequestCtx) {
+	s := g.Settings()
+	f := g.flow
+	out := queuesView{FlowControl: s.Flow.Enabled, MaxEngineQueue: s.Flow.MaxEngineQueue.String(), Queues: []queueView{}}
+	names := s.Tenants.Names()
+	f.mu.Lock()
+	for model, q := range f.pools {
+		v := queueView{Model: model, Held: q.Len(), ByPriority: map[string]int{}, ByTenant: map[string]int{}}
+		for p := flowcontrol.Critical; p <= flowcontrol.Sheddable; p++ {
+			if n := q.BandLen(p); n > 0 {
+				v.ByPriority[p.String()] = n
+			}
+			for _, name := range names {
+				if n := q.FlowLen(p, name); n > 0 {
+					v.ByTenant[name] += n
+				}
+			}
+		}
+		out.Queues = append(out.Queues, v)
+	}
+	f.mu.Unlock()
+	slices.SortFunc(out.Queues, func(a, b queueView) int { return strings.Compare(a.Model, b.Model) })
+	f.quotaMu.Lock()
+	out.QuotaIsolated = f.quota.Isolated(g.now())
+	f.quotaMu.Unlock()
+	writeJSON(ctx, out)
 }

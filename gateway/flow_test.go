@@ -95,6 +95,9 @@ func TestHeldWhileSaturatedThenDispatched(t *testing.T) {
 		t.Fatalf("answered while the fleet is saturated: %d %s", rep.status, rep.body)
 	default:
 	}
+	if q := r.get(t, "/admin/queues"); q.status != 200 || !strings.Contains(q.body, `"queues":[{"model":"sim","held":1,"by_priority":{"standard":1},"by_tenant":{"default":1}}]`) {
+		t.Fatalf("/admin/queues: %d %s", q.status, q.body)
+	}
 	r.busy(false)
 	rep := waitReply(t, c, 5*time.Second)
 	if rep.status != 200 || rep.header["x-kvmesh-replica"] != "a" {

@@ -326,6 +326,8 @@ func (g *Gateway) serveOperator(ctx *fasthttp.RequestCtx, path []byte) {
 		g.metrics.serve(ctx)
 	case string(path) == "/admin/replicas":
 		g.serveReplicas(ctx)
+	case string(path) == "/admin/queues":
+		g.serveQueues(ctx)
 	case string(path) == "/admin/routes/clear":
 		if !ctx.IsPost() {
 			onlyPost(ctx, path)
