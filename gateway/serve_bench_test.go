@@ -25,12 +25,19 @@ func reportCPU(b *testing.B, start time.Duration) {
 // BenchmarkServeSmallCompletion runs the whole request path in process
 // (parse, tokenize, route, proxy over loopback to a fixed-answer upstream,
 // headers, accounting) for a small non-streamed completion.
+// With flow control on (and a fleet it finds unsaturated) it measures what
+// admission adds to every request.
 func BenchmarkServeSmallCompletion(b *testing.B) {
+	b.Run("flow-off", func(b *testing.B) { benchServeSmall(b, Settings{}) })
+	b.Run("flow-on", func(b *testing.B) { benchServeSmall(b, Settings{Flow: FlowControl{Enabled: true}}) })
+}
+
+func benchServeSmall(b *testing.B, s Settings) {
 	up := listen(b, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
 		ctx.SetContentType("application/json")
 		ctx.SetBodyString(`{"id":"c","choices":[{"text":" world"}],"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}}`)
 	}})
-	r := newRouter(b, Settings{}, 1<<20)
+	r := newRouter(b, s, 1<<20)
 	r.table.AddStatic("e1", up, []string{"bench"})
 	b.ReportAllocs()
 	cpu0 := processCPU()
