@@ -14,6 +14,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/kvmesh/kvmesh/filterstream"
+	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/hangup"
 	"github.com/kvmesh/kvmesh/proxy"
@@ -136,6 +137,10 @@ type flowGate struct {
 	cfg     flowcontrol.Config
 	running bool
 	kick    chan struct{}
+	// pushed: a request was held since the last dispatch; lastSnap is the
+	// table it looked at.
+	pushed   bool
+	lastSnap *fleet.Snapshot
 	expired []*flowcontrol.Ticket[*waiter]
 
 	quotaMu sync.Mutex
@@ -225,8 +230,9 @@ func (f *flowGate) configure(s *Settings) {
 	}
 }
 
-// ended tells the dispatcher a request ended: its replica may have room.
-func (f *flowGate) ended() {
+// freed tells the dispatcher a request ended or got its first token: its
+// replica may have room.
+func (f *flowGate) freed() {
 	select {
 	case f.kick <- struct{}{}:
 	default:
@@ -310,6 +316,7 @@ func (f *flowGate) hold(ctx *fasthttp.RequestCtx, l *ledger, cost int64) error {
 		f.pools[l.model] = q
 	}
 	evicted, err := q.Push(t, now)
+	f.pushed = f.pushed || err == nil
 	if err == nil && !f.running {
 		f.running = true
 		go f.loop()
@@ -371,23 +378,32 @@ func (f *flowGate) loop() {
 	tick := time.NewTicker(dispatchEvery)
 	defer tick.Stop()
 	for {
+		kicked := false
 		select {
 		case <-tick.C:
 		case <-f.kick:
+			kicked = true
 		}
-		if !f.dispatch() {
+		if !f.dispatch(kicked) {
 			return
 		}
 	}
 }
 
 // dispatch turns away what waited past its bound and lets go, pool by
-// pool, every request the fleet has room for, in the queue's order. It
-// reports whether any request is still held; when none is, the loop ends.
-func (f *flowGate) dispatch() bool {
+// pool, every request the fleet has room for, in the queue's order. Room is
+// looked for only when something that makes it may have changed: a request
+// here ended or got its first token (kicked), one was held, or a new load
+// record changed the table; otherwise planning the heads again would find
+// what it found 5 ms ago. It reports whether any request is still held;
+// when none is, the loop ends.
+func (f *flowGate) dispatch(kicked bool) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := f.g.now()
+	snap := f.g.table.Snapshot()
+	look := kicked || f.pushed || snap != f.lastSnap
+	f.pushed, f.lastSnap = false, snap
 	held := 0
 	for model, q := range f.pools {
 		f.expired = q.Expire(now, f.expired[:0])
@@ -395,7 +411,7 @@ func (f *flowGate) dispatch() bool {
 			t.Value.wake()
 		}
 		clear(f.expired)
-		for {
+		for look {
 			t := q.Peek()
 			if t == nil || !f.room(t.Value) {
 				break

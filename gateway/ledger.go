@@ -153,6 +153,9 @@ func (l *ledger) FirstByte(i int, ttft time.Duration) {
 	if rl != nil {
 		rl.prefill.Add(-int64(t.Uncached))
 		rl.eject.reached()
+		if l.s.Flow.Enabled {
+			l.g.flow.freed() // its prefill is done: room for the next
+		}
 	}
 	l.g.metrics.ttftOf(rl, t.Name).Observe(ttft.Seconds())
 }
@@ -193,7 +196,7 @@ func (l *ledger) Retry(i int, r proxy.Result) {
 func (l *ledger) End(r proxy.Result) {
 	i := l.open
 	if l.s.Flow.Enabled {
-		l.g.flow.ended()
+		l.g.flow.freed()
 	}
 	if i < 0 { // no target was tried
 		l.g.release(l)
