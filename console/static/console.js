@@ -598,6 +598,34 @@
     });
   }
 
+  // ---- tenants -----------------------------------------------------------------
+
+  // renderTenants lists every tenant the router's metrics name: requests
+  // held now by priority, tokens served, and what was turned away and why.
+  function renderTenants(metrics) {
+    const rows = new Map();
+    const row = (t) => rows.get(t) || rows.set(t, { held: { critical: 0, standard: 0, sheddable: 0 }, tokens: 0 }).get(t);
+    for (const s of metrics.get('kvmesh_router_queue_depth') || []) {
+      if (s.labels.tenant && s.labels.priority in row(s.labels.tenant).held) row(s.labels.tenant).held[s.labels.priority] += s.value;
+    }
+    for (const s of metrics.get('kvmesh_router_tenant_tokens_total') || []) {
+      if (s.labels.tenant) row(s.labels.tenant).tokens += s.value;
+    }
+    const body = byId('tenant-rows');
+    if (rows.size) {
+      body.replaceChildren(...[...rows.keys()].sort(naturalCompare).map((name) => {
+        const r = rows.get(name);
+        const tr = el('tr');
+        tr.append(el('td', '', name), el('td', 'num', [r.held.critical, r.held.standard, r.held.sheddable].map(count).join(' / ')),
+          el('td', 'num', count(r.tokens)));
+        return tr;
+      }));
+    }
+    const rejected = (metrics.get('kvmesh_router_rejected_total') || []).filter((s) => s.value > 0)
+      .map((s) => s.labels.reason + ' ' + count(s.value));
+    setText('rejected-note', rejected.length ? 'Turned away since start: ' + rejected.join(', ') + '.' : '');
+  }
+
   // ---- polling -----------------------------------------------------------------
 
   const state = { polls: 0, errors: 0, lastError: '', timer: 0, inFlight: false };
@@ -620,9 +648,11 @@
     try {
       const [replicas, text] = await Promise.all([getOK('/admin/replicas', 'json'), getOK('/metrics', 'text')]);
       const list = Array.isArray(replicas) ? replicas : [];
-      record(Date.now(), parseMetrics(text), list);
+      const metrics = parseMetrics(text);
+      record(Date.now(), metrics, list);
       renderSummary(list);
       renderReplicas(list);
+      renderTenants(metrics);
       drawCharts();
       state.polls++;
       setLive('live', 'live · ' + new Date().toLocaleTimeString([], { hour12: false }));
