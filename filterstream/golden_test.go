@@ -46,8 +46,34 @@ func goldenMetas() map[string]Meta {
 	return map[string]Meta{
 		"meta-sidecar": {Role: RoleSidecar, Name: "a", Models: []string{"llama", "lora-a"}, EngineURL: "http://127.0.0.1:8000",
 			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 1<<63 | 7},
+		"meta-sidecar-dp": {Role: RoleSidecar, Name: "a-dp3", Models: []string{"llama"}, EngineURL: "http://127.0.0.1:8000",
+			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 8,
+			DataParallel: true, DataParallelRank: 3},
 		"meta-router": {Role: RoleRouter, Name: "r1", SchemeVersion: 1, Capabilities: CapInflightOthers, Epoch: 99},
 	}
+}
+
+// earlierMetas names, for the metadata goldens an earlier build wrote
+// differently, the file holding its bytes: they must still decode to the
+// same values (here: metadata without the data-parallel rank appended).
+var earlierMetas = map[string]string{
+	"meta-sidecar": "meta-sidecar-before-dp",
+	"meta-router":  "meta-router-before-dp",
+}
+
+// readGolden returns the bytes of testdata/wire/name.hex.
+func readGolden(t *testing.T, name string) []byte {
+	t.Helper()
+	path := filepath.Join("testdata", "wire", name+".hex")
+	text, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := hex.DecodeString(string(bytes.TrimSpace(text)))
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return b
 }
 
 // golden compares b with testdata/wire/name.hex (or writes it with -update).
@@ -59,14 +85,7 @@ func golden(t *testing.T, name string, b []byte) []byte {
 			t.Fatal(err)
 		}
 	}
-	text, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, err := hex.DecodeString(string(bytes.TrimSpace(text)))
-	if err != nil {
-		t.Fatalf("%s: %v", path, err)
-	}
+	want := readGolden(t, name)
 	if !bytes.Equal(b, want) {
 		t.Errorf("%s: encodes as\n%x\nwant\n%x", name, b, want)
 	}
@@ -94,12 +113,18 @@ func TestWireGoldens(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, m) {
 			t.Errorf("%s: decodes to %+v, %v; want %+v", name, got, err, m)
 		}
+		if earlier, ok := earlierMetas[name]; ok {
+			got, err := DecodeMeta(readGolden(t, earlier))
+			if err != nil || !reflect.DeepEqual(got, m) {
+				t.Errorf("%s: decodes to %+v, %v; want %+v", earlier, got, err, m)
+			}
+		}
 	}
 	entries, err := os.ReadDir(filepath.Join("testdata", "wire"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n := len(goldenMessages()) + len(goldenMetas()); len(entries) != n {
+	if n := len(goldenMessages()) + len(goldenMetas()) + len(earlierMetas); len(entries) != n {
 		t.Errorf("testdata/wire holds %d files, the test %d cases", len(entries), n)
 	}
 }
@@ -130,8 +155,19 @@ func TestDecodeIgnoresAppendedFields(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, m) {
 			t.Errorf("%s with appended fields: %+v, %v; want %+v", name, got, err, m)
 		}
+		// Cut just before the data-parallel field (one byte for ranks
+		// under 127), it is an earlier build's metadata, not a record cut
+		// short: the same member without a rank.
+		earlier, without := len(b)-1, m
+		without.DataParallel, without.DataParallelRank = false, 0
 		for n := range len(b) {
-			if _, err := DecodeMeta(b[:n]); err == nil {
+			got, err := DecodeMeta(b[:n])
+			switch {
+			case n == earlier:
+				if err != nil || !reflect.DeepEqual(got, without) {
+					t.Errorf("%s as an earlier build wrote it: %+v, %v; want %+v", name, got, err, without)
+				}
+			case err == nil:
 				t.Errorf("%s cut to %d of %d bytes: accepted", name, n, len(b))
 			}
 		}

@@ -60,7 +60,18 @@ type Meta struct {
 	SchemeVersion int // blockkey.SchemeVersion the keys were computed with
 	Capabilities  uint32
 	Epoch         uint64 // boot epoch of the sender
+	// DataParallel is set when the sidecar follows one data-parallel rank
+	// (DataParallelRank) of the engine server at EngineURL: that server's
+	// ranks share its URL, each with its own KV cache, and a request
+	// reaches this rank's cache only when it names the rank
+	// (X-data-parallel-rank).
+	DataParallel     bool
+	DataParallelRank int
 }
+
+// MaxDataParallelRank bounds the rank metadata carries (vLLM's ranks are
+// a few hundred at most).
+const MaxDataParallelRank = 1 << 16
 
 // ErrMetaTooLarge is returned when metadata cannot fit MetaMaxSize even
 // with every model name dropped.
@@ -94,11 +105,20 @@ func (m *Meta) encode(models []string) []byte {
 	w.uvarint(uint64(m.SchemeVersion))
 	w.uvarint(uint64(m.Capabilities))
 	w.u64(m.Epoch)
+	// Appended field: rank+1, 0 when not data-parallel. Always written,
+	// so that a field appended later never follows an absent one; builds
+	// that predate it stop reading at Epoch.
+	dp := uint64(0)
+	if m.DataParallel {
+		dp = uint64(m.DataParallelRank) + 1
+	}
+	w.uvarint(dp)
 	return w.b
 }
 
-// DecodeMeta parses metadata written by Encode. Fields appended by later
-// versions are ignored.
+// DecodeMeta parses metadata written by Encode, or by a build before the
+// data-parallel rank was appended. Fields appended by later versions are
+// ignored.
 func DecodeMeta(b []byte) (Meta, error) {
 	var m Meta
 	r := reader{b: b}
@@ -117,6 +137,11 @@ func DecodeMeta(b []byte) (Meta, error) {
 	m.SchemeVersion = r.int(1 << 20)
 	m.Capabilities = uint32(r.int(1<<32 - 1))
 	m.Epoch = r.u64()
+	if r.err == nil && len(r.b) > 0 { // absent in metadata of earlier builds: not data-parallel
+		if dp := r.int(MaxDataParallelRank + 1); dp > 0 {
+			m.DataParallel, m.DataParallelRank = true, dp-1
+		}
+	}
 	if r.err != nil {
 		return Meta{}, r.err
 	}

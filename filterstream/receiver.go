@@ -190,6 +190,9 @@ func (r *Receiver) Member(name string, meta Meta, now time.Time) (out Output) {
 		Protocol:  meta.Protocol,
 		KVEvents:  usesFilter(p),
 		BlockSize: meta.BlockSize,
+
+		DataParallel:     meta.DataParallel,
+		DataParallelRank: meta.DataParallelRank,
 	}, now)
 	if blockSizeChanged && p.mirror.State() != nil {
 		// The table dropped the filter (keys of another block size); the

@@ -409,3 +409,22 @@ func TestTenantUsageGoesToRoutersThatReadIt(t *testing.T) {
 		t.Fatalf("a report from no known router was taken: %+v", got)
 	}
 }
+
+// TestRouterTableCarriesTheDataParallelRank: a sidecar's rank reaches its
+// replica in the table, and a metadata update without one clears it.
+func TestRouterTableCarriesTheDataParallelRank(t *testing.T) {
+	f := newFeedRouter(t)
+	dp := sidecarA
+	dp.EngineURL, dp.DataParallel, dp.DataParallelRank = "http://e:8000", true, 3
+	for _, c := range []struct {
+		meta Meta
+		dp   bool
+		rank int
+	}{{dp, true, 3}, {sidecarA, false, 0}} {
+		f.member(c.meta)
+		r := f.tb.Snapshot().Replicas[0]
+		if r.DataParallel != c.dp || r.DataParallelRank != c.rank || r.URL != c.meta.EngineURL {
+			t.Fatalf("replica %+v: data-parallel %v rank %d at %q, want %v %d at %q", r.Name, r.DataParallel, r.DataParallelRank, r.URL, c.dp, c.rank, c.meta.EngineURL)
+		}
+	}
+}

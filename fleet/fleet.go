@@ -45,6 +45,13 @@ type Replica struct {
 	Stale bool
 
 	BlockSize int
+	// DataParallel is set when the replica is one data-parallel rank,
+	// DataParallelRank, of the engine server at URL: the ranks of one
+	// server share its URL, each with its own KV cache, and a request
+	// reaches this replica's cache only when it names the rank
+	// (X-data-parallel-rank). URL is the server's identity.
+	DataParallel     bool
+	DataParallelRank int
 	// Filter holds the replica's resident block keys; nil when unknown.
 	// Read it only through Snapshot.MatchPrefix, which handles concurrency.
 	Filter           *bloom.Filter

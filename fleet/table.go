@@ -53,6 +53,10 @@ type Info struct {
 	Protocol  string
 	KVEvents  bool
 	BlockSize int
+	// DataParallel and DataParallelRank: the replica is that rank of the
+	// server at URL (Replica.DataParallel).
+	DataParallel     bool
+	DataParallelRank int
 }
 
 // Table holds the replicas a router knows, by name. Writers (gossip, config)
@@ -148,6 +152,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 	e.r.URL = info.URL
 	e.r.Protocol = info.Protocol
 	e.r.KVEvents = info.KVEvents
+	e.r.DataParallel, e.r.DataParallelRank = info.DataParallel, info.DataParallelRank
 	if info.BlockSize != e.r.BlockSize {
 		// Keys of another block size mean nothing here: wait for a snapshot.
 		// A size announced for the first time changes nothing: the sidecar

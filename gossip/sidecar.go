@@ -22,6 +22,10 @@ type SidecarConfig struct {
 	EngineURL string
 	Protocol  string
 	BlockSize int // 0 until learned (engine metrics or KV events)
+	// DataParallel and DataParallelRank announce the data-parallel rank of
+	// the server at EngineURL this sidecar follows (filterstream.Meta).
+	DataParallel     bool
+	DataParallelRank int
 	// Filter is the sidecar's filter generations; nil announces a load-only
 	// replica (no KV events).
 	Filter *bloom.Generations
@@ -114,6 +118,9 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 		SchemeVersion: blockkey.SchemeVersion,
 		Capabilities:  filterstream.CapInflight | filterstream.CapInflightOthers,
 		Epoch:         epoch,
+
+		DataParallel:     cfg.DataParallel,
+		DataParallelRank: cfg.DataParallelRank,
 	}
 	if cfg.Filter != nil {
 		s.meta.Capabilities |= filterstream.CapKVEvents

@@ -14,10 +14,12 @@ import (
 // queued requests, running requests and KV-cache usage (0..1). Usage lists
 // fallbacks in order: vLLM before 0.10 only had gpu_cache_usage_perc.
 // config is an info series whose block_size label gives the KV block size.
+// rankLabel is the label naming the data-parallel rank a sample is of.
 type metricNames struct {
 	waiting, running string
 	usage            []string
 	config           string
+	rankLabel        string
 }
 
 var protocolMetrics = map[string]metricNames{
@@ -26,11 +28,18 @@ var protocolMetrics = map[string]metricNames{
 		running: "vllm:num_requests_running",
 		usage:   []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"},
 		config:  "vllm:cache_config_info",
+		// PrometheusStatLogger labels every sample with its engine
+		// index, the DP rank (vllm/v1/metrics/loggers.py, v0.26).
+		rankLabel: "engine",
 	},
 	"sglang": {
 		waiting: "sglang:num_queue_reqs",
 		running: "sglang:num_running_reqs",
 		usage:   []string{"sglang:token_usage"},
+		// The scheduler's collector adds dp_rank when there is one
+		// (SchedulerMetricsMixin.init_metrics, sglang/srt/managers/
+		// scheduler_metrics_mixin.py).
+		rankLabel: "dp_rank",
 	},
 }
 
@@ -52,6 +61,18 @@ type EngineMetrics struct {
 // engines or data-parallel ranks behind one server); usage is the largest.
 // Missing series read as zero; a body with none of them is an error.
 func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
+	return parseMetrics(body, protocol, "")
+}
+
+// ParseRankMetrics is ParseMetrics for data-parallel rank rank of the
+// server: only the samples labelled with that rank (vLLM's engine="R",
+// SGLang's dp_rank="R") and those labelled with no rank count.
+func ParseRankMetrics(body []byte, protocol string, rank int) (EngineMetrics, error) {
+	return parseMetrics(body, protocol, strconv.Itoa(rank))
+}
+
+// parseMetrics reads the samples of rank ("" for all).
+func parseMetrics(body []byte, protocol, rank string) (EngineMetrics, error) {
 	names, ok := protocolMetrics[protocol]
 	if !ok {
 		return EngineMetrics{}, fmt.Errorf("sidecar: unknown protocol %q", protocol)
@@ -70,6 +91,11 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 		name, value, ok := sample(line)
 		if !ok || name == "" { // "" would match sglang's absent config series
 			continue
+		}
+		if rank != "" {
+			if r := labelValue(line, names.rankLabel); r != "" && r != rank {
+				continue
+			}
 		}
 		switch name {
 		case names.config:
@@ -99,6 +125,9 @@ func ParseMetrics(body []byte, protocol string) (EngineMetrics, error) {
 		return EngineMetrics{}, fmt.Errorf("sidecar: read metrics: %w", err)
 	}
 	if !found {
+		if rank != "" {
+			return EngineMetrics{}, fmt.Errorf("sidecar: no %s load metrics (%s, %s) of data-parallel rank %s (%s=%q) in /metrics", protocol, names.waiting, names.running, rank, names.rankLabel, rank)
+		}
 		return EngineMetrics{}, fmt.Errorf("sidecar: no %s load metrics (%s, %s) in /metrics", protocol, names.waiting, names.running)
 	}
 	for i := range usage {

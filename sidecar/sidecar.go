@@ -78,6 +78,16 @@ type Config struct {
 	// sends alone in its events (routers key adapters by name).
 	LoRANames map[int64]string
 
+	// DataParallel is set when the engine server at EngineURL runs
+	// data-parallel ranks (one HTTP server, a KV cache and event stream
+	// per rank) and this sidecar follows rank DataParallelRank: it reads
+	// that rank's samples of /metrics, refuses event batches stamped with
+	// another rank, and announces the rank so that routers name it
+	// (X-data-parallel-rank) on every request they send here. The server
+	// is known by EngineURL, which all its ranks' sidecars share.
+	DataParallel     bool
+	DataParallelRank int
+
 	Logger zerolog.Logger
 }
 
@@ -150,6 +160,15 @@ type Sidecar struct {
 	releaseNext bool
 	releasing   atomic.Bool
 
+	// eventsRank is the data_parallel_rank of the last batch that carried
+	// one, plus one (0: none yet); rankMismatches counts the batches
+	// refused for another rank than DataParallelRank.
+	eventsRank     atomic.Int64
+	rankMismatches atomic.Uint64
+	// rankLog is log at most once a minute: a misconfigured rank
+	// mismatches every batch.
+	rankLog zerolog.Logger
+
 	httpSrv *http.Server
 	// accepts is the status listener, once listening.
 	accepts atomic.Pointer[listener.Guarded]
@@ -210,6 +229,9 @@ func (c *Config) withDefaults() error {
 	if c.MaxKVGroups <= 0 {
 		c.MaxKVGroups = residentset.DefaultMaxGroups
 	}
+	if c.DataParallel && (c.DataParallelRank < 0 || c.DataParallelRank > filterstream.MaxDataParallelRank) {
+		return fmt.Errorf("sidecar: --data-parallel-rank %d: want 0..%d", c.DataParallelRank, filterstream.MaxDataParallelRank)
+	}
 	c.Gossip.Name = c.Name
 	c.Gossip.Logger = c.Logger.With().Str("part", "gossip").Logger()
 	return nil
@@ -234,6 +256,7 @@ func New(cfg Config) (*Sidecar, error) {
 		log:           cfg.Logger,
 		modelsLog:     sampled(),
 		overfullLog:   sampled(),
+		rankLog:       sampled(),
 		maxFilterKeys: maxKeys,
 		client:        &http.Client{Timeout: 2 * time.Second},
 		set: residentset.New(residentset.Options{LoRANames: cfg.LoRANames,
@@ -287,6 +310,9 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		EngineURL:     s.cfg.EngineURL,
 		Protocol:      s.cfg.Protocol,
 		OnClearRoutes: s.requestClear,
+
+		DataParallel:     s.cfg.DataParallel,
+		DataParallelRank: s.cfg.DataParallelRank,
 	}
 	if s.kvEvents() {
 		scfg.Filter = s.gens
@@ -362,8 +388,12 @@ func (s *Sidecar) Run(ctx context.Context) error {
 // so that /status and rebuilds never wait for a whole outsized batch.
 const applyChunk = 1024
 
-// HandleBatch applies one batch of KV events (kvevents.Handler).
+// HandleBatch applies one batch of KV events (kvevents.Handler), unless
+// it is stamped with another data-parallel rank than the one followed.
 func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
+	if !s.ownRank(b.DPRank) {
+		return
+	}
 	s.mu.Lock()
 	wasOverfull := s.set.Overfull()
 	for i := range b.Events {
@@ -396,6 +426,31 @@ func (s *Sidecar) HandleBatch(seq uint64, b *kvevents.Batch) {
 		default:
 		}
 	}
+}
+
+// ownRank reports whether a batch stamped with data-parallel rank (-1:
+// none) describes the cache this sidecar follows. A batch of another rank
+// is refused, counted and logged: its blocks are in a cache that requests
+// routed here, which name this sidecar's rank, never reach (the sidecar
+// is connected to another rank's port, or given the wrong rank). Without
+// --data-parallel-rank every batch is applied; one stamped with a rank
+// over 0 says the engine is data-parallel, which is logged.
+func (s *Sidecar) ownRank(rank int) bool {
+	if rank < 0 {
+		return true
+	}
+	s.eventsRank.Store(int64(rank) + 1)
+	switch {
+	case s.cfg.DataParallel && rank != s.cfg.DataParallelRank:
+		s.rankMismatches.Add(1)
+		s.rankLog.Warn().Int("data_parallel_rank", s.cfg.DataParallelRank).Int("events_data_parallel_rank", rank).
+			Msg("KV event batch of another data-parallel rank refused: --kv-events must be the port of this sidecar's rank (the engine's port plus the rank)")
+		return false
+	case !s.cfg.DataParallel && rank > 0:
+		s.rankLog.Warn().Int("events_data_parallel_rank", rank).
+			Msg("KV events come from a data-parallel rank: give --data-parallel-rank so that routers send requests to the rank whose cache this sidecar follows")
+	}
+	return true
 }
 
 // HandleReset drops everything learned from the lost stream
@@ -573,7 +628,7 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 	body, err := s.get(ctx, "/metrics")
 	if err == nil {
 		var m EngineMetrics
-		if m, err = ParseMetrics(body, s.cfg.Protocol); err == nil {
+		if m, err = s.parseMetrics(body); err == nil {
 			s.load.Store(&m)
 			s.metricsOK.Store(true)
 			s.configuredBlockSize(m.BlockSize)
@@ -585,6 +640,15 @@ func (s *Sidecar) readMetrics(ctx context.Context) {
 		s.log.Warn().Err(err).Msg("engine metrics unreadable")
 	}
 	s.scrapeErrs.Add(1)
+}
+
+// parseMetrics reads the load figures of the rank followed, or of the
+// whole engine when it is not data-parallel.
+func (s *Sidecar) parseMetrics(body []byte) (EngineMetrics, error) {
+	if s.cfg.DataParallel {
+		return ParseRankMetrics(body, s.cfg.Protocol, s.cfg.DataParallelRank)
+	}
+	return ParseMetrics(body, s.cfg.Protocol)
 }
 
 // residentLimitLocked is the most blocks the exact set holds: the engine's

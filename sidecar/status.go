@@ -75,6 +75,14 @@ type Status struct {
 	EventHandshakeFailures uint64 `json:"event_handshake_failures"`
 	Connected              bool   `json:"events_connected"`
 
+	// DataParallelRank is the data-parallel rank followed (null: the
+	// engine is not data-parallel); EventsDataParallelRank the rank the
+	// last batch that named one was stamped with; RankMismatches the
+	// batches refused for naming another rank than DataParallelRank.
+	DataParallelRank       *int   `json:"data_parallel_rank"`
+	EventsDataParallelRank *int   `json:"events_data_parallel_rank"`
+	RankMismatches         uint64 `json:"data_parallel_rank_mismatches"`
+
 	Gossip  string               `json:"gossip_addr"`
 	Routers int                  `json:"routers"`
 	Cluster gossip.StatsSnapshot `json:"cluster"`
@@ -99,6 +107,14 @@ func (s *Sidecar) Status() Status {
 		MetricsReadMS:  float64(s.metricsReadNanos.Load()) / 1e6,
 		KVEvents:       s.kvEvents(),
 		FilterRebuilds: s.rebuilds.Load(),
+		RankMismatches: s.rankMismatches.Load(),
+	}
+	if s.cfg.DataParallel {
+		r := s.cfg.DataParallelRank
+		st.DataParallelRank = &r
+	}
+	if r := int(s.eventsRank.Load()) - 1; r >= 0 {
+		st.EventsDataParallelRank = &r
 	}
 	if len(models) > 0 {
 		st.Model = models[0]
@@ -194,6 +210,7 @@ var sidecarSeries = []series{
 	{"kvmesh_sidecar_event_malformed_total", "event messages with bad framing (skipped)", true, func(s *Status) float64 { return float64(s.Malformed) }},
 	{"kvmesh_sidecar_event_oversized_total", "KV event connections dropped for a message over --kv-events-max-message-bytes", true, func(s *Status) float64 { return float64(s.EventOversized) }},
 	{"kvmesh_sidecar_event_handshake_failures_total", "KV event connections dropped before their ZMTP handshake completed (not ZMTP, closed, or over --kv-events-handshake-timeout)", true, func(s *Status) float64 { return float64(s.EventHandshakeFailures) }},
+	{"kvmesh_sidecar_data_parallel_rank_mismatches_total", "KV event batches refused: stamped with another data-parallel rank than --data-parallel-rank", true, func(s *Status) float64 { return float64(s.RankMismatches) }},
 	{"kvmesh_sidecar_engine_resets_total", "event stream resets (engine restart or unrecoverable gap)", true, func(s *Status) float64 { return float64(s.EngineResets) }},
 	{"kvmesh_sidecar_last_seq", "sequence number of the last event batch", false, func(s *Status) float64 { return float64(s.LastSeq) }},
 	{"kvmesh_sidecar_filter_generation", "current filter generation", false, func(s *Status) float64 { return float64(s.FilterGeneration) }},
