@@ -218,6 +218,11 @@ type replicaView struct {
 	// EjectedMS is how long the replica stays out of this router's routing
 	// after failing to answer (0: in routing).
 	EjectedMS int64 `json:"ejected_ms"`
+	// Server and DataParallelRank, for one data-parallel rank of an engine
+	// server: the server (its URL, which its ranks share: the ranks of one
+	// server are the replicas with the same server) and the rank.
+	Server           string `json:"server,omitempty"`
+	DataParallelRank *int   `json:"data_parallel_rank,omitempty"`
 }
 
 func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
@@ -242,6 +247,10 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 		}
 		if until := l.eject.until.Load(); until > now.UnixNano() {
 			v.EjectedMS = time.Duration(until - now.UnixNano()).Milliseconds()
+		}
+		if r.DataParallel {
+			rank := r.DataParallelRank
+			v.Server, v.DataParallelRank = r.URL, &rank
 		}
 		if v.Models == nil {
 			v.Models = []string{}

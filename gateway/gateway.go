@@ -83,6 +83,12 @@ type Settings struct {
 	EngineAPIKey string
 	// Upstream tunes connections to replicas.
 	Upstream proxy.Options
+	// NoDataParallelHeader withholds X-data-parallel-rank from requests
+	// to a data-parallel rank's replica (--no-data-parallel-header): the
+	// engine's own balancer then picks the rank, whatever the router
+	// predicted. For measuring what naming the rank is worth, and for
+	// engines that refuse the header.
+	NoDataParallelHeader bool
 	// ResumeStreams continues a stream that breaks after reaching the
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.
@@ -439,16 +445,17 @@ func invalidHeader(name, why string) error {
 // upstream options changed.
 func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
 	s := g.Settings()
-	if u := (*g.upstreams.Load())[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) {
+	rank := s.rankOf(r)
+	if u := (*g.upstreams.Load())[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) && u.Rank() == rank {
 		return u, nil
 	}
 	g.upMu.Lock()
 	defer g.upMu.Unlock()
 	cur := *g.upstreams.Load()
-	if u := cur[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) {
+	if u := cur[r.Name]; u != nil && u.Same(r.URL, s.EngineAPIKey, s.Upstream) && u.Rank() == rank {
 		return u, nil
 	}
-	u, err := proxy.NewUpstream(r.Name, r.URL, s.EngineAPIKey, s.Upstream)
+	u, err := proxy.NewRankUpstream(r.Name, r.URL, s.EngineAPIKey, rank, s.Upstream)
 	if err != nil {
 		return nil, err
 	}
@@ -462,6 +469,16 @@ func (g *Gateway) upstream(r *fleet.Replica) (*proxy.Upstream, error) {
 	next[r.Name] = u
 	g.upstreams.Store(&next)
 	return u, nil
+}
+
+// rankOf is the data-parallel rank requests to r name (-1: none): its own
+// when it is one rank of a server, so that the engine serves them from the
+// cache the router predicted rather than where its balancer would.
+func (s *Settings) rankOf(r *fleet.Replica) int {
+	if !r.DataParallel || s.NoDataParallelHeader {
+		return -1
+	}
+	return r.DataParallelRank
 }
 
 // Server returns a fasthttp server for every route, configured for long

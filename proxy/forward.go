@@ -262,6 +262,9 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	if up.authorization != "" {
 		ureq.Header.Set(fasthttp.HeaderAuthorization, up.authorization)
 	}
+	if up.rank != "" {
+		ureq.Header.Set(RankHeader, up.rank)
+	}
 	ureq.Header.SetMethod(fasthttp.MethodPost)
 	up.prepare(ureq, req.Path)
 	ureq.SetBodyRaw(req.Body)

@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -79,8 +80,11 @@ type Upstream struct {
 	// authorization, when set, replaces the client's Authorization header
 	// (the engines' API key, or a fallback endpoint's own).
 	authorization string
-	opt           Options // as given, for Same
-	hc            *fasthttp.HostClient
+	// rank, when set, is the data-parallel rank every request names
+	// (RankHeader); "" for an upstream that is not one rank of a server.
+	rank string
+	opt  Options // as given, for Same
+	hc   *fasthttp.HostClient
 	// firstByte and idle bound a stream's wait for its first event and the
 	// silence between events (enforced by the relay).
 	firstByte, idle time.Duration
@@ -177,6 +181,33 @@ func NewUpstream(name, rawURL, apiKey string, opt Options) (*Upstream, error) {
 		// the whole streamed body. deadlineConn bounds silence instead.
 	}
 	return up, nil
+}
+
+// RankHeader names the data-parallel rank of a server a request is to be
+// served on. vLLM (OpenAIServing._get_data_parallel_rank, v0.26) and SGLang
+// (OpenAIServingBase.extract_routed_dp_rank_from_header) read it, in any
+// case; without it their internal balancer picks a rank.
+const RankHeader = "X-data-parallel-rank"
+
+// NewRankUpstream is NewUpstream for data-parallel rank rank of the server
+// at rawURL: every request sent through it names the rank in RankHeader,
+// in place of any the client sent, so that it is served by the rank whose
+// cache was predicted. A negative rank is NewUpstream's upstream.
+func NewRankUpstream(name, rawURL, apiKey string, rank int, opt Options) (*Upstream, error) {
+	u, err := NewUpstream(name, rawURL, apiKey, opt)
+	if err == nil && rank >= 0 {
+		u.rank = strconv.Itoa(rank)
+	}
+	return u, err
+}
+
+// Rank is the data-parallel rank u's requests name, -1 for none.
+func (u *Upstream) Rank() int {
+	if u.rank == "" {
+		return -1
+	}
+	r, _ := strconv.Atoi(u.rank)
+	return r
 }
 
 func bearer(apiKey string) string {

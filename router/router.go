@@ -54,7 +54,10 @@ type Config struct {
 	// EngineAPIKey is sent to every replica instead of the client's
 	// Authorization.
 	EngineAPIKey string
-	MaxBodyBytes int
+	// NoDataParallelHeader withholds X-data-parallel-rank from requests to
+	// data-parallel ranks (gateway.Settings.NoDataParallelHeader).
+	NoDataParallelHeader bool
+	MaxBodyBytes         int
 	// PprofListen serves Go profiles ("": off).
 	PprofListen string
 	// TLSCert and TLSKey, both or neither, serve HTTPS; renewed files are
@@ -99,7 +102,8 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	table := fleet.NewTable(fleet.TableConfig{ForgetOrphanAfter: cfg.OrphanForget})
-	builder := &routerconfig.Builder{Table: table, AdminToken: cfg.AdminToken, AdminOpen: cfg.AdminOpen, EngineAPIKey: cfg.EngineAPIKey, Log: log}
+	builder := &routerconfig.Builder{Table: table, AdminToken: cfg.AdminToken, AdminOpen: cfg.AdminOpen, EngineAPIKey: cfg.EngineAPIKey,
+		NoDataParallelHeader: cfg.NoDataParallelHeader, Log: log}
 	rc := base
 	if cfg.ConfigPath != "" {
 		file, err := routerconfig.Load(cfg.ConfigPath, cfg.ConfigMaxBytes, cfg.ConfigSettle)

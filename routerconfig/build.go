@@ -28,6 +28,9 @@ type Builder struct {
 	// EngineAPIKey is the engines' API key given by flag (the file can only
 	// name an environment variable holding one: engine_api_key_env).
 	EngineAPIKey string
+	// NoDataParallelHeader is --no-data-parallel-header
+	// (gateway.Settings.NoDataParallelHeader).
+	NoDataParallelHeader bool
 	// Log gets a line per tokenizer loaded (the zero Logger: none).
 	Log zerolog.Logger
 
@@ -66,9 +69,11 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		MaxPrefixBytes:  c.MaxPrefixBytes,
 		MaxAttempts:     c.MaxAttempts,
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
-		AdminToken:      b.AdminToken,
-		AdminOpen:       b.AdminOpen,
-		Models:          map[string]gateway.Model{},
+
+		NoDataParallelHeader: b.NoDataParallelHeader,
+		AdminToken:           b.AdminToken,
+		AdminOpen:            b.AdminOpen,
+		Models:               map[string]gateway.Model{},
 		Upstream: proxy.Options{
 			DialTimeout: c.Upstream.DialTimeout, FirstByteTimeout: c.Upstream.FirstByteTimeout,
 			IdleTimeout: c.Upstream.IdleTimeout, MaxConns: c.Upstream.MaxConns,

@@ -71,6 +71,7 @@ func parse(args []string) (*options, error) {
 	fs.DurationVar(&c.Flags.FlowMaxEngineQueue, "flow-max-engine-queue", 0, "with --flow-control, hold requests while the best replica's predicted wait behind queued work is over this (0: about one scheduler step of prefill, 8,192 tokens at the cost model's prefill_per_token)")
 	fs.IntVar(&c.Flags.FlowMaxInflightPerReplica, "flow-max-inflight-per-replica", 0, "with --flow-control, also hold requests while every replica of their model has this many requests running, waiting or in flight (0: no such limit)")
 	fs.BoolVar(&c.Flags.ResumeStreams, "resume-streams", false, "continue a stream that breaks mid-answer at the next replica, from the text already sent (else: an SSE error event)")
+	fs.BoolVar(&c.NoDataParallelHeader, "no-data-parallel-header", false, "send no X-data-parallel-rank to a replica that is one data-parallel rank of an engine server (its sidecar's --data-parallel-rank): the engine's balancer then picks the rank, not the one whose cache the router predicted; for comparison, or engines that refuse the header")
 	fs.StringVar(&c.PprofListen, "pprof-listen", "", "serve Go profiles (/debug/pprof/) on this address; empty: off")
 	fs.StringVar(&c.TLSCert, "tls-cert", "", "PEM certificate: serve HTTPS (with --tls-key); renewed files are picked up within 10s")
 	fs.StringVar(&c.TLSKey, "tls-key", "", "PEM private key of --tls-cert")

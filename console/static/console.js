@@ -432,7 +432,8 @@
     const selected = r.online && r.selected;
     tr.classList.toggle('unselected', !r.selected);
     tr.classList.toggle('offline', !r.online);
-    c.url.textContent = r.url || '';
+    // A data-parallel rank shares its server's URL with the other ranks.
+    c.url.textContent = (r.url || '') + (r.data_parallel_rank != null ? ' · DP rank ' + r.data_parallel_rank : '');
     const models = r.models && r.models.length ? r.models : r.model ? [r.model] : [];
     c.model.textContent = models.length ? models[0] + (models.length > 1 ? ' +' + (models.length - 1) : '') : '–';
     c.model.title = models.join(', ');
