@@ -448,7 +448,7 @@ func (s *Sidecar) ownRank(rank int) bool {
 		return false
 	case !s.cfg.DataParallel && rank > 0:
 		s.rankLog.Warn().Int("events_data_parallel_rank", rank).
-			Msg("KV events come from a data-parallel rank: give --data-parallel-rank so that routers send requests to the rank whose cache this sidecar follows")
+			Msg("KV events come from a data-parallel rank: if the engine's ranks share one HTTP server, give --data-parallel-rank so that routers send requests to the rank whose cache this sidecar follows")
 	}
 	return true
 }
