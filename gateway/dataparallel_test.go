@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -30,27 +29,6 @@ type rankSink []*kvevents.Publisher
 
 func (s rankSink) Publish(b *kvevents.Batch) error { return s[b.DPRank].Publish(b) }
 
-// freeTCP is a loopback address nothing listens on yet.
-func freeTCP(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
-
-// waitUntil polls cond every 20 ms for up to d.
-func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-	}
-}
-
 // dpStack is one enginesim of two data-parallel ranks, a sidecar per rank
 // and a gossip router member feeding a table.
 type dpStack struct {
@@ -63,7 +41,8 @@ func startDPStack(t *testing.T) *dpStack {
 	t.Helper()
 	log := zerolog.Nop()
 	var pubs rankSink
-	addrs := [2]string{freeTCP(t), freeTCP(t)}
+	// Loopback addresses nothing listens on yet, for the sidecars to bind.
+	addrs := [2]string{strings.TrimPrefix(refusedURL(t), "http://"), strings.TrimPrefix(refusedURL(t), "http://")}
 	for r := range 2 {
 		p, err := kvevents.NewPublisher(kvevents.PublisherConfig{Endpoint: "tcp://" + addrs[r], ReplayEndpoint: "tcp://127.0.0.1:0", Logger: log})
 		if err != nil {

@@ -78,12 +78,16 @@ func TestStreamUsageIsAskedForButNotShownUnlessRequested(t *testing.T) {
 
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not reached")
+	waitUntil(t, 3*time.Second, "the condition", cond)
+}
+
+// waitUntil polls cond every 5 ms for up to d.
+func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("%s not reached within %v", what, d)
 		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 
