@@ -29,66 +29,74 @@ type rankSink []*kvevents.Publisher
 
 func (s rankSink) Publish(b *kvevents.Batch) error { return s[b.DPRank].Publish(b) }
 
-// dpStack is one enginesim of two data-parallel ranks, a sidecar per rank
-// and a gossip router member feeding a table.
-type dpStack struct {
-	engineURL string
-	table     *fleet.Table
-	sidecars  [2]*sidecar.Sidecar
+// dpRank is one data-parallel rank of a server, followed by a sidecar.
+type dpRank struct {
+	name, server string // replica name, server URL
+	rank         int
+	sc           *sidecar.Sidecar
 }
 
-func startDPStack(t *testing.T) *dpStack {
+// dpStack is enginesims of several data-parallel ranks each, a sidecar
+// per rank and a gossip router member feeding a table.
+type dpStack struct {
+	table *fleet.Table
+	ranks []dpRank // in name order, as the table lists them
+}
+
+func startDPStack(t *testing.T, servers, ranks int) *dpStack {
 	t.Helper()
 	log := zerolog.Nop()
-	var pubs rankSink
-	// Loopback addresses nothing listens on yet, for the sidecars to bind.
-	addrs := [2]string{strings.TrimPrefix(refusedURL(t), "http://"), strings.TrimPrefix(refusedURL(t), "http://")}
-	for r := range 2 {
-		p, err := kvevents.NewPublisher(kvevents.PublisherConfig{Endpoint: "tcp://" + addrs[r], ReplayEndpoint: "tcp://127.0.0.1:0", Logger: log})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = p.Close() })
-		pubs = append(pubs, p)
-	}
-	sim, err := enginesim.New(enginesim.Config{
-		Model: testModel, Tokenizer: tokenize.Builtin{}, DataParallelSize: 2, Events: pubs, Logger: log,
-		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 64, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	go sim.Run(ctx)
-	st := &dpStack{engineURL: listen(t, &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true})}
-
-	st.table = fleet.NewTable(fleet.TableConfig{StaleAfter: 2 * time.Second, DropAfter: 5 * time.Second})
+	st := &dpStack{table: fleet.NewTable(fleet.TableConfig{StaleAfter: 2 * time.Second, DropAfter: 5 * time.Second})}
 	node, err := gossip.StartRouter(gossip.RouterConfig{Config: gossip.Config{Name: "r1", BindAddr: "127.0.0.1:0", Logger: log}}, st.table)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = node.Leave(0) })
-	for r := range 2 {
-		sc, err := sidecar.New(sidecar.Config{
-			Name: fmt.Sprintf("sim-dp%d", r), EngineURL: st.engineURL, DataParallel: true, DataParallelRank: r,
-			KVEventsBind: "tcp://" + addrs[r], KVReplay: pubs[r].ReplayEndpoint(), ScrapeInterval: 50 * time.Millisecond,
-			Gossip: gossip.Config{BindAddr: "127.0.0.1:0", Join: []string{node.Addr()}}, Logger: log,
+	for s := range servers {
+		var pubs rankSink
+		var addrs []string // loopback addresses nothing listens on yet, for the sidecars to bind
+		for range ranks {
+			addr := strings.TrimPrefix(refusedURL(t), "http://")
+			p, err := kvevents.NewPublisher(kvevents.PublisherConfig{Endpoint: "tcp://" + addr, ReplayEndpoint: "tcp://127.0.0.1:0", Logger: log})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = p.Close() })
+			pubs, addrs = append(pubs, p), append(addrs, addr)
+		}
+		sim, err := enginesim.New(enginesim.Config{
+			Model: testModel, Tokenizer: tokenize.Builtin{}, DataParallelSize: ranks, Events: pubs, Logger: log,
+			Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 64, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
 		})
 		if err != nil {
 			t.Fatal(err)
 		}
-		done := make(chan error, 1)
-		go func() { done <- sc.Run(ctx) }()
-		t.Cleanup(func() { cancel(); <-done })
-		st.sidecars[r] = sc
+		go sim.Run(ctx)
+		url := listen(t, &fasthttp.Server{Handler: sim.Handler, CloseOnShutdown: true})
+		for r := range ranks {
+			name := fmt.Sprintf("s%d-dp%d", s, r)
+			sc, err := sidecar.New(sidecar.Config{
+				Name: name, EngineURL: url, DataParallel: true, DataParallelRank: r,
+				KVEventsBind: "tcp://" + addrs[r], KVReplay: pubs[r].ReplayEndpoint(), ScrapeInterval: 50 * time.Millisecond,
+				Gossip: gossip.Config{BindAddr: "127.0.0.1:0", Join: []string{node.Addr()}}, Logger: log,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- sc.Run(ctx) }()
+			t.Cleanup(func() { cancel(); <-done })
+			st.ranks = append(st.ranks, dpRank{name: name, server: url, rank: r, sc: sc})
+		}
 	}
-	waitUntil(t, 15*time.Second, "both ranks online at the router with their rank and block size", func() bool {
+	waitUntil(t, 20*time.Second, "every rank online at the router with its server, rank and block size", func() bool {
 		snap := st.table.Snapshot()
-		for r := range 2 {
-			i := snap.Find(fmt.Sprintf("sim-dp%d", r))
-			if i < 0 || !snap.Replicas[i].Online || !snap.Replicas[i].DataParallel || snap.Replicas[i].DataParallelRank != r ||
-				snap.Replicas[i].BlockSize != 16 || snap.Replicas[i].URL != st.engineURL {
+		for _, d := range st.ranks {
+			i := snap.Find(d.name)
+			if i < 0 || !snap.Replicas[i].Online || !snap.Replicas[i].DataParallel || snap.Replicas[i].DataParallelRank != d.rank ||
+				snap.Replicas[i].BlockSize != 16 || snap.Replicas[i].URL != d.server {
 				return false
 			}
 		}
@@ -96,17 +104,27 @@ func startDPStack(t *testing.T) *dpStack {
 	})
 	// A publisher dials its sidecar in the background, and what it sends
 	// before is lost (the next batch's gap is then replayed): prime each
-	// rank straight at the engine until its sidecar holds blocks.
-	for r := range 2 {
-		for i := 0; st.sidecars[r].Status().ResidentBlocks == 0; i++ {
+	// rank straight at its engine until its sidecar holds blocks.
+	for _, d := range st.ranks {
+		for i := 0; d.sc.Status().ResidentBlocks == 0; i++ {
 			if i == 50 {
-				t.Fatalf("rank %d: no blocks resident after %d completions", r, i)
+				t.Fatalf("%s: no blocks resident after %d completions", d.name, i)
 			}
-			engineCompletion(t, st.engineURL, fmt.Sprintf("prime rank %d, try %d: %s", r, i, strings.Repeat("warm up the cache ", 8)), r)
+			engineCompletion(t, d.server, fmt.Sprintf("prime %s, try %d: %s", d.name, i, strings.Repeat("warm up the cache ", 8)), d.rank)
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	return st
+}
+
+// find returns the rank named name, or nil.
+func (st *dpStack) find(name string) *dpRank {
+	for i := range st.ranks {
+		if st.ranks[i].name == name {
+			return &st.ranks[i]
+		}
+	}
+	return nil
 }
 
 // engineCompletion sends a completion straight to the engine's rank.
@@ -128,22 +146,14 @@ func engineCompletion(t *testing.T, url, prompt string, rank int) {
 // filter.
 func (st *dpStack) synced() bool {
 	snap := st.table.Snapshot()
-	for r, sc := range st.sidecars {
-		s := sc.Status()
-		i := snap.Find(fmt.Sprintf("sim-dp%d", r))
+	for _, d := range st.ranks {
+		s := d.sc.Status()
+		i := snap.Find(d.name)
 		if i < 0 || snap.Replicas[i].FilterGeneration != s.FilterGeneration || snap.Replicas[i].FilterKeys != s.FilterKeys {
 			return false
 		}
 	}
 	return true
-}
-
-// resident is each rank's resident block count, as its sidecar holds it.
-func (st *dpStack) resident() (n [2]int) {
-	for r, sc := range st.sidecars {
-		n[r] = sc.Status().ResidentBlocks
-	}
-	return n
 }
 
 // gatewayOn serves a gateway over table with s.
@@ -185,51 +195,61 @@ func completionVia(t *testing.T, router, prompt string) routed {
 	return routed{replica: rep.header["x-kvmesh-replica"], predicted: predicted, cached: body.Usage.Details.Cached}
 }
 
-// TestDataParallelRanksServeWhatTheRouterPredicted: two sidecars follow
-// the two ranks of one enginesim. The router names the rank it chose
-// (X-data-parallel-rank), so a repeated prompt is served by the rank that
-// holds it and the engine's cached tokens equal the prediction, on both
-// ranks. With the header withheld (--no-data-parallel-header) the engine's
-// balancer places each request itself: idle, it picks rank 0, and the
-// prompts the router predicted on rank 1 find nothing cached.
+// TestDataParallelRanksServeWhatTheRouterPredicted: a sidecar follows
+// each data-parallel rank of enginesims. The router names the rank it
+// chose (X-data-parallel-rank), so a repeated prompt is served by the rank
+// that holds it and the engine's cached tokens equal the prediction, on
+// every rank. With the header withheld (--no-data-parallel-header) each
+// engine's balancer places requests itself: idle, it picks rank 0, and the
+// prompts the router predicted on another rank find nothing cached.
 func TestDataParallelRanksServeWhatTheRouterPredicted(t *testing.T) {
+	for _, c := range []struct{ servers, ranks, prompts int }{{1, 2, 12}, {2, 4, 24}} {
+		t.Run(fmt.Sprintf("%dx%d", c.servers, c.ranks), func(t *testing.T) {
+			testDataParallel(t, c.servers, c.ranks, c.prompts)
+		})
+	}
+}
+
+func testDataParallel(t *testing.T, servers, ranks, prompts int) {
 	start := time.Now()
-	st := startDPStack(t)
+	st := startDPStack(t, servers, ranks)
 	withHeader := gatewayOn(t, st.table, Settings{})
 	withheld := gatewayOn(t, st.table, Settings{NoDataParallelHeader: true})
-	t.Logf("stack up in %v", time.Since(start).Round(time.Millisecond))
+	t.Logf("stack of %d servers × %d ranks up in %v", servers, ranks, time.Since(start).Round(time.Millisecond))
 
-	// /admin/replicas: each rank with its server (the URL both share).
+	// /admin/replicas: each rank with its server (the URL its ranks share).
 	var views []struct {
 		Name   string `json:"name"`
 		Server string `json:"server"`
 		Rank   *int   `json:"data_parallel_rank"`
 	}
-	if err := json.Unmarshal([]byte((&testRouter{url: withHeader}).get(t, "/admin/replicas").body), &views); err != nil || len(views) != 2 {
+	if err := json.Unmarshal([]byte((&testRouter{url: withHeader}).get(t, "/admin/replicas").body), &views); err != nil || len(views) != len(st.ranks) {
 		t.Fatalf("/admin/replicas: %+v %v", views, err)
 	}
-	for r, v := range views {
-		if v.Name != fmt.Sprintf("sim-dp%d", r) || v.Server != st.engineURL || v.Rank == nil || *v.Rank != r {
-			t.Errorf("/admin/replicas[%d]: %s of server %q, rank %v; want sim-dp%d of %q, rank %d", r, v.Name, v.Server, v.Rank, r, st.engineURL, r)
+	for i, v := range views {
+		d := st.ranks[i]
+		if v.Name != d.name || v.Server != d.server || v.Rank == nil || *v.Rank != d.rank {
+			t.Errorf("/admin/replicas[%d]: %s of server %q, rank %v; want %s of %q, rank %d", i, v.Name, v.Server, v.Rank, d.name, d.server, d.rank)
 		}
 	}
 
-	const prompts = 12
 	text := func(i int) string {
 		return fmt.Sprintf("conversation %d: %s", i, strings.Repeat(fmt.Sprintf("tenant %d shares a long system prompt with every turn. ", i), 12))
 	}
 	placed := map[string]int{}
-	equal := 0
+	offRankZero, equal := 0, 0
 	for i := range prompts {
-		before := st.resident()
+		d0 := map[string]int{}
+		for _, d := range st.ranks {
+			d0[d.name] = d.sc.Status().ResidentBlocks
+		}
 		first := completionVia(t, withHeader, text(i))
-		rank := strings.TrimPrefix(first.replica, "sim-dp")
-		r, err := strconv.Atoi(rank)
-		if err != nil || r < 0 || r > 1 {
+		d := st.find(first.replica)
+		if d == nil {
 			t.Fatalf("prompt %d served by %q", i, first.replica)
 		}
-		waitUntil(t, 5*time.Second, "the router holds the served rank's new blocks", func() bool {
-			return st.sidecars[r].Status().ResidentBlocks > before[r] && st.synced()
+		waitUntil(t, 10*time.Second, "the router holding the served rank's new blocks", func() bool {
+			return d.sc.Status().ResidentBlocks > d0[d.name] && st.synced()
 		})
 		again := completionVia(t, withHeader, text(i))
 		if again.replica != first.replica || again.predicted == 0 || again.predicted != again.cached {
@@ -240,28 +260,31 @@ func TestDataParallelRanksServeWhatTheRouterPredicted(t *testing.T) {
 			equal++
 		}
 		placed[first.replica]++
+		if d.rank != 0 {
+			offRankZero++
+		}
 	}
 	t.Logf("header sent: predicted == engine cached on %d/%d repeats; prompts per rank %v", equal, prompts, placed)
-	if placed["sim-dp0"] == 0 || placed["sim-dp1"] == 0 {
-		t.Fatalf("prompts per rank %v: both ranks must hold some for the test to tell ranks apart", placed)
+	if offRankZero == 0 || offRankZero == prompts {
+		t.Fatalf("prompts per rank %v: rank 0 and the others must hold some for the test to tell ranks apart", placed)
 	}
 
 	// Header withheld: the same prompts, spaced past the balancer's
-	// 100 ms refresh so that it sees both ranks idle and picks rank 0.
+	// 100 ms refresh so that it sees every rank idle and picks rank 0.
 	misses := 0
 	for i := range prompts {
 		time.Sleep(150 * time.Millisecond)
 		r := completionVia(t, withheld, text(i))
 		if r.predicted != r.cached {
 			misses++
-			if r.replica != "sim-dp1" || r.cached != 0 {
+			if d := st.find(r.replica); d == nil || d.rank == 0 || r.cached != 0 {
 				t.Errorf("prompt %d without the header: predicted %d at %s, engine cached %d", i, r.predicted, r.replica, r.cached)
 			}
 		}
 	}
-	t.Logf("header withheld: predicted != engine cached on %d/%d requests (the router's choice was rank 1 on %d)", misses, prompts, placed["sim-dp1"])
-	if misses != placed["sim-dp1"] {
-		t.Errorf("%d mispredicted without the header, want the %d prompts held by rank 1", misses, placed["sim-dp1"])
+	t.Logf("header withheld: predicted != engine cached on %d/%d requests (the router's choice was not rank 0 on %d)", misses, prompts, offRankZero)
+	if misses != offRankZero {
+		t.Errorf("%d mispredicted without the header, want the %d prompts held off rank 0", misses, offRankZero)
 	}
 	t.Logf("test took %v", time.Since(start).Round(time.Millisecond))
 }
