@@ -196,7 +196,9 @@ func (l *ledger) Retry(i int, r proxy.Result) {
 func (l *ledger) End(r proxy.Result) {
 	i := l.open
 	if l.s.Flow.Enabled {
-		l.g.flow.freed()
+		// After release and finish below have returned this request's
+		// in-flight work: the dispatcher must see the room it leaves.
+		defer l.g.flow.freed()
 	}
 	if i < 0 { // no target was tried
 		l.g.release(l)
