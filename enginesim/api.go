@@ -334,6 +334,17 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeRequestError(ctx, rerr)
 		return
 	}
+	rs := &response{s: s, chat: chat}
+	// vLLM's StreamOptions.include_usage defaults to true (OpenAI's to
+	// false): stream_options: {} asks for the usage chunk there.
+	rs.includeUsage = stream && r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, true)
+	s.run(ctx, rs, engine.Request{Prompt: ids, MaxTokens: maxTokens, Priority: priority}, params, stream)
+}
+
+// run submits req to a rank's engine, with its kv_transfer_params (nil:
+// none), and answers with rs's rendering of its output, whole or as a
+// stream.
+func (s *Server) run(ctx *fasthttp.RequestCtx, rs *response, req engine.Request, params kvTransferParams, stream bool) {
 	rk, rerr := s.pickRank(ctx)
 	if rerr != nil {
 		writeRequestError(ctx, rerr)
@@ -345,8 +356,9 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		return
 	}
 	id := s.nextID.Add(1)
-	c := newCall(engine.Request{ID: id, Prompt: ids, MaxTokens: maxTokens, OutputSeed: outputSeed(ids), Priority: priority,
-		RemoteDecode: remoteDecode, RemotePrefill: remote != nil})
+	req.ID, req.OutputSeed = id, outputSeed(req.Prompt)
+	req.RemoteDecode, req.RemotePrefill = remoteDecode, remote != nil
+	c := newCall(req)
 	c.stream = stream
 	c.loop = rk.loop
 	if remote != nil {
@@ -359,20 +371,17 @@ func (s *Server) generate(ctx *fasthttp.RequestCtx, chat bool) {
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", errShutdown.Error())
 		return
 	}
-	rs := response{s: s, chat: chat, id: id, rank: rk.loop.rank, created: time.Now().Unix(), promptLen: len(ids),
-		requestID: string(ctx.Request.Header.Peek("X-Request-Id"))}
+	rs.id, rs.rank, rs.created, rs.promptLen = id, rk.loop.rank, time.Now().Unix(), len(req.Prompt)
+	rs.requestID = string(ctx.Request.Header.Peek("X-Request-Id"))
 	if !stream {
-		s.respond(ctx, c, &rs)
+		s.respond(ctx, c, rs)
 		return
 	}
-	// vLLM's StreamOptions.include_usage defaults to true (OpenAI's to
-	// false): stream_options: {} asks for the usage chunk there.
-	rs.includeUsage = r.StreamOptions != nil && boolOr(r.StreamOptions.IncludeUsage, true)
 	ctx.SetContentType("text/event-stream; charset=utf-8")
 	// The writer runs after the handler returned, ctx no longer its to use;
 	// the connection stays open until the writer is done.
 	conn := ctx.Conn()
-	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, conn, c, &rs) })
+	ctx.SetBodyStreamWriter(func(w *bufio.Writer) { s.stream(w, conn, c, rs) })
 }
 
 // abort tells the engine to drop c, whose client is gone.
@@ -472,6 +481,12 @@ func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
 	)
 	poll := time.NewTicker(clientPoll)
 	defer poll.Stop()
+	if pre := rs.prelude(nil); len(pre) > 0 {
+		if _, err := w.Write(pre); err != nil || w.Flush() != nil {
+			s.abort(c)
+			return
+		}
+	}
 	for {
 		if !s.await(c, conn, poll) {
 			return
@@ -497,8 +512,8 @@ func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
 			return
 		}
 		buf = buf[:0]
-		if sent == 0 && len(toks) > 0 && rs.chat {
-			buf = rs.chunk(buf, "", true, false)
+		if sent == 0 && len(toks) > 0 {
+			buf = rs.opening(buf)
 		}
 		for i, t := range toks {
 			buf = rs.chunk(buf, s.vocabText[t], false, done && i == len(toks)-1)
@@ -509,10 +524,7 @@ func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
 		sent += len(toks)
 		if done {
 			rs.completion = sent
-			if rs.includeUsage {
-				buf = rs.usageChunk(buf)
-			}
-			buf = append(buf, "data: [DONE]\n\n"...)
+			buf = rs.closing(buf)
 		}
 		if len(buf) > 0 {
 			if _, err := w.Write(buf); err != nil {
@@ -535,6 +547,7 @@ func (s *Server) stream(w *bufio.Writer, conn net.Conn, c *call, rs *response) {
 type response struct {
 	s            *Server
 	chat         bool
+	agent        *agentAnswer // a Responses or Messages request's; nil for chat and completions
 	id           uint64
 	rank         int    // the data-parallel rank serving it
 	requestID    string // the client's X-Request-Id: vLLM makes it the answer's id
@@ -581,8 +594,42 @@ func (r *response) usage(b []byte) []byte {
 	return append(b, `}}`...)
 }
 
+// opening is what a stream sends with its first tokens: the assistant
+// role for a chat.
+func (r *response) opening(b []byte) []byte {
+	switch {
+	case r.agent != nil:
+		return r.agentOpening(b)
+	case r.chat:
+		return r.chunk(b, "", true, false)
+	}
+	return b
+}
+
+// closing ends a stream: the usage chunk when asked for, then [DONE].
+func (r *response) closing(b []byte) []byte {
+	if r.agent != nil {
+		return r.agentClosing(b)
+	}
+	if r.includeUsage {
+		b = r.usageChunk(b)
+	}
+	return append(b, "data: [DONE]\n\n"...)
+}
+
+// prelude is what a stream sends before the engine has produced anything.
+func (r *response) prelude(b []byte) []byte {
+	if r.agent != nil {
+		return r.agentPrelude(b)
+	}
+	return b
+}
+
 func (r *response) full(b []byte, toks []uint32) []byte {
 	r.completion = len(toks)
+	if r.agent != nil {
+		return r.agentFull(b, toks)
+	}
 	var text []byte
 	for _, t := range toks {
 		text = append(text, r.s.vocabText[t]...)
@@ -611,6 +658,9 @@ func (r *response) full(b []byte, toks []uint32) []byte {
 // chunk appends one SSE event: the assistant role (chat only), or a piece
 // of text, the last one carrying the finish reason.
 func (r *response) chunk(b []byte, text string, role, last bool) []byte {
+	if r.agent != nil {
+		return r.agentPiece(b, text, last)
+	}
 	b = append(b, "data: "...)
 	finish := "null"
 	if last {

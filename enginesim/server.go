@@ -98,6 +98,7 @@ type Server struct {
 	stopped   chan struct{}
 	// sideClient reads held blocks from prefill engines.
 	sideClient *fasthttp.Client
+	responses  responseStore // stored Responses answers
 }
 
 // New builds a Server; call Run to start its engine.
@@ -225,11 +226,15 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 		ctx.SetBodyString(`{"error":"Unauthorized"}`)
 		return
 	}
+	if rest, ok := strings.CutPrefix(path, "/v1/responses/"); ok {
+		s.serveStored(ctx, rest)
+		return
+	}
 	want := "POST"
 	switch path {
 	case "/v1/models", "/health", "/metrics", "/version", "/ping":
 		want = "GET"
-	case "/v1/completions", "/v1/chat/completions", "/tokenize", "/reset_prefix_cache", readPath, notifyPath:
+	case "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize", "/reset_prefix_cache", readPath, notifyPath:
 	default:
 		ctx.SetStatusCode(fasthttp.StatusNotFound)
 		ctx.SetContentType("application/json")
@@ -247,6 +252,10 @@ func (s *Server) Handler(ctx *fasthttp.RequestCtx) {
 		s.generate(ctx, false)
 	case "/v1/chat/completions":
 		s.generate(ctx, true)
+	case "/v1/responses":
+		s.agentGenerate(ctx, responsesAPI)
+	case "/v1/messages":
+		s.agentGenerate(ctx, messagesAPI)
 	case "/tokenize":
 		s.tokenizeEndpoint(ctx)
 	case "/v1/models":

@@ -369,23 +369,22 @@ var modelPrefix = []byte("/v1/models/")
 // (vllm/entrypoints/openai/api_server.py and the routers it mounts: v0.14.0,
 // the version deploy/k8s pins, up to what the v0.32 documentation lists) and
 // of SGLang's (python/sglang/srt/entrypoints/http_server.py), less what the
-// router answers itself (/v1/chat/completions and /v1/completions, routed by
-// prefix; /tokenize, from its own tokenizer; /v1/models) and what must not
-// reach just one replica of many: adapter loading, cache resets, sleep,
-// profiling and weight updates act on one engine; stored responses
-// (/v1/responses/{id}, .../cancel), files and batches live on the engine
-// that made them.
+// router answers itself (/v1/chat/completions, /v1/completions,
+// /v1/responses and /v1/messages, routed by prefix; /tokenize, from its own
+// tokenizer; /v1/models; stored responses, /v1/responses/{id} and
+// .../cancel, sent where their id says they live) and what must not reach
+// just one replica of many: adapter loading, cache resets, sleep, profiling
+// and weight updates act on one engine; files and batches live on the
+// engine that made them.
 var enginePaths = map[string]bool{
 	// OpenAI's API
 	"/v1/embeddings":              true, // vLLM, SGLang
-	"/v1/responses":               true, // vLLM, SGLang
 	"/v1/audio/transcriptions":    true, // vLLM (speech models; multipart)
 	"/v1/audio/translations":      true, // vLLM (speech models; multipart)
 	"/v1/chat/completions/batch":  true, // vLLM: several chats in one body
 	"/v1/chat/completions/render": true, // vLLM: the prompt a chat renders to
 	"/v1/completions/render":      true, // vLLM
 	// Anthropic's API
-	"/v1/messages":              true, // vLLM
 	"/v1/messages/count_tokens": true, // vLLM
 	// Pooling models
 	"/pooling":     true, // vLLM
@@ -411,7 +410,7 @@ func passedThrough(path []byte) bool { return enginePaths[string(path)] }
 // method gets a 405 rather than a 404 that reads as a wrong URL.
 func postOnly(path []byte) bool {
 	switch string(path) {
-	case "/v1/chat/completions", "/v1/completions", "/tokenize", "/admin/routes/clear":
+	case "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize", "/admin/routes/clear":
 		return true
 	}
 	return passedThrough(path)

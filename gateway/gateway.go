@@ -4,10 +4,12 @@
 // and this router's own in-flight work into the targets to try (route.go),
 // maps them to connection pools and hands them to the proxy with a ledger
 // (ledger.go), the proxy's observer, which keeps the in-flight accounting,
-// teaches the policy, counts the metrics and logs the request. The other
-// engine endpoints it knows (embeddings, responses, audio...: enginePaths)
-// take the same path by model and load only; any other path is its own
-// 404.
+// teaches the policy, counts the metrics and logs the request. Responses
+// and Messages requests take the chat's path, converted to the chat vLLM
+// renders (dialect.go reads their answers, and sends follow-ups of a stored
+// response where it lives). The other engine endpoints it knows
+// (embeddings, audio...: enginePaths) take the same path by model and load
+// only; any other path is its own 404.
 //
 // Settings that a config reload may change live behind one atomic pointer,
 // so a reload swaps them between requests and never drops one.
@@ -311,6 +313,12 @@ func (g *Gateway) serveAPI(ctx *fasthttp.RequestCtx, path []byte) {
 		g.serveCompletion(ctx, request.Chat)
 	case post && string(path) == "/v1/completions":
 		g.serveCompletion(ctx, request.Completion)
+	case post && string(path) == "/v1/responses":
+		g.serveCompletion(ctx, request.Responses)
+	case post && string(path) == "/v1/messages":
+		g.serveCompletion(ctx, request.Messages)
+	case bytes.HasPrefix(path, responsesPrefix):
+		g.serveStored(ctx, path)
 	case string(path) == "/v1/models":
 		g.serveModels(ctx, "")
 	case !post && bytes.HasPrefix(path, modelPrefix):

@@ -70,6 +70,9 @@ type ledger struct {
 	// charged is what admission charged the tenant's quota (quotaHeld).
 	charged   int64
 	quotaHeld bool
+	// pin, when set, is the only replica that can serve the request (it
+	// stores the response the request continues, named by pinWhat).
+	pin, pinWhat string
 }
 
 // newLedger opens a ledger for a request decided under s.
@@ -78,6 +81,7 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.g, l.s = g, s
 	l.attempts, l.open, l.firstByte, l.ttft, l.measuresTTFT, l.decideTime = 0, -1, false, 0, false, 0
 	l.targets = l.targets[:0]
+	l.pin, l.pinWhat = "", ""
 	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
 	return l
 }

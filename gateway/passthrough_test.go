@@ -10,10 +10,10 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// TestOtherEndpointsPassThroughByModel: embeddings, responses, audio and
-// vLLM's scoring endpoints reach a replica serving the request's model,
-// body, query and content type untouched; adapter loading and unknown
-// models do not.
+// TestOtherEndpointsPassThroughByModel: embeddings, audio and vLLM's
+// scoring endpoints reach a replica serving the request's model, body,
+// query and content type untouched, as does a Responses request (routed as
+// a chat); adapter loading and unknown models do not.
 func TestOtherEndpointsPassThroughByModel(t *testing.T) {
 	type seen struct{ uri, ctype, body string }
 	got := make(chan seen, 16)

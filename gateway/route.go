@@ -33,6 +33,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		p, err = request.ParsePassthrough(ctx.PostBody(), string(ctx.Request.Header.MultipartFormBoundary()))
 		path = string(ctx.RequestURI()) // with its query, if any
 	} else {
+		if k.Converted() {
+			path = string(ctx.RequestURI())
+		}
 		p, err = request.Parse(ctx.PostBody(), k)
 	}
 	if err != nil {
@@ -46,10 +49,15 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 			return
 		}
 	}
+	body := ctx.PostBody()
 	l := g.newLedger(s)
 	l.model, l.path = p.Model, path
 	l.requestID = append(l.requestID[:0], id...)
 	l.tenant, l.priority, l.req = tn, prio, p
+	if replica, engineBody, stored := storedResponse(body, p); stored {
+		// A follow-up goes where its stored response lives, and nowhere else.
+		l.pin, l.pinWhat, body = replica, fmt.Sprintf("Response with id '%s'", p.PreviousResponseID), engineBody
+	}
 	if err := l.decide(snap, p); err != nil {
 		g.release(l)
 		g.fail(ctx, err)
@@ -69,9 +77,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		return
 	}
 	l.measuresTTFT = p.Stream && k != request.Passthrough
-	body := ctx.PostBody()
 	strip := false
-	if p.Stream && !p.WantsUsage && k != request.Passthrough {
+	// Responses and Messages streams report usage unasked.
+	if p.Stream && !p.WantsUsage && (k == request.Chat || k == request.Completion) {
 		if b, err := request.WithIncludeUsage(body, p.StreamOptions); err == nil {
 			body, strip = b, true
 		}
@@ -89,8 +97,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		StripUsage:        strip,
 		DropAuthorization: s.Tenants.RequiresKey(),
 		Stream:            p.Stream,
+		Dialect:           l.dialectOf(k),
 	}
-	if p.Stream && s.ResumeStreams && k != request.Passthrough {
+	if p.Stream && s.ResumeStreams && (k == request.Chat || k == request.Completion) {
 		// The stream may outlive ctx's buffers (a client gone mid-way).
 		orig, k := bytes.Clone(body), p.Kind
 		tk := s.tokenizer(s.Models[p.Model])
@@ -194,6 +203,7 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 	in := plan.Input{
 		Snapshot: snap, Loads: l.planLoads, Request: p, Model: l.model,
 		Settings: s.plan, ModelSettings: s.planModel(l.model, ms), Now: now,
+		Replica: l.pin, StoredBy: l.pinWhat,
 	}
 	err := l.plan.Decide(&in)
 	if timed {

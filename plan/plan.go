@@ -91,6 +91,11 @@ type Input struct {
 	// ModelSettings is how the router treats Model.
 	ModelSettings Model
 	Now           time.Time
+	// Replica, when set, is the only replica that can serve the request
+	// (it holds the state the request continues): no other replica and no
+	// fallback is tried. StoredBy names what that state is, for the 404
+	// when the replica is gone.
+	Replica, StoredBy string
 }
 
 // Target is one place to send the request, with what the proxy's observer
@@ -150,6 +155,9 @@ func (p *TokenizerPanic) Error() string { return fmt.Sprintf("tokenizer panic: %
 var (
 	ErrNoTokenizer = errors.New("no tokenizer for this model")
 	ErrLoadOnly    = errors.New("endpoint routed by load only")
+	// ErrStoredState: the engine prepends a stored response to the prompt,
+	// which the router never sees.
+	ErrStoredState = errors.New("the prompt continues a stored response")
 )
 
 // Plan is one decision: the targets to try and what led to them. Its
@@ -221,6 +229,9 @@ func (p *Plan) Decide(in *Input) error {
 	p.Request.Model = model
 	if ms.Base != "" {
 		p.Request.Model = ms.Base // an adapter computes as its base model
+	}
+	if in.Replica != "" {
+		return p.decidePinned(in)
 	}
 	known := len(ms.Fallback) > 0
 	ejected := 0
@@ -308,6 +319,37 @@ func (p *Plan) Decide(in *Input) error {
 	if len(p.Targets) == 0 {
 		return noReplica(model)
 	}
+	return nil
+}
+
+// decidePinned plans a request only in.Replica can serve: it is the one
+// target, tried whatever its load or state; when it has left the fleet the
+// request is a 404 that says so, never another replica's answer.
+func (p *Plan) decidePinned(in *Input) error {
+	snap := in.Snapshot
+	i := snap.Find(in.Replica)
+	if i < 0 || !snap.Replicas[i].Online && !snap.Replicas[i].Stale {
+		return &request.Error{Status: 404, Type: "invalid_request_error", Message: fmt.Sprintf(
+			"%s was stored by replica %q, which is no longer in the fleet: a stored response lives in the engine that made it", in.StoredBy, in.Replica)}
+	}
+	if r := &snap.Replicas[i]; !Serves(r, in.Model) {
+		return &request.Error{Status: 404, Type: "invalid_request_error", Message: fmt.Sprintf(
+			"%s was stored by replica %q, which does not serve model %q", in.StoredBy, in.Replica, in.Model)}
+	}
+	p.addCandidate(&snap.Replicas[i], i)
+	p.tokens(in)
+	p.Request.PromptTokens = p.Prompt.Tokens
+	p.match(in)
+	p.Request.Keys = p.keys
+	in.Settings.Policy.Route(&p.Request, p.Candidates, &p.Decision)
+	if p.Prompt.Err != nil && p.Decision.Mode == routing.ModeCold {
+		p.Decision.Mode = routing.ModeBalance
+	}
+	if in.Loads[i].Unusable || len(p.Decision.Order) == 0 {
+		p.Unusable = append(p.Unusable, i)
+		return noReplica(in.Model)
+	}
+	p.Targets = append(p.Targets, p.target(snap, 0))
 	return nil
 }
 
@@ -404,6 +446,10 @@ func (p *Plan) encode(in *Input) (pre tokenize.Prefixed, media bool, err error) 
 	switch {
 	case req.Kind != request.Completion && !req.Kind.RendersAsChat(): // a passthrough
 		err = ErrLoadOnly
+	case req.Unconvertible != nil:
+		err = req.Unconvertible
+	case req.PreviousResponseID != "":
+		err = ErrStoredState
 	case req.Kind == request.Completion && req.PromptIDs != nil:
 		pre = tokenize.Prefixed{IDs: req.PromptIDs, Total: len(req.PromptIDs)}
 	case tk == nil:

@@ -48,6 +48,11 @@ type Request struct {
 	// works on it (the client left): the upstream connection closes, so
 	// the engine stops, and no other target is tried.
 	Abort *Abort
+	// Dialect, when set, reads and rewrites answers of an API other than
+	// chat completions.
+	Dialect Dialect
+	// Method is the method sent upstream (POST when empty).
+	Method string
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -265,7 +270,11 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	if up.rank != "" {
 		ureq.Header.Set(RankHeader, up.rank)
 	}
-	ureq.Header.SetMethod(fasthttp.MethodPost)
+	method := req.Method
+	if method == "" {
+		method = fasthttp.MethodPost
+	}
+	ureq.Header.SetMethod(method)
 	up.prepare(ureq, req.Path)
 	ureq.SetBodyRaw(req.Body)
 	resp := fasthttp.AcquireResponse()
@@ -397,7 +406,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
 		bw := bufio.NewWriter(ctx.Response.BodyWriter())
 		done := false
-		rest, _ := writeEvents(bw, resp.Body(), req.StripUsage, &res, &done, nil)
+		rest, _ := writeEvents(bw, resp.Body(), req.StripUsage, &res, &done, nil, req.dialected(i, nil))
 		_, _ = bw.Write(rest)
 		_ = bw.Flush()
 		fasthttp.ReleaseResponse(resp)
@@ -408,7 +417,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
 		if resp.BodyStream() == nil { // read whole by the client already
 			ctx.Response.SetBody(resp.Body())
-			res.PromptTokens, res.CachedTokens = usageFromBody(resp.Body())
+			res.PromptTokens, res.CachedTokens = req.bodyUsage(i, &ctx.Response)
 			fasthttp.ReleaseResponse(resp)
 			res.Elapsed = time.Since(start)
 			return res, false
@@ -431,7 +440,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "reading upstream response: "+err.Error())
 		} else {
 			_ = resp.CloseBodyStream()
-			res.PromptTokens, res.CachedTokens = usageFromBody(ctx.Response.Body())
+			res.PromptTokens, res.CachedTokens = req.bodyUsage(i, &ctx.Response)
 		}
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
@@ -470,7 +479,8 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	sent := 0 // events the client has had, over all attempts
 	for {
 		up := targets[i]
-		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, func() { obs.FirstByte(i, time.Since(start)) }, req.Abort, tr)
+		first := func() { obs.FirstByte(i, time.Since(start)) }
+		res, done := relayEvents(w, resp, req.StripUsage, up.firstByte, up.idle, first, req.Abort, tr, req.dialected(i, first))
 		res.Status = resp.StatusCode()
 		res.Elapsed = time.Since(start)
 		fasthttp.ReleaseResponse(resp)
@@ -634,7 +644,10 @@ func isEventStream(resp *fasthttp.Response) bool {
 // the text) on the way. first is called when the first body bytes arrive
 // (the first token); never if none came. done reports whether [DONE] was
 // relayed; a stream that broke before it is left for the caller to end.
-func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), abort *Abort, tr *transcript) (res Result, done bool) {
+//
+// With a dialect (dl) the first token is the first event carrying output,
+// which dl reports, not the first bytes.
+func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte, idle time.Duration, first func(), abort *Abort, tr *transcript, dl *dialected) (res Result, done bool) {
 	res = Result{PromptTokens: -1, CachedTokens: -1}
 	body := resp.BodyStream()
 	closer, _ := body.(fasthttp.ReadCloserWithError)
@@ -662,14 +675,16 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 			watchdog.Reset(idle)
 			if !firstSeen {
 				firstSeen = true
-				first()
+				if dl == nil {
+					first()
+				}
 			}
 			data := buf[:n]
 			if len(pending) > 0 {
 				pending = append(pending, data...)
 				data = pending
 			}
-			rest, werr := writeEvents(w, data, strip, &res, &done, tr)
+			rest, werr := writeEvents(w, data, strip, &res, &done, tr, dl)
 			if werr == nil {
 				werr = w.Flush()
 			}
@@ -717,8 +732,9 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 
 // writeEvents writes the complete events in data to w and returns the
 // incomplete tail. A usage-only chunk is dropped when strip is set. A
-// non-nil tr follows the text relayed (and drops a continuation's lead).
-func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bool, tr *transcript) ([]byte, error) {
+// non-nil tr follows the text relayed (and drops a continuation's lead). A
+// non-nil dl reads the events of its API instead (writeDialectEvent).
+func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bool, tr *transcript, dl *dialected) ([]byte, error) {
 	for {
 		end, sep := eventEnd(data)
 		if end < 0 {
@@ -726,6 +742,12 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 		}
 		ev := data[:end+sep]
 		data = data[end+sep:]
+		if dl != nil {
+			if err := writeDialectEvent(w, ev, end, res, dl); err != nil {
+				return nil, err
+			}
+			continue
+		}
 		payload, ok := eventData(ev[:end])
 		keep := true
 		if ok {
@@ -754,6 +776,46 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 			return nil, err
 		}
 	}
+}
+
+// writeDialectEvent writes one event of a dialect's stream (its blank line
+// at end), as dl reads and rewrites its data.
+func writeDialectEvent(w *bufio.Writer, ev []byte, end int, res *Result, dl *dialected) error {
+	if s, e := dataLine(ev[:end]); s >= 0 {
+		if out := dl.note(ev[s:e], res); out != nil {
+			if _, err := w.Write(ev[:s]); err != nil {
+				return err
+			}
+			if _, err := w.Write(out); err != nil {
+				return err
+			}
+			ev = ev[e:]
+		}
+	}
+	res.Events++
+	_, err := w.Write(ev)
+	return err
+}
+
+// dialected returns req's dialect for target i's stream, nil without one.
+func (req *Request) dialected(i int, first func()) *dialected {
+	if req.Dialect == nil {
+		return nil
+	}
+	return &dialected{d: req.Dialect, target: i, first: first}
+}
+
+// bodyUsage reads the usage of target i's non-streamed answer in resp and,
+// with a dialect, rewrites it as the client gets it.
+func (req *Request) bodyUsage(i int, resp *fasthttp.Response) (prompt, cached int) {
+	if req.Dialect == nil {
+		return usageFromBody(resp.Body())
+	}
+	prompt, cached = req.Dialect.BodyUsage(resp.Body())
+	if out := req.Dialect.Rewrite(i, resp.Body()); out != nil {
+		resp.SetBody(out)
+	}
+	return prompt, cached
 }
 
 var (

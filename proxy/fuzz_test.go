@@ -24,11 +24,11 @@ func FuzzWriteEvents(f *testing.F) {
 		res := Result{PromptTokens: -1, CachedTokens: -1}
 		done := false
 		tr := &transcript{}
-		tail, err := writeEvents(w, in[:cut], false, &res, &done, tr)
+		tail, err := writeEvents(w, in[:cut], false, &res, &done, tr, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done, tr)
+		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done, tr, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -39,7 +39,7 @@ func FuzzWriteEvents(f *testing.F) {
 		// Stripping only ever removes whole events.
 		out.Reset()
 		w.Reset(&out)
-		_, _ = writeEvents(w, in, true, &res, &done, &transcript{lead: true})
+		_, _ = writeEvents(w, in, true, &res, &done, &transcript{lead: true}, nil)
 		_ = w.Flush()
 		if out.Len() > len(in) {
 			t.Fatalf("stripping grew the stream")

@@ -19,6 +19,7 @@ import (
 
 	segjson "github.com/segmentio/encoding/json"
 
+	"github.com/kvmesh/kvmesh/chatconv"
 	"github.com/kvmesh/kvmesh/jsonscan"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
@@ -32,19 +33,24 @@ const (
 	Chat Kind = iota
 	// Completion is /v1/completions: a Prompt, as text or token ids.
 	Completion
-	// Passthrough is any other engine endpoint (embeddings, responses,
-	// rerank, audio...): forwarded as is, routed by model and load only.
+	// Passthrough is any other engine endpoint (embeddings, rerank,
+	// audio...): forwarded as is, routed by model and load only.
 	Passthrough
-
-	// A kind whose body is converted to chat messages before rendering
-	// (the Responses and Messages APIs) is added here: Parse converts its
-	// body into Messages (and Tools), and RendersAsChat reports true for
-	// it, so that tokenizing and planning treat it as a Chat.
+	// Responses is OpenAI's /v1/responses and Messages Anthropic's
+	// /v1/messages: Parse converts their bodies into the chat Messages and
+	// Tools vLLM renders them as (package chatconv), so that tokenizing and
+	// planning treat them as a Chat. The body forwarded stays as sent.
+	Responses
+	Messages
 )
 
 // RendersAsChat reports whether requests of kind k are prompted through
 // Messages and the chat template.
-func (k Kind) RendersAsChat() bool { return k == Chat }
+func (k Kind) RendersAsChat() bool { return k == Chat || k == Responses || k == Messages }
+
+// Converted reports whether k's body is converted to a chat (Responses,
+// Messages): its answers are in that API's shape, not chat completions'.
+func (k Kind) Converted() bool { return k == Responses || k == Messages }
 
 // Request is what routing needs of a validated body. Raw fields are spans
 // of the body as sent (valid JSON; nil when absent). A LoRA adapter is
@@ -80,8 +86,17 @@ type Request struct {
 	// CacheSalt is vLLM's cache_salt: prompts with different salts share
 	// no cached blocks.
 	CacheSalt string
-	// MaxTokens is max_tokens or max_completion_tokens, as sent.
+	// MaxTokens is max_tokens or max_completion_tokens (max_output_tokens
+	// for Responses), as sent.
 	MaxTokens json.RawMessage
+	// Unconvertible is why a Responses or Messages body cannot be turned
+	// into the prompt vLLM renders (a *chatconv.InputError with Unsupported
+	// set): such a request is routed by load, its body untouched.
+	Unconvertible error
+	// PreviousResponseID is the stored response a Responses request
+	// continues: only the replica that stored it can serve it, and its
+	// prompt starts with what that replica holds, not with Messages.
+	PreviousResponseID string
 }
 
 // fields are the top-level fields of a body that routing reads, as
@@ -153,8 +168,9 @@ func Invalid(format string, args ...any) *Error {
 	return &Error{Status: 400, Type: "invalid_request_error", Message: fmt.Sprintf(format, args...)}
 }
 
-// Parse validates body for a Chat or a Completion. Bad input yields an
-// *Error, never a panic.
+// Parse validates body for a Chat, a Completion, or a Responses or
+// Messages request (converted to a chat). Bad input yields an *Error, never
+// a panic.
 func Parse(body []byte, k Kind) (*Request, error) {
 	var f fields
 	if err := decodeObject(body, &f); err != nil {
@@ -171,9 +187,11 @@ func Parse(body []byte, k Kind) (*Request, error) {
 		}
 		r.WantsUsage = so.IncludeUsage != nil && *so.IncludeUsage
 	}
-	// A kind converted to chat (see Kind) has its body converted into
-	// r.Messages and r.Tools here, then is checked as a Chat is.
 	switch k {
+	case Responses, Messages:
+		if err := r.convert(body); err != nil {
+			return nil, err
+		}
 	case Chat:
 		if err := checkMessages(r.Messages); err != nil {
 			return nil, err
@@ -187,6 +205,38 @@ func Parse(body []byte, k Kind) (*Request, error) {
 		}
 	}
 	return r, nil
+}
+
+// convert fills r's chat from a Responses or Messages body, as vLLM derives
+// it. A body vLLM refuses too is a 400; one whose prompt the router cannot
+// reproduce keeps what routing by load needs, with Unconvertible set.
+func (r *Request) convert(body []byte) error {
+	from := chatconv.FromResponses
+	if r.Kind == Messages {
+		from = chatconv.FromMessages
+	}
+	c, err := from(body)
+	var ie *chatconv.InputError
+	switch {
+	case errors.As(err, &ie) && ie.Unsupported:
+		r.Messages, r.Tools, r.Unconvertible = nil, nil, err
+		return nil
+	case errors.As(err, &ie):
+		return Invalid("%s: %s", ie.Field, ie.Reason)
+	case err != nil:
+		return Invalid("%v", err)
+	}
+	no := false
+	r.Messages, r.Tools, r.ChatTemplateKwargs = c.Messages, c.Tools, c.TemplateKwargs
+	r.AddGenerationPrompt, r.ContinueFinalMessage = &c.AddGenerationPrompt, &c.ContinueFinalMessage
+	r.AddSpecialTokens = &no
+	r.Stream, r.StreamOptions, r.WantsUsage = c.Stream, nil, false
+	r.MaxTokens = nil
+	if c.MaxOutputTokens >= 0 {
+		r.MaxTokens = strconv.AppendInt(nil, int64(c.MaxOutputTokens), 10)
+	}
+	r.PreviousResponseID = c.PreviousResponseID
+	return nil
 }
 
 // ParseTokenize validates a body to vLLM's /tokenize, which takes either a

@@ -1,0 +1,241 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/blockkey"
+	"github.com/kvmesh/kvmesh/bloom"
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/enginesim"
+	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/kvevents"
+	"github.com/kvmesh/kvmesh/tokenize"
+)
+
+// residentSink keys an engine's stored blocks as a sidecar does and keeps
+// them in a filter the test hands the router's table.
+type residentSink struct {
+	mu   sync.Mutex
+	keys map[uint64]uint64 // engine hash → kvmesh key
+	all  []uint64
+}
+
+func (s *residentSink) Publish(b *kvevents.Batch) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ev := range b.Events {
+		if ev.Kind != kvevents.KindBlockStored {
+			continue
+		}
+		parent := blockkey.Seed("", "")
+		if ev.HasParent {
+			k, ok := s.keys[ev.ParentHash]
+			if !ok {
+				continue
+			}
+			parent = k
+		}
+		for i, h := range ev.BlockHashes {
+			parent = blockkey.Next(parent, ev.TokenIDs[i*ev.BlockSize:(i+1)*ev.BlockSize])
+			s.keys[h] = parent
+			s.all = append(s.all, parent)
+		}
+	}
+	return nil
+}
+
+func (s *residentSink) filter() (*bloom.Filter, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f := bloom.NewFilter(4096, 0.0001)
+	for _, k := range s.all {
+		f.Add(k)
+	}
+	return f, len(s.all)
+}
+
+// agentFleet is a router over n enginesims whose stored blocks reach its
+// table as a sidecar's filters would.
+func agentFleet(t *testing.T, n int) (*testRouter, []*residentSink, func()) {
+	t.Helper()
+	r := newRouter(t, Settings{}, 1<<20)
+	sinks := make([]*residentSink, n)
+	now := time.Now()
+	for i := range sinks {
+		sinks[i] = &residentSink{keys: map[uint64]uint64{}}
+		sim, err := enginesim.New(enginesim.Config{Model: testModel, Tokenizer: tokenize.Builtin{}, Events: sinks[i],
+			Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 64, MaxNumBatchedTokens: 8192, MaxModelLen: 32768}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		go sim.Run(ctx)
+		t.Cleanup(cancel)
+		name := string(rune('a' + i))
+		r.table.Upsert(fleet.Info{Name: name, Models: []string{testModel}, URL: listen(t, &fasthttp.Server{Handler: sim.Handler}),
+			Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+		r.table.SetLoad(name, fleet.Load{}, true, now)
+		r.table.SetFilter(name, bloom.NewFilter(1024, 0.001), 1, 0, now)
+	}
+	gen := uint64(1)
+	sync := func() {
+		gen++
+		for i, s := range sinks {
+			f, keys := s.filter()
+			r.table.SetFilter(string(rune('a'+i)), f, gen, keys, time.Now())
+		}
+	}
+	return r, sinks, sync
+}
+
+// TestAgentAPIsPredictWhatTheEngineCaches: a conversation through
+// /v1/responses and one through /v1/messages, each turn repeating the
+// history: from the second turn on the router predicts, from the engines'
+// own stored blocks, exactly the cached tokens the engine then reports,
+// streamed or not, and the request goes where its prefix is.
+func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
+	r, _, sync := agentFleet(t, 3)
+	system := strings.Repeat("You are a careful coding agent working in a large repository. ", 12)
+	responses := func(history []string, stream bool) string {
+		items := make([]string, 0, len(history))
+		for i, h := range history {
+			role := "user"
+			if i%2 == 1 {
+				role = "assistant"
+			}
+			items = append(items, fmt.Sprintf(`{"type":"message","role":%q,"content":[{"type":"input_text","text":%q}]}`, role, h))
+		}
+		return fmt.Sprintf(`{"model":"sim","instructions":%q,"input":[%s],"max_output_tokens":4,"stream":%v,"store":false}`, system, strings.Join(items, ","), stream)
+	}
+	messages := func(history []string, stream bool) string {
+		items := make([]string, 0, len(history))
+		for i, h := range history {
+			role := "user"
+			if i%2 == 1 {
+				role = "assistant"
+			}
+			items = append(items, fmt.Sprintf(`{"role":%q,"content":[{"type":"text","text":%q}]}`, role, h))
+		}
+		return fmt.Sprintf(`{"model":"sim","system":%q,"messages":[%s],"max_tokens":4,"stream":%v}`, system, strings.Join(items, ","), stream)
+	}
+	for _, api := range []struct {
+		path   string
+		body   func([]string, bool) string
+		cached func(t *testing.T, body string, stream bool) int
+	}{
+		{"/v1/responses", responses, responsesCached},
+		{"/v1/messages", messages, messagesCached},
+	} {
+		t.Run(api.path, func(t *testing.T) {
+			history := []string{"Read main.go and tell me what it does."}
+			home := ""
+			for i := range 4 {
+				stream := i%2 == 1
+				res := r.post(t, api.path, api.body(history, stream))
+				if res.status != 200 {
+					t.Fatalf("turn %d: %d %s", i, res.status, res.body)
+				}
+				engineCached := api.cached(t, res.body, stream)
+				predicted, _ := strconv.Atoi(res.header["x-kvmesh-cached-tokens"])
+				if i > 0 && (predicted != engineCached || predicted == 0 || res.header["x-kvmesh-mode"] != "prefix" || res.header["x-kvmesh-replica"] != home) {
+					t.Fatalf("turn %d (stream %v): predicted %d cached at %s (%s), the engine reports %d; home %s",
+						i, stream, predicted, res.header["x-kvmesh-replica"], res.header["x-kvmesh-mode"], engineCached, home)
+				}
+				home = res.header["x-kvmesh-replica"]
+				time.Sleep(20 * time.Millisecond) // the stream's last events reach the engine's sink
+				sync()
+				history = append(history, fmt.Sprintf("Answer %d: the code does thing %d.", i, i), fmt.Sprintf("Now look at file %d.", i))
+			}
+		})
+	}
+	// The Messages conversation's first turn finds the system prompt the
+	// Responses one left: one cold route in eight. The four streamed turns
+	// taught the cost model.
+	m := r.get(t, "/metrics").body
+	predicted, actual := metricValue(m, "kvmesh_router_predicted_cached_tokens_total"), metricValue(m, "kvmesh_router_actual_cached_tokens_total")
+	if predicted == "" || predicted == "0" || predicted != actual {
+		t.Errorf("predicted cached tokens %s, the engines reported %s", predicted, actual)
+	}
+	for _, want := range []string{`kvmesh_router_routes_total{mode="prefix"} 7`, `kvmesh_router_routes_total{mode="cold"} 1`, `kvmesh_router_cost_model_observations{model="sim"} 3.99`} {
+		if !strings.Contains(m, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
+
+// responsesCached reads the engine's cached tokens from a Responses answer
+// as the client received it.
+func responsesCached(t *testing.T, body string, stream bool) int {
+	t.Helper()
+	if stream {
+		body = lastEventData(t, body, "response.completed", "response")
+	}
+	var v struct {
+		Usage struct {
+			InputTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"input_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(body), &v); err != nil {
+		t.Fatalf("%v: %s", err, body)
+	}
+	return v.Usage.InputTokensDetails.CachedTokens
+}
+
+func messagesCached(t *testing.T, body string, stream bool) int {
+	t.Helper()
+	if stream {
+		body = lastEventData(t, body, "message_delta", "")
+	}
+	var v struct {
+		Usage struct {
+			CacheRead int `json:"cache_read_input_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(body), &v); err != nil {
+		t.Fatalf("%v: %s", err, body)
+	}
+	return v.Usage.CacheRead
+}
+
+// lastEventData returns the data of the stream's event typ (its field
+// inner, when set).
+func lastEventData(t *testing.T, stream, typ, inner string) string {
+	t.Helper()
+	for _, ev := range strings.Split(stream, "\n\n") {
+		if !strings.HasPrefix(ev, "event: "+typ+"\n") {
+			continue
+		}
+		data := strings.TrimPrefix(ev[strings.Index(ev, "\n")+1:], "data: ")
+		if inner == "" {
+			return data
+		}
+		var v map[string]json.RawMessage
+		if err := json.Unmarshal([]byte(data), &v); err != nil {
+			t.Fatal(err)
+		}
+		return string(v[inner])
+	}
+	t.Fatalf("no %s event in %s", typ, stream)
+	return ""
+}
+
+// metricValue is the value of the metric line named name in m, "" if none.
+func metricValue(m, name string) string {
+	for _, line := range strings.Split(m, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == name {
+			return f[1]
+		}
+	}
+	return ""
+}

@@ -1,0 +1,167 @@
+package gateway
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/kvmesh/kvmesh/chatconv"
+	"github.com/kvmesh/kvmesh/proxy"
+	"github.com/kvmesh/kvmesh/request"
+	"github.com/kvmesh/kvmesh/storedid"
+)
+
+// dialect is how the proxy reads and rewrites the answers of a Responses or
+// Messages request (proxy.Dialect): usage from chatconv's readers, and, for
+// Responses, the response ids rewritten to name the replica that stored
+// them (package storedid). replica names target i's replica, "" for a
+// fallback endpoint, whose ids are left as they are.
+type dialect struct {
+	kind    request.Kind
+	replica func(i int) string
+}
+
+func (d *dialect) BodyUsage(body []byte) (prompt, cached int) {
+	if d.kind == request.Messages {
+		return chatconv.MessagesUsage(body)
+	}
+	return chatconv.ResponsesUsage(body)
+}
+
+func (d *dialect) EventUsage(payload []byte) (prompt, cached int, ok bool) {
+	if d.kind == request.Messages {
+		return chatconv.MessagesEventUsage(payload)
+	}
+	return chatconv.ResponsesEventUsage(payload)
+}
+
+// Output: vLLM opens a Responses stream with response.created and
+// response.in_progress before prefill; the events after them come with
+// output. A Messages stream starts (message_start) with the first chunk
+// of output.
+func (d *dialect) Output(payload []byte) bool {
+	if d.kind == request.Messages {
+		return true
+	}
+	return !bytes.Contains(payload, []byte(`"type":"response.created"`)) &&
+		!bytes.Contains(payload, []byte(`"type":"response.in_progress"`)) &&
+		!bytes.Contains(payload, []byte(`"type":"response.queued"`))
+}
+
+func (d *dialect) Rewrite(i int, b []byte) []byte {
+	if d.kind != request.Responses {
+		return nil
+	}
+	name := d.replica(i)
+	if name == "" {
+		return nil
+	}
+	return storedid.Rewrite(b, name)
+}
+
+// dialectOf returns the dialect of l's answers, nil for chat completions'.
+func (l *ledger) dialectOf(k request.Kind) proxy.Dialect {
+	if !k.Converted() {
+		return nil
+	}
+	return &dialect{kind: k, replica: func(i int) string {
+		if t := &l.plan.Targets[i]; t.Replica >= 0 {
+			return t.Name
+		}
+		return ""
+	}}
+}
+
+// storedResponse reads the stored response a Responses body continues:
+// the replica named in its previous_response_id and the body with the
+// engine's own id put back. ok is false for a body continuing none, or an
+// id this router's kind did not issue (routed as any other request).
+func storedResponse(body []byte, p *request.Request) (replica string, engineBody []byte, ok bool) {
+	if p.Kind != request.Responses || p.PreviousResponseID == "" {
+		return "", nil, false
+	}
+	replica, engineID, ok := storedid.Decode(p.PreviousResponseID)
+	if !ok {
+		return "", nil, false
+	}
+	// An id from Encode needs no JSON escaping: it is sent verbatim.
+	engineBody = bytes.ReplaceAll(body, []byte(`"`+p.PreviousResponseID+`"`), []byte(`"`+engineID+`"`))
+	return replica, engineBody, true
+}
+
+// responsesPrefix starts the stored-response routes vLLM serves:
+// GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel.
+var responsesPrefix = []byte("/v1/responses/")
+
+// serveStored sends a retrieval, deletion or cancellation of a stored
+// response to the replica its id names, the engine's id restored in the
+// path, and the ids of the answer rewritten back. An id this router did
+// not issue, or whose replica is gone, is a 404 that says why.
+func (g *Gateway) serveStored(ctx *fasthttp.RequestCtx, path []byte) {
+	s := g.Settings()
+	if err := s.authorize(ctx); err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	rest := string(path[len(responsesPrefix):])
+	id, action, _ := strings.Cut(rest, "/")
+	method := string(ctx.Method())
+	switch {
+	case action == "" && (method == fasthttp.MethodGet || method == fasthttp.MethodDelete):
+	case action == "cancel" && method == fasthttp.MethodPost:
+	default:
+		noRoute(ctx)
+		return
+	}
+	replica, engineID, ok := storedid.Decode(id)
+	if !ok {
+		g.fail(ctx, &request.Error{Status: 404, Type: "invalid_request_error", Message: fmt.Sprintf(
+			"Response with id '%s' not found: this router did not issue it, so it cannot tell which replica stores it", id)})
+		return
+	}
+	snap := g.table.Snapshot()
+	i := snap.Find(replica)
+	if i < 0 || !snap.Replicas[i].Online && !snap.Replicas[i].Stale {
+		g.fail(ctx, &request.Error{Status: 404, Type: "invalid_request_error", Message: fmt.Sprintf(
+			"Response with id '%s' not found: it was stored by replica %q, which is no longer in the fleet: a stored response lives in the engine that made it", id, replica)})
+		return
+	}
+	up, err := g.upstream(&snap.Replicas[i])
+	if err != nil {
+		g.fail(ctx, err)
+		return
+	}
+	upath := string(responsesPrefix) + engineID
+	if action != "" {
+		upath += "/" + action
+	}
+	if q := ctx.URI().QueryString(); len(q) > 0 {
+		upath += "?" + string(q)
+	}
+	stream := bytes.Equal(ctx.QueryArgs().Peek("stream"), []byte("true"))
+	var idBuf [maxRequestIDLen]byte
+	rid := requestID(&ctx.Request.Header, idBuf[:0])
+	ctx.Response.Header.SetCanonical(hdrRequestID, rid)
+	req := proxy.Request{
+		ID: bytes.Clone(rid), Path: upath, Header: &ctx.Request.Header, Body: ctx.PostBody(),
+		DropAuthorization: s.Tenants.RequiresKey(), Stream: stream, Method: method,
+		Dialect: &dialect{kind: request.Responses, replica: func(int) string { return replica }},
+	}
+	g.fwd.Forward(ctx, &req, []*proxy.Upstream{up}, storedObserver{name: replica})
+}
+
+// storedObserver observes a stored-response call: it only names the
+// replica that answered. Such calls do no prefill, so they take no part in
+// in-flight accounting or the cost model.
+type storedObserver struct{ name string }
+
+func (o storedObserver) Attempt(int)                  {}
+func (o storedObserver) FirstByte(int, time.Duration) {}
+func (o storedObserver) Retry(int, proxy.Result)      {}
+func (o storedObserver) End(proxy.Result)             {}
+func (o storedObserver) Header(_ int, h *fasthttp.ResponseHeader) {
+	h.SetCanonical(hdrReplica, []byte(o.name))
+}

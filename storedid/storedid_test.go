@@ -1,0 +1,73 @@
+package storedid
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestEncodeDecode(t *testing.T) {
+	for _, c := range []struct{ replica, id string }{
+		{"a", "resp_0123abcd"},
+		{"sim-7.pod.svc:8000", "resp_9f86d081884c7d659a2feaa0c55ad015"},
+		{"名前", "resp_x_y"},
+	} {
+		got, ok := Encode(c.replica, c.id)
+		if !ok || !strings.HasPrefix(got, "resp_") || strings.ContainsAny(got, "=.:") {
+			t.Fatalf("Encode(%q, %q) = %q, %v", c.replica, c.id, got, ok)
+		}
+		r, id, ok := Decode(got)
+		if !ok || r != c.replica || id != c.id {
+			t.Errorf("Decode(%q) = %q %q %v, want %q %q", got, r, id, ok, c.replica, c.id)
+		}
+		if again, ok := Encode("b", got); ok || again != got {
+			t.Errorf("an id naming a replica was named again: %q", again)
+		}
+	}
+	for _, id := range []string{"resp_0123", "chatcmpl-1", "resp_kvm", "resp_kvm_x", "resp_kvmzz_x", ""} {
+		if _, _, ok := Decode(id); ok {
+			t.Errorf("Decode(%q) took it for one of ours", id)
+		}
+	}
+	if _, ok := Encode("a", "msg_1"); ok {
+		t.Error("an item id was rewritten")
+	}
+}
+
+func TestRewrite(t *testing.T) {
+	a, _ := Encode("a", "resp_1")
+	cases := []struct{ in, want string }{
+		{`{"id":"resp_1","object":"response","output":[{"id":"msg_2"}]}`, `{"id":"` + a + `","object":"response","output":[{"id":"msg_2"}]}`},
+		{`{"type":"response.created","response":{"id":"resp_1","previous_response_id":"resp_1"}}`,
+			`{"type":"response.created","response":{"id":"` + a + `","previous_response_id":"` + a + `"}}`},
+		{`{"text":"say \"resp_1\" twice"}`, ""},
+		{`{"id":"msg_1","delta":"resp_1"}`, ""},
+		{`{"id":"` + a + `"}`, ""},
+		{`{"text":"\"id\":\"resp_1\""}`, ""},
+		{`{"response_id": "resp_1"}`, `{"response_id": "` + a + `"}`},
+		{`{"id":"resp_1`, ""},
+	}
+	for _, c := range cases {
+		if got := string(Rewrite([]byte(c.in), "a")); got != c.want {
+			t.Errorf("Rewrite(%s) =\n %s\nwant\n %s", c.in, got, c.want)
+		}
+	}
+}
+
+func FuzzDecode(f *testing.F) {
+	id, _ := Encode("replica-1", "resp_abc")
+	f.Add(id)
+	f.Add("resp_kvm00_")
+	f.Fuzz(func(t *testing.T, s string) {
+		r, eid, ok := Decode(s)
+		if !ok {
+			return
+		}
+		// Base32 without padding admits a few spellings of one name: the
+		// canonical one must decode to the same pair.
+		again, encoded := Encode(r, eid)
+		if r2, e2, ok2 := Decode(again); !encoded || !ok2 || r2 != r || e2 != eid {
+			t.Fatalf("%q → %q %q → %q", s, r, eid, again)
+		}
+		_ = Rewrite([]byte(`{"id":"`+s+`"}`), r)
+	})
+}
