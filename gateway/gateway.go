@@ -100,12 +100,22 @@ type Settings struct {
 	Tenants *tenant.Directory
 	// Flow holds requests in the router while the fleet is saturated.
 	Flow FlowControl
+	// SessionHeaders are the request headers naming a client's session, the
+	// first one present wins (nil: DefaultSessionHeaders; empty: none).
+	SessionHeaders []string
 
 	// plan and planModels are the above as the planner reads them
 	// (withDefaults).
 	plan       plan.Settings
 	planModels map[string]plan.Model
 }
+
+// DefaultSessionHeaders are the session headers of common agent clients:
+// X-Session-Id (a common convention, the one to set from a client of one's
+// own), Claude Code's x-claude-code-session-id, and session_id, which
+// OpenAI's Codex CLI sends with each Responses request
+// (codex-rs/codex-api, build_conversation_headers).
+var DefaultSessionHeaders = []string{"X-Session-Id", "X-Claude-Code-Session-Id", "Session_id"}
 
 // Model is per-model routing knowledge.
 type Model struct {
@@ -160,6 +170,9 @@ func (s *Settings) withDefaults() *Settings {
 		c.Tenants, _ = tenant.New(tenant.Spec{Default: tenant.Tenant{MaxPriority: flowcontrol.Standard}, DefaultKeys: keys})
 	}
 	c.Flow = c.Flow.withDefaults()
+	if c.SessionHeaders == nil {
+		c.SessionHeaders = DefaultSessionHeaders
+	}
 	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts}
 	c.planModels = make(map[string]plan.Model, len(c.Models))
 	for name, ms := range c.Models {

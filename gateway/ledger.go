@@ -73,6 +73,8 @@ type ledger struct {
 	// pin, when set, is the only replica that can serve the request (it
 	// stores the response the request continues, named by pinWhat).
 	pin, pinWhat string
+	// session is the session the client named ("" for none).
+	session string
 }
 
 // newLedger opens a ledger for a request decided under s.
@@ -81,7 +83,7 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.g, l.s = g, s
 	l.attempts, l.open, l.firstByte, l.ttft, l.measuresTTFT, l.decideTime = 0, -1, false, 0, false, 0
 	l.targets = l.targets[:0]
-	l.pin, l.pinWhat = "", ""
+	l.pin, l.pinWhat, l.session = "", "", ""
 	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
 	return l
 }
@@ -228,6 +230,13 @@ func (l *ledger) End(r proxy.Result) {
 		m.predicted.Add(float64(t.PredictedCached))
 		if r.CachedTokens > 0 {
 			m.actual.Add(float64(r.CachedTokens))
+		}
+		if l.session != "" {
+			placement := "elsewhere"
+			if t.Picked && l.plan.Decision.SessionHome {
+				placement = "home"
+			}
+			m.sessions.WithLabelValues(placement).Inc()
 		}
 	}
 	if g.log.GetLevel() <= zerolog.DebugLevel {

@@ -35,6 +35,7 @@ type metrics struct {
 	rejected        *prometheus.CounterVec
 	tenantTokens    *prometheus.CounterVec
 	quotaIsolated   prometheus.Counter
+	sessions        *prometheus.CounterVec
 	handler         fasthttp.RequestHandler
 
 	mu sync.Mutex
@@ -55,6 +56,10 @@ func newMetrics(g *Gateway) *metrics {
 	m.spills = f.counter("kvmesh_router_spills_total", "Requests sent to their model's fallback first because the best replica's predicted time to first token was over spill_after.")
 	m.promptsCut = f.counter("kvmesh_router_prompts_cut_total", "Prompts longer than the window first tokenized (8 bytes per max_prefix_tokens token): matched on their exact leading tokens, the rest counted by estimate.")
 	m.promptsTooLong = f.counter("kvmesh_router_prompts_too_long_total", "Prompts routed by load because their leading tokens could not be found within max_prefix_bytes (no word end to cut at, or a chat template not known to render in order).")
+	m.sessions = f.counterVec("kvmesh_router_session_requests_total", "Served requests that named a session (a session header), by placement: home (the session's home replica, kept within the cost rule's slack) or elsewhere.", "placement")
+	for _, placement := range []string{"home", "elsewhere"} {
+		m.sessions.WithLabelValues(placement)
+	}
 	m.ejections = f.counterVec("kvmesh_router_ejections_total", "Replicas taken out of routing for a while after a request could not reach them, by replica.", "replica")
 	m.ttft = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Name: "kvmesh_router_ttft_seconds", Help: "Time from dispatch to the upstream's first response byte (a stream's first event), by replica.",

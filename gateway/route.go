@@ -54,6 +54,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	l.model, l.path = p.Model, path
 	l.requestID = append(l.requestID[:0], id...)
 	l.tenant, l.priority, l.req = tn, prio, p
+	l.session = s.sessionOf(&ctx.Request.Header)
 	if replica, engineBody, stored := storedResponse(body, p); stored {
 		// A follow-up goes where its stored response lives, and nowhere else.
 		l.pin, l.pinWhat, body = replica, fmt.Sprintf("Response with id '%s'", p.PreviousResponseID), engineBody
@@ -203,7 +204,7 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 	in := plan.Input{
 		Snapshot: snap, Loads: l.planLoads, Request: p, Model: l.model,
 		Settings: s.plan, ModelSettings: s.planModel(l.model, ms), Now: now,
-		Replica: l.pin, StoredBy: l.pinWhat,
+		Replica: l.pin, StoredBy: l.pinWhat, Session: l.session,
 	}
 	err := l.plan.Decide(&in)
 	if timed {
@@ -254,4 +255,15 @@ func (g *Gateway) countPrompt(pr *plan.Prompt, model string) {
 		g.panicked("tokenizer_panic", tp.Value, tp.Stack).Str("model", model).
 			Msg("tokenizer panicked; the request is routed by load")
 	}
+}
+
+// sessionOf is the session a request names in the first of the session
+// headers it carries, "" for none.
+func (s *Settings) sessionOf(h *fasthttp.RequestHeader) string {
+	for _, name := range s.SessionHeaders {
+		if v := h.Peek(name); len(v) > 0 {
+			return string(v)
+		}
+	}
+	return ""
 }

@@ -98,3 +98,37 @@ func TestConvertedRequestsTokenizeAsTheirChat(t *testing.T) {
 		t.Errorf("a follow-up was tokenized: %+v", p.Prompt)
 	}
 }
+
+// TestSessionHint: the session a client names reaches the policy as the
+// same non-zero key on every router, and its cold prompts go to its one
+// home whatever their prefix; no session, no key and no home.
+func TestSessionHint(t *testing.T) {
+	if SessionKey("") != 0 || SessionKey("s-1") == 0 || SessionKey("s-1") != SessionKey("s-1") || SessionKey("s-1") == SessionKey("s-2") {
+		t.Fatalf("keys: %x %x %x", SessionKey(""), SessionKey("s-1"), SessionKey("s-2"))
+	}
+	reps := []replica{{name: "a", filter: true}, {name: "b", filter: true}, {name: "c", filter: true}, {name: "d", filter: true}}
+	snap := fleetOf(t, reps, nil)
+	policy, _ := routing.New("kvaware", routing.Config{})
+	for _, c := range []struct {
+		session string
+		home    bool
+	}{{"agent-7", true}, {"", false}} {
+		homes := map[string]bool{}
+		for i := range 6 {
+			in := Input{Snapshot: snap, Loads: make([]Load, len(reps)), Request: completion(t, strings.Repeat("Prompt number ", 5)+string(rune('A'+i))+longPrompt, ""),
+				Model: model, Now: t0, Session: c.session, ModelSettings: Model{Tokenizer: tokenize.Builtin{}},
+				Settings: Settings{Policy: policy, MaxPrefixTokens: 1024, MaxPrefixBytes: 1 << 20, MaxAttempts: 3}}
+			var p Plan
+			if err := p.Decide(&in); err != nil {
+				t.Fatal(err)
+			}
+			if p.Request.Session != SessionKey(c.session) || p.Decision.SessionHome != c.home {
+				t.Fatalf("session %q: key %x, home %v", c.session, p.Request.Session, p.Decision.SessionHome)
+			}
+			homes[p.Targets[0].Name] = true
+		}
+		if c.home && len(homes) != 1 {
+			t.Errorf("session %q went to %v, want one home", c.session, homes)
+		}
+	}
+}

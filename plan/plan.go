@@ -14,6 +14,7 @@ package plan
 import (
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"runtime/debug"
 	"time"
 
@@ -91,6 +92,9 @@ type Input struct {
 	// ModelSettings is how the router treats Model.
 	ModelSettings Model
 	Now           time.Time
+	// Session is the session the client named (a session header), "" for
+	// none: a placement hint the policy gets as routing.Request.Session.
+	Session string
 	// Replica, when set, is the only replica that can serve the request
 	// (it holds the state the request continues): no other replica and no
 	// fallback is tried. StoredBy names what that state is, for the 404
@@ -227,6 +231,7 @@ func (p *Plan) Decide(in *Input) error {
 	snap, ms, model := in.Snapshot, &in.ModelSettings, in.Model
 	p.Request.Now = in.Now
 	p.Request.Model = model
+	p.Request.Session = SessionKey(in.Session)
 	if ms.Base != "" {
 		p.Request.Model = ms.Base // an adapter computes as its base model
 	}
@@ -570,4 +575,18 @@ func (p *Plan) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
 		snap.MatchPrefix(p.sizeKeys, p.matchAll)
 		p.Candidates[i].MatchedTokens = p.cacheable(p.matchAll[p.snapIdx[i]], r.BlockSize)
 	}
+}
+
+// SessionKey is the routing.Request.Session of a session id: the same on
+// every router (FNV-1a, mixed), never 0, which means none; 0 for "".
+func SessionKey(id string) uint64 {
+	if id == "" {
+		return 0
+	}
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(id))
+	if k := blockkey.Remix(h.Sum64()); k != 0 {
+		return k
+	}
+	return 1
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 
 	"github.com/rs/zerolog"
@@ -71,6 +72,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
 
 		NoDataParallelHeader: b.NoDataParallelHeader,
+		SessionHeaders:       sessionHeaders(c.SessionHeaders),
 		AdminToken:           b.AdminToken,
 		AdminOpen:            b.AdminOpen,
 		Models:               map[string]gateway.Model{},
@@ -225,4 +227,13 @@ func (b *Builder) Apply(g *gateway.Gateway, c *Config) error {
 	b.Table.RemoveStatic(keep)
 	g.Apply(s)
 	return nil
+}
+
+// sessionHeaders is the configured list as the gateway takes it: nil for
+// its defaults, empty for none.
+func sessionHeaders(list []string) []string {
+	if len(list) == 1 && strings.EqualFold(list[0], "none") {
+		return []string{}
+	}
+	return list
 }

@@ -66,6 +66,10 @@ type Config struct {
 	// ResumeStreams continues a stream that breaks mid-answer at the next
 	// replica, from the text already sent (nil: the flag's setting).
 	ResumeStreams *bool `yaml:"resume_streams"`
+	// SessionHeaders are the request headers naming a client's session, a
+	// placement hint (empty: gateway.DefaultSessionHeaders; ["none"]: no
+	// hints).
+	SessionHeaders []string `yaml:"session_headers"`
 
 	// empty is set by Parse for a document with nothing in it (whitespace
 	// and comments): the reloader refuses it.
@@ -314,6 +318,9 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.ResumeStreams != nil {
 		out.ResumeStreams = file.ResumeStreams
+	}
+	if len(file.SessionHeaders) > 0 {
+		out.SessionHeaders = file.SessionHeaders
 	}
 	if len(file.Selection) > 0 {
 		out.Selection = file.Selection

@@ -38,6 +38,9 @@ type Flags struct {
 	MaxPrefixBytes  int
 	MaxAttempts     int
 	ResumeStreams   bool
+	// SessionHeaders: comma-separated request headers naming a client's
+	// session ("" : the defaults, "none": no session hints).
+	SessionHeaders string
 	// FlowControl holds requests in the router while the fleet is saturated.
 	FlowControl bool
 	// FlowMaxEngineQueue bounds the predicted wait at the best replica
@@ -53,6 +56,13 @@ type Flags struct {
 func FromFlags(f Flags) (*Config, error) {
 	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxPrefixBytes: f.MaxPrefixBytes, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
 		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl, MaxEngineQueue: f.FlowMaxEngineQueue, MaxInflightPerReplica: f.FlowMaxInflightPerReplica}}
+	if f.SessionHeaders != "" {
+		for _, h := range strings.Split(f.SessionHeaders, ",") {
+			if h = strings.TrimSpace(h); h != "" {
+				c.SessionHeaders = append(c.SessionHeaders, h)
+			}
+		}
+	}
 	model := func(name string) *Model {
 		for i := range c.Models {
 			if c.Models[i].Name == name {
