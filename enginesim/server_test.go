@@ -578,7 +578,7 @@ func FuzzHandler(f *testing.F) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go srv.Run(ctx)
-	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize", readPath, notifyPath}
+	paths := []string{"/v1/completions", "/v1/chat/completions", "/tokenize", readPath, notifyPath, "/v1/responses", "/v1/messages"}
 	for _, seed := range []string{
 		`{"prompt":"hello there","max_tokens":3}`,
 		`{"prompt":[1,2,3],"max_tokens":2,"model":"m"}`,
@@ -587,6 +587,8 @@ func FuzzHandler(f *testing.F) {
 		`{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}`,
 		`{"prompt":"hello there","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"remote_block_ids":null}}`,
 		`{"remote_engine_id":"x","remote_request_id":"1","remote_block_ids":[0,1]}`,
+		`{"input":[{"type":"message","role":"user","content":"hi"}],"max_output_tokens":2,"previous_response_id":"resp_1"}`,
+		`{"model":"m","max_tokens":2,"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}`,
 	} {
 		for i := range paths {
 			f.Add(uint8(i), []byte(seed))

@@ -128,12 +128,11 @@ func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
 		return fmt.Sprintf(`{"model":"sim","system":%q,"messages":[%s],"max_tokens":4,"stream":%v}`, system, strings.Join(items, ","), stream)
 	}
 	for _, api := range []struct {
-		path   string
-		body   func([]string, bool) string
-		cached func(t *testing.T, body string, stream bool) int
+		path string
+		body func([]string, bool) string
 	}{
-		{"/v1/responses", responses, responsesCached},
-		{"/v1/messages", messages, messagesCached},
+		{"/v1/responses", responses},
+		{"/v1/messages", messages},
 	} {
 		t.Run(api.path, func(t *testing.T) {
 			history := []string{"Read main.go and tell me what it does."}
@@ -144,7 +143,7 @@ func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
 				if res.status != 200 {
 					t.Fatalf("turn %d: %d %s", i, res.status, res.body)
 				}
-				engineCached := api.cached(t, res.body, stream)
+				engineCached := engineCached(t, res.body, stream)
 				predicted, _ := strconv.Atoi(res.header["x-kvmesh-cached-tokens"])
 				if i > 0 && (predicted != engineCached || predicted == 0 || res.header["x-kvmesh-mode"] != "prefix" || res.header["x-kvmesh-replica"] != home) {
 					t.Fatalf("turn %d (stream %v): predicted %d cached at %s (%s), the engine reports %d; home %s",
@@ -172,40 +171,28 @@ func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
 	}
 }
 
-// responsesCached reads the engine's cached tokens from a Responses answer
-// as the client received it.
-func responsesCached(t *testing.T, body string, stream bool) int {
+// engineCached reads the engine's cached tokens from a Responses or a
+// Messages answer as the client received it: the usage of the body, or of
+// the stream's last event (response.completed, message_delta).
+func engineCached(t *testing.T, body string, stream bool) int {
 	t.Helper()
-	if stream {
+	if stream && strings.Contains(body, "event: response.completed") {
 		body = lastEventData(t, body, "response.completed", "response")
+	} else if stream {
+		body = lastEventData(t, body, "message_delta", "")
 	}
 	var v struct {
 		Usage struct {
 			InputTokensDetails struct {
 				CachedTokens int `json:"cached_tokens"`
 			} `json:"input_tokens_details"`
-		} `json:"usage"`
-	}
-	if err := json.Unmarshal([]byte(body), &v); err != nil {
-		t.Fatalf("%v: %s", err, body)
-	}
-	return v.Usage.InputTokensDetails.CachedTokens
-}
-
-func messagesCached(t *testing.T, body string, stream bool) int {
-	t.Helper()
-	if stream {
-		body = lastEventData(t, body, "message_delta", "")
-	}
-	var v struct {
-		Usage struct {
 			CacheRead int `json:"cache_read_input_tokens"`
 		} `json:"usage"`
 	}
 	if err := json.Unmarshal([]byte(body), &v); err != nil {
 		t.Fatalf("%v: %s", err, body)
 	}
-	return v.Usage.CacheRead
+	return v.Usage.InputTokensDetails.CachedTokens + v.Usage.CacheRead
 }
 
 // lastEventData returns the data of the stream's event typ (its field
@@ -238,4 +225,40 @@ func metricValue(m, name string) string {
 		}
 	}
 	return ""
+}
+
+// TestUnconvertibleAgentRequestsGoByLoadUntouched: a Messages body vLLM
+// accepts but the router cannot reproduce (a tool_use block without an id,
+// which vLLM names from the clock), and a Responses follow-up of a response
+// this router did not name, are routed by load with the body as sent; an
+// invalid body is the router's 400.
+func TestUnconvertibleAgentRequestsGoByLoadUntouched(t *testing.T) {
+	got := make(chan string, 4)
+	engine := listen(t, &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		got <- string(ctx.PostBody())
+		ctx.SetContentType("application/json")
+		ctx.SetBodyString(`{"id":"msg_1","type":"message","usage":{"input_tokens":3,"cache_read_input_tokens":0}}`)
+	}})
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: engine, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+	r.table.SetLoad("a", fleet.Load{}, true, now)
+	for _, c := range []struct{ path, body string }{
+		{"/v1/messages", `{"model":"sim","max_tokens":4,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"tool_use","name":"ls","input":{}}]}]}`},
+		{"/v1/responses", `{"model":"sim","input":"go on","previous_response_id":"resp_0123"}`},
+	} {
+		res := r.post(t, c.path, c.body)
+		if res.status != 200 || res.header["x-kvmesh-mode"] != "balance" || res.header["x-kvmesh-prompt-tokens"] != "0" {
+			t.Fatalf("%s: %d %v %s", c.path, res.status, res.header, res.body)
+		}
+		if sent := <-got; sent != c.body {
+			t.Errorf("%s: the engine got %s, want the body as sent", c.path, sent)
+		}
+	}
+	if res := r.post(t, "/v1/messages", `{"model":"sim","messages":[]}`); res.status != 400 || !strings.Contains(res.body, "max_tokens") {
+		t.Errorf("invalid Messages body: %d %s", res.status, res.body)
+	}
+	if len(got) > 0 {
+		t.Errorf("an invalid body reached the engine: %s", <-got)
+	}
 }

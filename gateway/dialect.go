@@ -93,10 +93,12 @@ func storedResponse(body []byte, p *request.Request) (replica string, engineBody
 }
 
 // responsesPrefix starts the stored-response routes vLLM serves:
-// GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel.
+// GET /v1/responses/{id} (?stream=true&starting_after=N replays a
+// background response's events) and POST /v1/responses/{id}/cancel. vLLM
+// serves no DELETE.
 var responsesPrefix = []byte("/v1/responses/")
 
-// serveStored sends a retrieval, deletion or cancellation of a stored
+// serveStored sends a retrieval or cancellation of a stored
 // response to the replica its id names, the engine's id restored in the
 // path, and the ids of the answer rewritten back. An id this router did
 // not issue, or whose replica is gone, is a 404 that says why.
@@ -110,7 +112,7 @@ func (g *Gateway) serveStored(ctx *fasthttp.RequestCtx, path []byte) {
 	id, action, _ := strings.Cut(rest, "/")
 	method := string(ctx.Method())
 	switch {
-	case action == "" && (method == fasthttp.MethodGet || method == fasthttp.MethodDelete):
+	case action == "" && method == fasthttp.MethodGet:
 	case action == "cancel" && method == fasthttp.MethodPost:
 	default:
 		noRoute(ctx)

@@ -19,26 +19,12 @@ func FuzzWriteEvents(f *testing.F) {
 		if cut < 0 || cut > len(in) {
 			cut = len(in) / 2
 		}
+		relaysExactly(t, in, cut, &transcript{}, nil)
+		// Stripping only ever removes whole events.
 		var out bytes.Buffer
 		w := bufio.NewWriter(&out)
 		res := Result{PromptTokens: -1, CachedTokens: -1}
 		done := false
-		tr := &transcript{}
-		tail, err := writeEvents(w, in[:cut], false, &res, &done, tr, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done, tr, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = w.Flush()
-		if got := append(out.Bytes(), tail...); !bytes.Equal(got, in) {
-			t.Fatalf("relayed %q, want %q", got, in)
-		}
-		// Stripping only ever removes whole events.
-		out.Reset()
-		w.Reset(&out)
 		_, _ = writeEvents(w, in, true, &res, &done, &transcript{lead: true}, nil)
 		_ = w.Flush()
 		if out.Len() > len(in) {
@@ -59,4 +45,26 @@ func FuzzUsageFromBody(f *testing.F) {
 			t.Fatalf("%s: got %d,%d", body, p, c)
 		}
 	})
+}
+
+// relaysExactly relays in, cut at cut, as two reads would bring it, and
+// checks that what is written plus the held-back tail is exactly in.
+func relaysExactly(t *testing.T, in []byte, cut int, tr *transcript, dl *dialected) {
+	t.Helper()
+	var out bytes.Buffer
+	w := bufio.NewWriter(&out)
+	res := Result{PromptTokens: -1, CachedTokens: -1}
+	done := false
+	tail, err := writeEvents(w, in[:cut], false, &res, &done, tr, dl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tail, err = writeEvents(w, append(append([]byte(nil), tail...), in[cut:]...), false, &res, &done, tr, dl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = w.Flush()
+	if got := append(out.Bytes(), tail...); !bytes.Equal(got, in) {
+		t.Fatalf("relayed %q, want %q", got, in)
+	}
 }
