@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -260,5 +261,44 @@ func TestUnconvertibleAgentRequestsGoByLoadUntouched(t *testing.T) {
 	}
 	if len(got) > 0 {
 		t.Errorf("an invalid body reached the engine: %s", <-got)
+	}
+}
+
+// TestBrokenAgentStreamsEndInTheirAPIsErrorEvent: a stream that breaks
+// after reaching the client ends with the error event of its API, not a
+// chat completion's.
+func TestBrokenAgentStreamsEndInTheirAPIsErrorEvent(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 64<<10)
+				_, _ = c.Read(buf) // the request (small: one read)
+				ev := "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3}}}\n\n"
+				_, _ = fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s", len(ev)+100, ev)
+			}()
+		}
+	}()
+	r := newRouter(t, Settings{}, 1<<20)
+	now := time.Now()
+	r.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: "http://" + ln.Addr().String(), Protocol: fleet.ProtocolVLLM}, now)
+	r.table.SetLoad("a", fleet.Load{}, true, now)
+	for path, want := range map[string]string{
+		"/v1/messages":  `event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":"upstream stream broken: `,
+		"/v1/responses": `event: error` + "\n" + `data: {"type":"error","code":"upstream_error","message":"upstream stream broken: `,
+	} {
+		res := r.post(t, path, `{"model":"sim","max_tokens":4,"stream":true,"input":"hi","messages":[{"role":"user","content":"hi"}]}`)
+		if res.status != 200 || !strings.HasPrefix(res.body, "event: message_start\n") || !strings.Contains(res.body, want) || strings.Contains(res.body, "[DONE]") {
+			t.Errorf("%s: %d %q, want it to end with %q", path, res.status, res.body, want)
+		}
 	}
 }

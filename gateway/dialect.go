@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
@@ -60,6 +61,16 @@ func (d *dialect) Rewrite(i int, b []byte) []byte {
 		return nil
 	}
 	return storedid.Rewrite(b, name)
+}
+
+// StreamError is the error event each API ends a broken stream with:
+// OpenAI's "error" event for Responses, Anthropic's for Messages.
+func (d *dialect) StreamError(msg string) []byte {
+	m, _ := json.Marshal(msg) // a string always marshals
+	if d.kind == request.Messages {
+		return []byte(`event: error` + "\n" + `data: {"type":"error","error":{"type":"api_error","message":` + string(m) + `}}` + "\n\n")
+	}
+	return []byte(`event: error` + "\n" + `data: {"type":"error","code":"upstream_error","message":` + string(m) + `,"param":null}` + "\n\n")
 }
 
 // dialectOf returns the dialect of l's answers, nil for chat completions'.

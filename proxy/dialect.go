@@ -20,6 +20,9 @@ type Dialect interface {
 	// Rewrite returns an answer of target i (a body, or one event's data) as
 	// the client gets it, nil when it is unchanged.
 	Rewrite(i int, b []byte) []byte
+	// StreamError is the event that ends a stream broken after it reached
+	// the client, saying msg.
+	StreamError(msg string) []byte
 }
 
 // dialected is a stream's Dialect with what relaying it needs: the target

@@ -18,6 +18,9 @@ func (tagDialect) EventUsage(p []byte) (int, int, bool) {
 	}
 	return -1, -1, false
 }
+func (tagDialect) StreamError(msg string) []byte {
+	return []byte("event: error\ndata: " + msg + "\n\n")
+}
 func (tagDialect) Output(p []byte) bool { return !bytes.Equal(p, []byte("created")) }
 func (tagDialect) Rewrite(i int, b []byte) []byte {
 	if !bytes.Contains(b, []byte("old")) {

@@ -473,7 +473,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 	ended := false
 	defer func() {
 		if v := recover(); v != nil {
-			f.survive(w, v, obs, ended, start)
+			f.survive(w, req, v, obs, ended, start)
 		}
 	}()
 	sent := 0 // events the client has had, over all attempts
@@ -528,7 +528,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 				// The answer was complete; only the end marker was lost.
 				_, _ = w.WriteString("data: [DONE]\n\n")
 			} else {
-				writeStreamError(w, "upstream stream broken: "+res.Err.Error())
+				req.writeStreamError(w, "upstream stream broken: "+res.Err.Error())
 			}
 			_ = w.Flush()
 			return
@@ -559,12 +559,12 @@ func (p *Panic) Unwrap() error {
 // request ends with the router's failure (so its in-flight accounting
 // returns and the observer is released), the client gets the stream's
 // error event, and OnPanic hears of it.
-func (f *Forwarder) survive(w *bufio.Writer, v any, obs Observer, ended bool, start time.Time) {
+func (f *Forwarder) survive(w *bufio.Writer, req *Request, v any, obs Observer, ended bool, start time.Time) {
 	p := &Panic{Value: v, Stack: debug.Stack()}
 	if !ended {
 		obs.End(Result{Err: p, Internal: true, PromptTokens: -1, CachedTokens: -1, Elapsed: time.Since(start)})
 	}
-	writeStreamError(w, "internal error")
+	req.writeStreamError(w, "internal error")
 	_ = w.Flush()
 	if f.OnPanic != nil {
 		f.OnPanic(p.Value, p.Stack)
@@ -869,6 +869,16 @@ func ErrorBody(status int, typ, msg string) []byte {
 func appendJSONString(b []byte, s string) []byte {
 	q, _ := json.Marshal(s) // a string always marshals
 	return append(b, q...)
+}
+
+// writeStreamError ends a broken stream as req's API does: its dialect's
+// error event, or writeStreamError's.
+func (req *Request) writeStreamError(w *bufio.Writer, msg string) {
+	if req.Dialect != nil {
+		_, _ = w.Write(req.Dialect.StreamError(msg))
+		return
+	}
+	writeStreamError(w, msg)
 }
 
 // writeStreamError ends a broken stream the way clients can parse: an error
