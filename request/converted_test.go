@@ -30,6 +30,9 @@ func TestParseConverted(t *testing.T) {
 		{name: "messages", kind: Messages,
 			body:     `{"model":"m","system":"Be brief.","max_tokens":5,"messages":[{"role":"user","content":"Hi"}]}`,
 			messages: `[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]`, maxTokens: "5"},
+		{name: "messages ignore cache_salt, as vLLM does", kind: Messages,
+			body:     `{"model":"m","max_tokens":5,"cache_salt":"s","messages":[{"role":"user","content":"Hi"}]}`,
+			messages: `[{"role":"user","content":"Hi"}]`, maxTokens: "5"},
 		{name: "messages tool_use without id", kind: Messages,
 			body:          `{"model":"m","max_tokens":5,"messages":[{"role":"assistant","content":[{"type":"tool_use","name":"f","input":{}}]}]}`,
 			unconvertible: true},
@@ -60,7 +63,7 @@ func TestParseConverted(t *testing.T) {
 		if string(chat.Messages) != c.messages || !chat.AddGenerationPrompt || chat.AddSpecialTokens || !r.Kind.RendersAsChat() {
 			t.Errorf("%s: chat %s %+v, want %s with a generation prompt and no special tokens", c.name, chat.Messages, chat, c.messages)
 		}
-		if r.Stream != c.stream || string(r.MaxTokens) != c.maxTokens || r.PreviousResponseID != c.previous || r.Model != "m" {
+		if r.Stream != c.stream || string(r.MaxTokens) != c.maxTokens || r.PreviousResponseID != c.previous || r.Model != "m" || r.CacheSalt != "" {
 			t.Errorf("%s: stream %v max %q previous %q model %q", c.name, r.Stream, r.MaxTokens, r.PreviousResponseID, r.Model)
 		}
 	}

@@ -236,6 +236,12 @@ func (r *Request) convert(body []byte) error {
 		r.MaxTokens = strconv.AppendInt(nil, int64(c.MaxOutputTokens), 10)
 	}
 	r.PreviousResponseID = c.PreviousResponseID
+	if r.Kind == Messages {
+		// vLLM's Anthropic handler builds its chat request without the
+		// body's cache_salt (_build_base_request, 0001948b): the engine
+		// keys those blocks unsalted.
+		r.CacheSalt = ""
+	}
 	return nil
 }
 
