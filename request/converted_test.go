@@ -1,6 +1,7 @@
 package request
 
 import (
+	"encoding/json"
 	"errors"
 	"testing"
 
@@ -67,4 +68,28 @@ func TestParseConverted(t *testing.T) {
 			t.Errorf("%s: stream %v max %q previous %q model %q", c.name, r.Stream, r.MaxTokens, r.PreviousResponseID, r.Model)
 		}
 	}
+}
+
+// FuzzParseConverted: any body to /v1/responses or /v1/messages is a
+// request error or a request, never a panic; a request is either routed
+// by load (Unconvertible) or holds a JSON array of messages to render.
+func FuzzParseConverted(f *testing.F) {
+	f.Add([]byte(`{"model":"m","instructions":"x","input":[{"type":"message","role":"user","content":"hi"},{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}]}`), true)
+	f.Add([]byte(`{"model":"m","max_tokens":3,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"r"}]}]}`), false)
+	f.Fuzz(func(t *testing.T, body []byte, responses bool) {
+		k := Messages
+		if responses {
+			k = Responses
+		}
+		p, err := Parse(body, k)
+		if err != nil {
+			if _, ok := err.(*Error); !ok {
+				t.Fatalf("error of type %T", err)
+			}
+			return
+		}
+		if p.Unconvertible == nil && (len(p.Messages) == 0 || p.Messages[0] != '[' || !json.Valid(p.Messages)) {
+			t.Fatalf("messages %q from %q", p.Messages, body)
+		}
+	})
 }
