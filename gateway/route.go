@@ -85,7 +85,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 			body, strip = b, true
 		}
 	}
-	if s.Models[p.Model].EnginePriority && k != request.Passthrough {
+	// vLLM's Anthropic handler builds its chat request without a priority
+	// (_build_base_request, 0001948b): a Messages body gets none.
+	if s.Models[p.Model].EnginePriority && k != request.Passthrough && k != request.Messages {
 		if b, err := request.WithPriority(body, enginePriority(l.priority)); err == nil {
 			body = b
 		}
