@@ -165,6 +165,7 @@ func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
 	if predicted == "" || predicted == "0" || predicted != actual {
 		t.Errorf("predicted cached tokens %s, the engines reported %s", predicted, actual)
 	}
+	t.Logf("cached tokens over 8 turns: predicted %s, engines %s", predicted, actual)
 	for _, want := range []string{`kvmesh_router_routes_total{mode="prefix"} 7`, `kvmesh_router_routes_total{mode="cold"} 1`, `kvmesh_router_cost_model_observations{model="sim"} 3.99`} {
 		if !strings.Contains(m, want) {
 			t.Errorf("metrics lack %q", want)

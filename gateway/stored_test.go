@@ -65,6 +65,7 @@ func TestStoredResponsesFollowedThroughTwoRouters(t *testing.T) {
 	if followed != conversations*(turns-1) {
 		t.Fatalf("%d follow-ups found their stored response, want %d", followed, conversations*(turns-1))
 	}
+	t.Logf("%d of %d follow-ups through 2 routers found their stored response", followed, conversations*(turns-1))
 	for _, r := range routers {
 		got := r.get(t, "/v1/responses/"+last.id)
 		if got.status != 200 || got.header["x-kvmesh-replica"] != last.replica || responseID(t, got.body, false) != last.id {
