@@ -1,6 +1,7 @@
 package storedid
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 )
@@ -69,5 +70,30 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("%q → %q %q → %q", s, r, eid, again)
 		}
 		_ = Rewrite([]byte(`{"id":"`+s+`"}`), r)
+	})
+}
+
+// FuzzRewrite: any answer is safe to rewrite, a valid JSON one stays valid
+// JSON, and every id it wrote decodes back to the replica.
+func FuzzRewrite(f *testing.F) {
+	f.Add([]byte(`{"id":"resp_1","output":[{"id":"msg_1","text":"\"id\":\"resp_2\""}],"previous_response_id":"resp_3"}`))
+	f.Add([]byte(`{"id" : "resp_a-b_c"}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		out := Rewrite(b, "r")
+		if out == nil {
+			return
+		}
+		if json.Valid(b) && !json.Valid(out) {
+			t.Fatalf("%s became %s", b, out)
+		}
+		for _, part := range strings.Split(string(out), `"resp_kvm`)[1:] {
+			id := "resp_kvm" + part[:strings.IndexByte(part+`"`, '"')]
+			if strings.Contains(string(b), id) {
+				continue // in the answer as it came
+			}
+			if r, _, ok := Decode(id); !ok || r != "r" {
+				t.Fatalf("%q in %s does not name the replica", id, out)
+			}
+		}
 	})
 }
