@@ -433,6 +433,9 @@ func (g *Gateway) fail(ctx *fasthttp.RequestCtx, err error) {
 		label = "forbidden"
 	case 404:
 		label = "unknown_model"
+		if re.Type == "invalid_request_error" { // the stored-response 404s (dialect.go, plan)
+			label = "stored_response_not_found"
+		}
 	case 503:
 		label = "no_replica"
 		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")

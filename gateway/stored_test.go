@@ -100,6 +100,9 @@ func TestStoredResponsesFollowedThroughTwoRouters(t *testing.T) {
 			t.Errorf("%s %s with its replica gone: %d %s", c.method, c.path, got.status, got.body)
 		}
 	}
+	if m := routers[1].get(t, "/metrics").body; metricValue(m, `kvmesh_router_errors_total{type="stored_response_not_found"}`) != "2" {
+		t.Errorf("the two 404s are not counted as stored_response_not_found")
+	}
 }
 
 // responseID reads the id of a Responses answer: the body's, or for a
