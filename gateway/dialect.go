@@ -25,6 +25,7 @@ type dialect struct {
 	replica func(i int) string
 }
 
+// BodyUsage implements proxy.Dialect.
 func (d *dialect) BodyUsage(body []byte) (prompt, cached int) {
 	if d.kind == request.Messages {
 		return chatconv.MessagesUsage(body)
@@ -32,6 +33,7 @@ func (d *dialect) BodyUsage(body []byte) (prompt, cached int) {
 	return chatconv.ResponsesUsage(body)
 }
 
+// EventUsage implements proxy.Dialect.
 func (d *dialect) EventUsage(payload []byte) (prompt, cached int, ok bool) {
 	if d.kind == request.Messages {
 		return chatconv.MessagesEventUsage(payload)
@@ -39,7 +41,7 @@ func (d *dialect) EventUsage(payload []byte) (prompt, cached int, ok bool) {
 	return chatconv.ResponsesEventUsage(payload)
 }
 
-// Output: vLLM opens a Responses stream with response.created and
+// Output implements proxy.Dialect: vLLM opens a Responses stream with response.created and
 // response.in_progress before prefill; the events after them come with
 // output. A Messages stream starts (message_start) with the first chunk
 // of output.
@@ -52,6 +54,7 @@ func (d *dialect) Output(payload []byte) bool {
 		!bytes.Contains(payload, []byte(`"type":"response.queued"`))
 }
 
+// Rewrite implements proxy.Dialect.
 func (d *dialect) Rewrite(i int, b []byte) []byte {
 	if d.kind != request.Responses {
 		return nil
@@ -89,7 +92,7 @@ func (l *ledger) dialectOf(k request.Kind) proxy.Dialect {
 // storedResponse reads the stored response a Responses body continues:
 // the replica named in its previous_response_id and the body with the
 // engine's own id put back. ok is false for a body continuing none, or an
-// id this router's kind did not issue (routed as any other request).
+// id no router issued (routed as any other request).
 func storedResponse(body []byte, p *request.Request) (replica string, engineBody []byte, ok bool) {
 	if p.Kind != request.Responses || p.PreviousResponseID == "" {
 		return "", nil, false
@@ -98,7 +101,8 @@ func storedResponse(body []byte, p *request.Request) (replica string, engineBody
 	if !ok {
 		return "", nil, false
 	}
-	// An id from Encode needs no JSON escaping: it is sent verbatim.
+	// Decode takes only ids made of bytes JSON never escapes: the body
+	// spells this one as it is.
 	engineBody = bytes.ReplaceAll(body, []byte(`"`+p.PreviousResponseID+`"`), []byte(`"`+engineID+`"`))
 	return replica, engineBody, true
 }

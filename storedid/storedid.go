@@ -37,10 +37,11 @@ func Encode(replica, engineID string) (string, bool) {
 }
 
 // Decode returns the replica an id from Encode names and the engine's own
-// id; ok is false for any other id.
+// id; ok is false for any other id, and for one with a byte no engine id
+// has (such an id is then spelled the same in any JSON that carries it).
 func Decode(id string) (replica, engineID string, ok bool) {
 	rest, mine := strings.CutPrefix(id, marker)
-	if !mine {
+	if !mine || strings.IndexFunc(rest, func(r rune) bool { return r > 0x7f || !idByte(byte(r)) }) >= 0 {
 		return "", "", false
 	}
 	name, tail, found := strings.Cut(rest, "_")

@@ -24,7 +24,7 @@ func TestEncodeDecode(t *testing.T) {
 			t.Errorf("an id naming a replica was named again: %q", again)
 		}
 	}
-	for _, id := range []string{"resp_0123", "chatcmpl-1", "resp_kvm", "resp_kvm_x", "resp_kvmzz_x", ""} {
+	for _, id := range []string{"resp_0123", "chatcmpl-1", "resp_kvm", "resp_kvm_x", "resp_kvmzz_x", "", "resp_kvmc4_a\"b", "resp_kvmc4_a b"} {
 		if _, _, ok := Decode(id); ok {
 			t.Errorf("Decode(%q) took it for one of ours", id)
 		}
