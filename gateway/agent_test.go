@@ -166,7 +166,8 @@ func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
 		t.Errorf("predicted cached tokens %s, the engines reported %s", predicted, actual)
 	}
 	t.Logf("cached tokens over 8 turns: predicted %s, engines %s", predicted, actual)
-	for _, want := range []string{`kvmesh_router_routes_total{mode="prefix"} 7`, `kvmesh_router_routes_total{mode="cold"} 1`, `kvmesh_router_cost_model_observations{model="sim"} 3.99`} {
+	for _, want := range []string{`kvmesh_router_routes_total{mode="prefix"} 7`, `kvmesh_router_routes_total{mode="cold"} 1`, `kvmesh_router_cost_model_observations{model="sim"} 3.99`,
+		`kvmesh_router_endpoint_requests_total{endpoint="responses"} 4`, `kvmesh_router_endpoint_requests_total{endpoint="messages"} 4`, `kvmesh_router_endpoint_requests_total{endpoint="chat_completions"} 0`} {
 		if !strings.Contains(m, want) {
 			t.Errorf("metrics lack %q", want)
 		}

@@ -223,6 +223,9 @@ func (l *ledger) End(r proxy.Result) {
 	if served {
 		m.tenantTokens.WithLabelValues(l.tenant.Name).Add(float64(tokens))
 		m.routed(t.Mode).Inc()
+		if l.req != nil && int(l.req.Kind) < len(m.byEndpoint) {
+			m.byEndpoint[l.req.Kind].Inc()
+		}
 		if t.PredictedCached > 0 {
 			m.prefixHits.Inc()
 		}

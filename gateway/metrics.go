@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/costfit"
+	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
 )
 
@@ -36,6 +37,7 @@ type metrics struct {
 	tenantTokens    *prometheus.CounterVec
 	quotaIsolated   prometheus.Counter
 	sessions        *prometheus.CounterVec
+	byEndpoint      [request.Messages + 1]prometheus.Counter // kvmesh_router_endpoint_requests_total's children, by request kind
 	handler         fasthttp.RequestHandler
 
 	mu sync.Mutex
@@ -57,6 +59,11 @@ func newMetrics(g *Gateway) *metrics {
 	m.promptsCut = f.counter("kvmesh_router_prompts_cut_total", "Prompts longer than the window first tokenized (8 bytes per max_prefix_tokens token): matched on their exact leading tokens, the rest counted by estimate.")
 	m.promptsTooLong = f.counter("kvmesh_router_prompts_too_long_total", "Prompts routed by load because their leading tokens could not be found within max_prefix_bytes (no word end to cut at, or a chat template not known to render in order).")
 	m.sessions = f.counterVec("kvmesh_router_session_requests_total", "Served requests that named a session (a session header), by placement: home (the session's home replica, kept within the cost rule's slack) or elsewhere.", "placement")
+	endpoints := f.counterVec("kvmesh_router_endpoint_requests_total", "Requests served, by API: chat_completions, completions, responses, messages, or other (an engine endpoint passed through by load).", "endpoint")
+	for k, name := range map[request.Kind]string{request.Chat: "chat_completions", request.Completion: "completions",
+		request.Responses: "responses", request.Messages: "messages", request.Passthrough: "other"} {
+		m.byEndpoint[k] = endpoints.WithLabelValues(name)
+	}
 	for _, placement := range []string{"home", "elsewhere"} {
 		m.sessions.WithLabelValues(placement)
 	}
