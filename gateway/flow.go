@@ -141,7 +141,7 @@ type flowGate struct {
 	// table it looked at.
 	pushed   bool
 	lastSnap *fleet.Snapshot
-	expired []*flowcontrol.Ticket[*waiter]
+	expired  []*flowcontrol.Ticket[*waiter]
 
 	quotaMu sync.Mutex
 	quota   *quota.Ledger
