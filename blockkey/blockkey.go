@@ -82,3 +82,16 @@ func Remix(x uint64) uint64 {
 	x ^= x >> 31
 	return x
 }
+
+// TierSalt is the constant that marks keys of blocks held on medium (an
+// offload tier such as "CPU" or "DISK", upper case) and on no GPU: Tiered
+// mixes it into a key. Salting keeps a sidecar's one filter for every tier,
+// and makes a tier's key unrelated to the GPU key of the same block, so a
+// router that knows no tiers never mistakes one for the other.
+func TierSalt(medium string) uint64 {
+	return xxhash.Sum64String("kvmesh-tier\x00" + medium)
+}
+
+// Tiered is the key under which a block of key key is published when it
+// is resident only on the tier salt names (TierSalt).
+func Tiered(key, salt uint64) uint64 { return Remix(key ^ salt) }

@@ -29,6 +29,18 @@
 // that will name them. An honest engine never holds more blocks than its
 // capacity, so a full set means the engine (or whoever speaks for it)
 // misbehaves or removals were lost; Overfull says so until the next clear.
+//
+// Offload tiers (Options.Offload: vLLM's OffloadingConnector and LMCache
+// publish blocks on "CPU" and disk media) are kept apart: a key held on a
+// GPU medium is published as itself, and a key held only on an offload
+// tier under blockkey.Tiered(key, blockkey.TierSalt(medium)), so that the
+// Observer, and the one filter it feeds, tell a router what a hit there
+// costs (a load from host memory, not free, far from a recompute). Salting
+// in the same filter needs no new message kind or second filter stream, a
+// router that knows no tiers simply never finds those keys, and every
+// published key still stands for one block: the filter's size bound holds.
+// A block moving between tiers (evicted from the GPU, still on the host) is
+// one Removed and one Added.
 package residentset
 
 import (
@@ -53,8 +65,14 @@ type Observer interface {
 type Options struct {
 	// Media lists the storage tiers whose blocks count as resident,
 	// compared case-insensitively; an event without a medium is on "GPU".
-	// Empty means GPU only. Events on other media are counted and ignored.
+	// Empty means GPU only. Events on media neither here nor in Offload
+	// are counted and ignored.
 	Media []string
+	// Offload lists the offload tiers, in order of preference (the cheapest
+	// to load from first): their blocks are resident too, and a key held on
+	// no Media tier is published as blockkey.Tiered under the first of
+	// these that holds it. Compared case-insensitively.
+	Offload []string
 	// LoRANames names adapters by the numeric lora_id that vLLM before
 	// v0.14 sends alone. Routers seed an adapter's keys with its name, so
 	// without this map such blocks are keyed by the id and never match.
@@ -115,7 +133,9 @@ type Set struct {
 	loraNames map[int64]string
 
 	tiers     map[tierID]*hashIndex // engine hash → key and stores not yet removed; no empty tier
-	keys      keyCounts             // kvmesh key → resident engine hashes naming it
+	keys      keyCounts             // kvmesh key → resident engine hashes naming it on Media
+	offload   []offloadTier         // the Offload tiers, in order
+	published int                   // keys published (resident on any counted medium)
 	blockSize int
 	stats     Stats
 
@@ -137,6 +157,11 @@ func New(opts Options) *Set {
 	if len(s.media) == 0 {
 		s.media = []string{"GPU"}
 	}
+	for _, m := range opts.Offload {
+		if m = normMedium(m); s.class(m) < 0 {
+			s.offload = append(s.offload, offloadTier{medium: m, salt: blockkey.TierSalt(m)})
+		}
+	}
 	return s
 }
 
@@ -155,6 +180,103 @@ func (s *Set) counts(medium string) bool {
 		}
 	}
 	return false
+}
+
+// offloadTier is one offload medium: its keys, counted as s.keys are.
+type offloadTier struct {
+	medium string
+	salt   uint64
+	keys   keyCounts
+}
+
+// class is where blocks on medium (normalised) count: 0 on Media, j+1 on
+// Offload[j], -1 nowhere.
+func (s *Set) class(medium string) int {
+	if s.counts(medium) {
+		return 0
+	}
+	for j := range s.offload {
+		if s.offload[j].medium == medium {
+			return j + 1
+		}
+	}
+	return -1
+}
+
+func (s *Set) keysOf(class int) *keyCounts {
+	if class == 0 {
+		return &s.keys
+	}
+	return &s.offload[class-1].keys
+}
+
+// publishedAs is the key key is published under, and whether it is.
+func (s *Set) publishedAs(key uint64) (uint64, bool) {
+	if s.keys.contains(key) {
+		return key, true
+	}
+	for j := range s.offload {
+		if t := &s.offload[j]; t.keys.contains(key) {
+			return blockkey.Tiered(key, t.salt), true
+		}
+	}
+	return 0, false
+}
+
+// inc counts one more hash naming key in class and tells obs how that
+// changed what key is published as.
+func (s *Set) inc(class int, key uint64, obs Observer) {
+	kc := s.keysOf(class)
+	if len(s.offload) == 0 {
+		if kc.inc(key) {
+			s.published++
+			obs.Added(key)
+		}
+		return
+	}
+	if kc.contains(key) {
+		kc.inc(key)
+		return
+	}
+	before, was := s.publishedAs(key)
+	kc.inc(key)
+	s.republish(key, before, was, obs)
+}
+
+// dec counts one hash fewer naming key in class, as inc does.
+func (s *Set) dec(class int, key uint64, obs Observer) {
+	kc := s.keysOf(class)
+	if len(s.offload) == 0 {
+		if kc.dec(key) {
+			s.published--
+			obs.Removed(key)
+		}
+		return
+	}
+	if kc.count(key) > 1 {
+		kc.dec(key)
+		return
+	}
+	before, was := s.publishedAs(key)
+	kc.dec(key)
+	s.republish(key, before, was, obs)
+}
+
+// republish tells obs that key, published as before (when was), is now
+// published as publishedAs says.
+func (s *Set) republish(key, before uint64, was bool, obs Observer) {
+	after, is := s.publishedAs(key)
+	if was && is && before == after {
+		return
+	}
+	if was {
+		s.published--
+		obs.Removed(before)
+	}
+	if is {
+		s.published++
+		obs.Added(after)
+	}
 }
 
 type nopObserver struct{}
@@ -195,7 +317,10 @@ func (s *Set) Reset(obs Observer) {
 func (s *Set) clear(obs Observer) {
 	clear(s.tiers)
 	s.keys.reset()
-	s.blocks, s.overfull = 0, false
+	for j := range s.offload {
+		s.offload[j].keys.reset()
+	}
+	s.blocks, s.overfull, s.published = 0, false, 0
 	obs.Cleared()
 }
 
@@ -235,7 +360,8 @@ const taint = 1 << 31
 func (s *Set) store(ev *kvevents.Event, obs Observer) {
 	n := uint64(len(ev.BlockHashes))
 	medium := normMedium(ev.Medium)
-	if !s.counts(medium) {
+	class := s.class(medium)
+	if class < 0 {
 		s.stats.OtherMedia += n
 		return
 	}
@@ -308,7 +434,7 @@ func (s *Set) store(ev *kvevents.Event, obs Observer) {
 				s.stats.Unkeyed += n - uint64(i)
 			}
 		}
-		if !s.add(t, h, key, tainted, obs) {
+		if !s.add(t, class, h, key, tainted, obs) {
 			s.stats.RefusedFull += n - uint64(i)
 			s.overfull = true
 			return
@@ -337,7 +463,7 @@ func (s *Set) lookup(id tierID, h uint64) (key uint64, tainted, ok bool) {
 }
 
 // add stores h in t, or reports false when that needs a slot past MaxBlocks.
-func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) bool {
+func (s *Set) add(t *hashIndex, class int, h, key uint64, tainted bool, obs Observer) bool {
 	if e, ok := t.get(h); ok {
 		s.stats.Duplicates++
 		if e.key() != key || (e.refs&taint != 0) != tainted {
@@ -358,16 +484,15 @@ func (s *Set) add(t *hashIndex, h, key uint64, tainted bool, obs Observer) bool 
 		return true
 	}
 	t.put(h, entry(key, 1))
-	if s.keys.inc(key) {
-		obs.Added(key)
-	}
+	s.inc(class, key, obs)
 	return true
 }
 
 func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 	n := uint64(len(ev.BlockHashes))
 	medium := normMedium(ev.Medium)
-	if !s.counts(medium) {
+	class := s.class(medium)
+	if class < 0 {
 		s.stats.OtherMedia += n
 		return
 	}
@@ -392,8 +517,8 @@ func (s *Set) remove(ev *kvevents.Event, obs Observer) {
 		default:
 			t.del(h)
 			s.blocks--
-			if e.refs&taint == 0 && s.keys.dec(e.key()) {
-				obs.Removed(e.key())
+			if e.refs&taint == 0 {
+				s.dec(class, e.key(), obs)
 			}
 		}
 	}
@@ -410,8 +535,8 @@ func (s *Set) dropIfEmpty(id tierID, t *hashIndex) {
 	}
 }
 
-// Len is the number of resident kvmesh keys.
-func (s *Set) Len() int { return s.keys.len() }
+// Len is the number of resident kvmesh keys, on any counted medium.
+func (s *Set) Len() int { return s.published }
 
 // Blocks is the number of engine hashes held, over every counted medium and
 // group: what MaxBlocks bounds.
@@ -432,10 +557,31 @@ func (s *Set) BlockSize() int { return s.blockSize }
 // Stats returns the event counters.
 func (s *Set) Stats() Stats { return s.stats }
 
-// Contains reports whether key is resident.
+// Contains reports whether key is resident on a Media tier (GPU).
 func (s *Set) Contains(key uint64) bool { return s.keys.contains(key) }
+
+// Published reports the key under which key is published (itself on GPU,
+// blockkey.Tiered for an offload tier only) and whether it is resident.
+func (s *Set) Published(key uint64) (uint64, bool) { return s.publishedAs(key) }
 
 // AppendKeys appends every resident key to dst, once each, in no particular
 // order (a sidecar copies the set under its lock to rebuild a filter outside
 // it).
-func (s *Set) AppendKeys(dst []uint64) []uint64 { return s.keys.appendTo(dst) }
+// Keys resident only on an offload tier are appended as published.
+func (s *Set) AppendKeys(dst []uint64) []uint64 {
+	dst = s.keys.appendTo(dst)
+	for j := range s.offload {
+		t := &s.offload[j]
+		from := len(dst)
+		dst = t.keys.appendTo(dst)
+		kept := from
+		for _, k := range dst[from:] {
+			if p, _ := s.publishedAs(k); p == blockkey.Tiered(k, t.salt) {
+				dst[kept] = p
+				kept++
+			}
+		}
+		dst = dst[:kept]
+	}
+	return dst
+}
