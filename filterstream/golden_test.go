@@ -49,16 +49,21 @@ func goldenMetas() map[string]Meta {
 		"meta-sidecar-dp": {Role: RoleSidecar, Name: "a-dp3", Models: []string{"llama"}, EngineURL: "http://127.0.0.1:8000",
 			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 8,
 			DataParallel: true, DataParallelRank: 3},
+		"meta-sidecar-tiers": {Role: RoleSidecar, Name: "b", Models: []string{"llama"}, EngineURL: "http://127.0.0.1:8001",
+			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers | CapTiers, Epoch: 9,
+			OffloadMedia: []string{"CPU", "DISK"}},
 		"meta-router": {Role: RoleRouter, Name: "r1", SchemeVersion: 1, Capabilities: CapInflightOthers, Epoch: 99},
 	}
 }
 
 // earlierMetas names, for the metadata goldens an earlier build wrote
 // differently, the file holding its bytes: they must still decode to the
-// same values (here: metadata without the data-parallel rank appended).
-var earlierMetas = map[string]string{
-	"meta-sidecar": "meta-sidecar-before-dp",
-	"meta-router":  "meta-router-before-dp",
+// same values (metadata without the data-parallel rank, or without the
+// offload media, appended).
+var earlierMetas = map[string][]string{
+	"meta-sidecar":    {"meta-sidecar-before-dp", "meta-sidecar-before-tiers"},
+	"meta-router":     {"meta-router-before-dp", "meta-router-before-tiers"},
+	"meta-sidecar-dp": {"meta-sidecar-dp-before-tiers"},
 }
 
 // readGolden returns the bytes of testdata/wire/name.hex.
@@ -113,7 +118,7 @@ func TestWireGoldens(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, m) {
 			t.Errorf("%s: decodes to %+v, %v; want %+v", name, got, err, m)
 		}
-		if earlier, ok := earlierMetas[name]; ok {
+		for _, earlier := range earlierMetas[name] {
 			got, err := DecodeMeta(readGolden(t, earlier))
 			if err != nil || !reflect.DeepEqual(got, m) {
 				t.Errorf("%s: decodes to %+v, %v; want %+v", earlier, got, err, m)
@@ -124,7 +129,11 @@ func TestWireGoldens(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n := len(goldenMessages()) + len(goldenMetas()) + len(earlierMetas); len(entries) != n {
+	n := len(goldenMessages()) + len(goldenMetas())
+	for _, files := range earlierMetas {
+		n += len(files)
+	}
+	if len(entries) != n {
 		t.Errorf("testdata/wire holds %d files, the test %d cases", len(entries), n)
 	}
 }
@@ -155,15 +164,26 @@ func TestDecodeIgnoresAppendedFields(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, m) {
 			t.Errorf("%s with appended fields: %+v, %v; want %+v", name, got, err, m)
 		}
-		// Cut just before the data-parallel field (one byte for ranks
-		// under 127), it is an earlier build's metadata, not a record cut
-		// short: the same member without a rank.
-		earlier, without := len(b)-1, m
-		without.DataParallel, without.DataParallelRank = false, 0
+		// Cut just before the offload media, or before the data-parallel
+		// field too (one byte for ranks under 127), it is an earlier
+		// build's metadata, not a record cut short: the same member
+		// without those fields.
+		mediaLen := 1
+		for _, md := range m.OffloadMedia {
+			mediaLen += 1 + len(md)
+		}
+		earlier := map[int]Meta{}
+		noMedia := m
+		noMedia.OffloadMedia = nil
+		earlier[len(b)-mediaLen] = noMedia
+		noDP := noMedia
+		noDP.DataParallel, noDP.DataParallelRank = false, 0
+		earlier[len(b)-mediaLen-1] = noDP
 		for n := range len(b) {
 			got, err := DecodeMeta(b[:n])
+			without, isEarlier := earlier[n]
 			switch {
-			case n == earlier:
+			case isEarlier:
 				if err != nil || !reflect.DeepEqual(got, without) {
 					t.Errorf("%s as an earlier build wrote it: %+v, %v; want %+v", name, got, err, without)
 				}

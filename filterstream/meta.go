@@ -40,6 +40,9 @@ const (
 	// CapTenantUsage: the router reads other routers' per-tenant usage
 	// (KindTenantUsage) to enforce quotas across the cluster.
 	CapTenantUsage
+	// CapTiers: the sidecar publishes blocks held only on an offload tier
+	// (Meta.OffloadMedia) under blockkey.Tiered keys in its filter.
+	CapTiers
 )
 
 const metaVersion = 1
@@ -67,7 +70,18 @@ type Meta struct {
 	// (X-data-parallel-rank).
 	DataParallel     bool
 	DataParallelRank int
+	// OffloadMedia are the offload tiers (upper case, e.g. "CPU") whose
+	// blocks the sidecar's filter holds under blockkey.Tiered keys, in the
+	// order it prefers them (announced with CapTiers).
+	OffloadMedia []string
 }
+
+// MaxOffloadMedia bounds the offload tiers metadata carries, and
+// maxMediumName the length of each name.
+const (
+	MaxOffloadMedia = 8
+	maxMediumName   = 32
+)
 
 // MaxDataParallelRank bounds the rank metadata carries (vLLM's ranks are
 // a few hundred at most).
@@ -113,11 +127,16 @@ func (m *Meta) encode(models []string) []byte {
 		dp = uint64(m.DataParallelRank) + 1
 	}
 	w.uvarint(dp)
+	// Appended field: the offload media, always written (count 0 for none).
+	w.uvarint(uint64(len(m.OffloadMedia)))
+	for _, md := range m.OffloadMedia {
+		w.str(md)
+	}
 	return w.b
 }
 
 // DecodeMeta parses metadata written by Encode, or by a build before the
-// data-parallel rank was appended. Fields appended by later versions are
+// data-parallel rank or the offload media were appended. Fields appended by later versions are
 // ignored.
 func DecodeMeta(b []byte) (Meta, error) {
 	var m Meta
@@ -140,6 +159,12 @@ func DecodeMeta(b []byte) (Meta, error) {
 	if r.err == nil && len(r.b) > 0 { // absent in metadata of earlier builds: not data-parallel
 		if dp := r.int(MaxDataParallelRank + 1); dp > 0 {
 			m.DataParallel, m.DataParallelRank = true, dp-1
+		}
+	}
+	if r.err == nil && len(r.b) > 0 { // absent in metadata of earlier builds: no offload tiers
+		n := r.int(MaxOffloadMedia)
+		for i := 0; i < n && r.err == nil; i++ {
+			m.OffloadMedia = append(m.OffloadMedia, r.str(maxMediumName))
 		}
 	}
 	if r.err != nil {

@@ -193,6 +193,7 @@ func (r *Receiver) Member(name string, meta Meta, now time.Time) (out Output) {
 
 		DataParallel:     meta.DataParallel,
 		DataParallelRank: meta.DataParallelRank,
+		OffloadMedia:     offloadMedia(meta),
 	}, now)
 	if blockSizeChanged && p.mirror.State() != nil {
 		// The table dropped the filter (keys of another block size); the
@@ -538,4 +539,13 @@ func (r *Receiver) Tick(now time.Time) (out Output) {
 		}})
 	}
 	return out
+}
+
+// offloadMedia are the offload tiers a sidecar's filter publishes, none
+// unless it announces CapTiers.
+func offloadMedia(m Meta) []string {
+	if m.Capabilities&CapTiers == 0 {
+		return nil
+	}
+	return m.OffloadMedia
 }

@@ -52,6 +52,10 @@ type Replica struct {
 	// (X-data-parallel-rank). URL is the server's identity.
 	DataParallel     bool
 	DataParallelRank int
+	// OffloadMedia are the offload tiers (e.g. "CPU"), in the order its
+	// sidecar prefers them, whose blocks its filter holds, when no GPU
+	// holds them, under blockkey.Tiered(key, blockkey.TierSalt(medium)).
+	OffloadMedia []string
 	// Filter holds the replica's resident block keys; nil when unknown.
 	// Read it only through Snapshot.MatchPrefix, which handles concurrency.
 	Filter           *bloom.Filter

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
 )
 
@@ -57,6 +58,9 @@ type Info struct {
 	// server at URL (Replica.DataParallel).
 	DataParallel     bool
 	DataParallelRank int
+	// OffloadMedia are the offload tiers its filter holds under
+	// blockkey.Tiered keys (Replica.OffloadMedia).
+	OffloadMedia []string
 }
 
 // Table holds the replicas a router knows, by name. Writers (gossip, config)
@@ -153,6 +157,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 	e.r.Protocol = info.Protocol
 	e.r.KVEvents = info.KVEvents
 	e.r.DataParallel, e.r.DataParallelRank = info.DataParallel, info.DataParallelRank
+	e.r.OffloadMedia = slices.Clone(info.OffloadMedia)
 	if info.BlockSize != e.r.BlockSize {
 		// Keys of another block size mean nothing here: wait for a snapshot.
 		// A size announced for the first time changes nothing: the sidecar
@@ -446,6 +451,25 @@ type Snapshot struct {
 // equal len(Replicas). It does not allocate.
 func (s *Snapshot) MatchPrefix(keys []uint64, matched []int) {
 	bloom.MatchPrefix(keys, s.filters, matched)
+}
+
+// MatchTier continues Replicas[i]'s match of keys past from, on the
+// offload tier salt names (blockkey.TierSalt): it returns how many keys
+// from keys[from] on its filter holds as blockkey.Tiered, 0 for a replica
+// that takes no part in matching. It does not allocate.
+func (s *Snapshot) MatchTier(i int, keys []uint64, from int, salt uint64) int {
+	f := s.filters[i]
+	if f == nil {
+		return 0
+	}
+	n := 0
+	for _, k := range keys[min(from, len(keys)):] {
+		if !f.Test(blockkey.Tiered(k, salt)) {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 // Find returns the index of the named replica, or -1.

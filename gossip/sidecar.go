@@ -26,6 +26,9 @@ type SidecarConfig struct {
 	// the server at EngineURL this sidecar follows (filterstream.Meta).
 	DataParallel     bool
 	DataParallelRank int
+	// OffloadMedia are the offload tiers whose blocks the filter holds
+	// under blockkey.Tiered keys (announced with filterstream.CapTiers).
+	OffloadMedia []string
 	// Filter is the sidecar's filter generations; nil announces a load-only
 	// replica (no KV events).
 	Filter *bloom.Generations
@@ -124,6 +127,10 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 	}
 	if cfg.Filter != nil {
 		s.meta.Capabilities |= filterstream.CapKVEvents
+		if len(cfg.OffloadMedia) > 0 {
+			s.meta.Capabilities |= filterstream.CapTiers
+			s.meta.OffloadMedia = slices.Clone(cfg.OffloadMedia)
+		}
 	}
 	n, err := start(cfg.Config, s.meta)
 	if err != nil {

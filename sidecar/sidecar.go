@@ -71,6 +71,18 @@ type Config struct {
 	// engine's connector reports without a medium that live on another
 	// tier. An honest engine never needs more.
 	ResidentSlack float64
+	// OffloadCapacity is the engine's offload tier in blocks (vLLM's
+	// OffloadingConnector or LMCache holding blocks in host memory; 0:
+	// none, and blocks on media other than GPU are ignored). Blocks held
+	// only there are published under tier-salted keys (residentset's
+	// Options.Offload) so that routers price a hit there as a load; the
+	// exact set and the filter are sized for GPU and offload blocks
+	// together, the filter never past what gossip carries.
+	OffloadCapacity int
+	// OffloadMedia names the offload tiers followed, the cheapest to load
+	// from first (default CPU, the medium vLLM's OffloadingConnector
+	// publishes); used only with OffloadCapacity.
+	OffloadMedia []string
 	// MaxKVGroups bounds the KV-cache groups (group_idx) followed (default
 	// residentset.DefaultMaxGroups).
 	MaxKVGroups int
@@ -229,6 +241,17 @@ func (c *Config) withDefaults() error {
 	if c.MaxKVGroups <= 0 {
 		c.MaxKVGroups = residentset.DefaultMaxGroups
 	}
+	if c.OffloadCapacity < 0 {
+		return fmt.Errorf("sidecar: --offload-capacity %d: want blocks ≥ 0", c.OffloadCapacity)
+	}
+	if c.OffloadCapacity == 0 {
+		c.OffloadMedia = nil
+	} else {
+		var err error
+		if c.OffloadMedia, err = offloadMedia(c.OffloadMedia); err != nil {
+			return err
+		}
+	}
 	if c.DataParallel && (c.DataParallelRank < 0 || c.DataParallelRank > filterstream.MaxDataParallelRank) {
 		return fmt.Errorf("sidecar: --data-parallel-rank %d: want 0..%d", c.DataParallelRank, filterstream.MaxDataParallelRank)
 	}
@@ -259,8 +282,8 @@ func New(cfg Config) (*Sidecar, error) {
 		rankLog:       sampled(),
 		maxFilterKeys: maxKeys,
 		client:        &http.Client{Timeout: 2 * time.Second},
-		set: residentset.New(residentset.Options{LoRANames: cfg.LoRANames,
-			MaxBlocks: withSlack(cfg.Capacity, cfg.ResidentSlack), MaxGroups: cfg.MaxKVGroups}),
+		set: residentset.New(residentset.Options{LoRANames: cfg.LoRANames, Offload: cfg.OffloadMedia,
+			MaxBlocks: withSlack(cfg.Capacity+cfg.OffloadCapacity, cfg.ResidentSlack), MaxGroups: cfg.MaxKVGroups}),
 		clearReq: make(chan struct{}, 1), rebuildReq: make(chan struct{}, 1),
 	}
 	s.gens = s.newGenerations(time.Now(), 1)
@@ -281,7 +304,7 @@ func (s *Sidecar) kvEvents() bool { return s.cfg.KVEvents != "" || s.cfg.KVEvent
 
 func (s *Sidecar) newGenerations(now time.Time, first uint64) *bloom.Generations {
 	return bloom.NewGenerations(bloom.GenerationConfig{
-		Capacity:        s.cfg.Capacity,
+		Capacity:        min(s.cfg.Capacity+s.cfg.OffloadCapacity, s.maxFilterKeys),
 		MaxKeys:         s.maxFilterKeys,
 		FPRate:          s.cfg.FilterFPR,
 		MaxDeltaKeys:    150, // one delta per ~1.3 KB datagram
@@ -313,6 +336,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 
 		DataParallel:     s.cfg.DataParallel,
 		DataParallelRank: s.cfg.DataParallelRank,
+		OffloadMedia:     s.cfg.OffloadMedia,
 	}
 	if s.kvEvents() {
 		scfg.Filter = s.gens
@@ -658,7 +682,25 @@ func (s *Sidecar) residentLimitLocked() int {
 	if c <= 0 {
 		c = s.cfg.Capacity
 	}
-	return withSlack(c, s.cfg.ResidentSlack)
+	return withSlack(c+s.cfg.OffloadCapacity, s.cfg.ResidentSlack)
+}
+
+// offloadMedia normalises --offload-media: upper case, no repeats, CPU
+// when none is named, at most filterstream.MaxOffloadMedia.
+func offloadMedia(media []string) ([]string, error) {
+	var out []string
+	for _, m := range media {
+		if m = strings.ToUpper(strings.TrimSpace(m)); m != "" && m != "GPU" && !slices.Contains(out, m) {
+			out = append(out, m)
+		}
+	}
+	if len(out) == 0 {
+		out = []string{"CPU"}
+	}
+	if len(out) > filterstream.MaxOffloadMedia {
+		return nil, fmt.Errorf("sidecar: --offload-media: %d media, at most %d", len(out), filterstream.MaxOffloadMedia)
+	}
+	return out, nil
 }
 
 // engineCapacity bounds the exact set by the capacity the engine reports

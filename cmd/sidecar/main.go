@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -33,10 +34,10 @@ func main() {
 func run(args []string) error {
 	fs := flag.NewFlagSet("sidecar", flag.ContinueOnError)
 	var (
-		cfg     sidecar.Config
-		member  memberflags.Flags
-		loraIDs string
-		dpRank  int
+		cfg                   sidecar.Config
+		member                memberflags.Flags
+		loraIDs, offloadMedia string
+		dpRank                int
 	)
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "engine base URL")
@@ -54,6 +55,8 @@ func run(args []string) error {
 	fs.Float64Var(&cfg.FilterFPR, "filter-fpr", 0.01, "Bloom filter target false-positive rate")
 	fs.IntVar(&cfg.Capacity, "capacity", 65536, "engine KV capacity in blocks: sizes the filter (refused if gossip cannot carry it) and bounds the exact set until the engine reports its num_gpu_blocks")
 	fs.Float64Var(&cfg.ResidentSlack, "resident-slack", 0.25, "fraction of the engine's capacity the exact set may hold beyond it before refusing stores")
+	fs.IntVar(&cfg.OffloadCapacity, "offload-capacity", 0, "engine's offload tier (host memory: vLLM's OffloadingConnector, LMCache) in blocks: blocks held only there are published apart, for routers to price as a load; 0: blocks on media other than GPU are ignored")
+	fs.StringVar(&offloadMedia, "offload-media", "CPU", "offload tiers followed with --offload-capacity (comma list, cheapest to load from first), as the engine's events name them")
 	fs.IntVar(&cfg.MaxKVGroups, "max-kv-groups", residentset.DefaultMaxGroups, "KV-cache groups (group_idx 0..N-1) followed; events of others are refused")
 	fs.IntVar(&dpRank, "data-parallel-rank", -1, "data-parallel rank of the engine server (--engine, shared by its ranks) this sidecar follows: --kv-events is that rank's port, its /metrics samples are read and routers send X-data-parallel-rank with it; -1: the engine is not data-parallel")
 	fs.StringVar(&loraIDs, "lora-ids", "", "NAME=ID,...: LoRA adapter names for the numeric ids vLLM before v0.14 sends alone")
@@ -76,6 +79,7 @@ func run(args []string) error {
 		return fmt.Errorf("--data-parallel-rank %d: want a rank ≥ 0, or -1 for none", dpRank)
 	}
 	cfg.DataParallel, cfg.DataParallelRank = dpRank >= 0, dpRank
+	cfg.OffloadMedia = strings.Split(offloadMedia, ",")
 	if cfg.LoRANames, err = sidecar.ParseLoRAIDs(loraIDs); err != nil {
 		return err
 	}
