@@ -91,6 +91,9 @@ type Settings struct {
 	// predicted. For measuring what naming the rank is worth, and for
 	// engines that refuse the header.
 	NoDataParallelHeader bool
+	// IgnoreTiers matches only the blocks replicas hold on a GPU, blind to
+	// their offload tiers (--ignore-tiers, plan.Settings.IgnoreTiers).
+	IgnoreTiers bool
 	// ResumeStreams continues a stream that breaks after reaching the
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.
@@ -173,7 +176,7 @@ func (s *Settings) withDefaults() *Settings {
 	if c.SessionHeaders == nil {
 		c.SessionHeaders = DefaultSessionHeaders
 	}
-	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts}
+	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts, IgnoreTiers: c.IgnoreTiers}
 	c.planModels = make(map[string]plan.Model, len(c.Models))
 	for name, ms := range c.Models {
 		pm := plan.Model{Tokenizer: c.tokenizer(ms), Adapter: ms.Adapter, Base: ms.Base, SpillAfter: ms.SpillAfter}

@@ -174,6 +174,7 @@ func (l *ledger) Header(i int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrMode, []byte(t.Mode))
 	h.SetCanonical(hdrPromptTokens, strconv.AppendInt(l.hdrBuf[:0], int64(l.plan.Prompt.Tokens), 10))
 	h.SetCanonical(hdrCachedTokens, strconv.AppendInt(l.hdrBuf[:0], int64(t.PredictedCached), 10))
+	h.SetCanonical(hdrOffloadedTokens, strconv.AppendInt(l.hdrBuf[:0], int64(t.PredictedOffloaded), 10))
 	if t.Picked && l.plan.Decision.PredictedTTFT > 0 {
 		h.SetCanonical(hdrPredictedTTFT, strconv.AppendInt(l.hdrBuf[:0], l.plan.Decision.PredictedTTFT.Milliseconds(), 10))
 	}
@@ -188,6 +189,9 @@ var (
 	hdrMode         = []byte("X-Kvmesh-Mode")
 	hdrPromptTokens = []byte("X-Kvmesh-Prompt-Tokens")
 	hdrCachedTokens = []byte("X-Kvmesh-Cached-Tokens")
+	// hdrOffloadedTokens is the part of the predicted cached tokens held
+	// only on an offload tier (loaded back, not found on the GPU).
+	hdrOffloadedTokens = []byte("X-Kvmesh-Offloaded-Tokens")
 )
 
 // Retry implements proxy.Observer: attempt i failed, and a later target
@@ -231,6 +235,7 @@ func (l *ledger) End(r proxy.Result) {
 		}
 		m.prompt.Add(float64(l.plan.Prompt.Tokens))
 		m.predicted.Add(float64(t.PredictedCached))
+		m.predictedOffloaded.Add(float64(t.PredictedOffloaded))
 		if r.CachedTokens > 0 {
 			m.actual.Add(float64(r.CachedTokens))
 		}

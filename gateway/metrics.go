@@ -16,29 +16,31 @@ import (
 )
 
 type metrics struct {
-	reg             *prometheus.Registry
-	routes          *prometheus.CounterVec
-	routesByMode    map[routing.Mode]prometheus.Counter // routes' children, looked up without hashing labels
-	prefixHits      prometheus.Counter
-	prompt          prometheus.Counter
-	predicted       prometheus.Counter
-	actual          prometheus.Counter
-	retries         prometheus.Counter
-	errors          *prometheus.CounterVec
-	ejections       *prometheus.CounterVec
-	spills          prometheus.Counter
-	promptsCut      prometheus.Counter
-	promptsTooLong  prometheus.Counter
-	ttft            *prometheus.HistogramVec
-	upstreamLatency *prometheus.HistogramVec
-	queueDepth      *prometheus.GaugeVec
-	queueWait       *prometheus.HistogramVec
-	rejected        *prometheus.CounterVec
-	tenantTokens    *prometheus.CounterVec
-	quotaIsolated   prometheus.Counter
-	sessions        *prometheus.CounterVec
-	byEndpoint      [request.Messages + 1]prometheus.Counter // kvmesh_router_endpoint_requests_total's children, by request kind
-	handler         fasthttp.RequestHandler
+	reg          *prometheus.Registry
+	routes       *prometheus.CounterVec
+	routesByMode map[routing.Mode]prometheus.Counter // routes' children, looked up without hashing labels
+	prefixHits   prometheus.Counter
+	prompt       prometheus.Counter
+	predicted    prometheus.Counter
+	// predictedOffloaded is the part of predicted held only on an offload tier.
+	predictedOffloaded prometheus.Counter
+	actual             prometheus.Counter
+	retries            prometheus.Counter
+	errors             *prometheus.CounterVec
+	ejections          *prometheus.CounterVec
+	spills             prometheus.Counter
+	promptsCut         prometheus.Counter
+	promptsTooLong     prometheus.Counter
+	ttft               *prometheus.HistogramVec
+	upstreamLatency    *prometheus.HistogramVec
+	queueDepth         *prometheus.GaugeVec
+	queueWait          *prometheus.HistogramVec
+	rejected           *prometheus.CounterVec
+	tenantTokens       *prometheus.CounterVec
+	quotaIsolated      prometheus.Counter
+	sessions           *prometheus.CounterVec
+	byEndpoint         [request.Messages + 1]prometheus.Counter // kvmesh_router_endpoint_requests_total's children, by request kind
+	handler            fasthttp.RequestHandler
 
 	mu sync.Mutex
 	// retiredDegradations keeps the count of policies replaced by a reload.
@@ -52,6 +54,7 @@ func newMetrics(g *Gateway) *metrics {
 	m.prefixHits = f.counter("kvmesh_router_prefix_hits_total", "Requests routed to a replica predicted to hold part of their prefix.")
 	m.prompt = f.counter("kvmesh_router_prompt_tokens_total", "Prompt tokens of served requests as the router tokenized them (0 where tokenizing failed): the denominator of the cache hit rates.")
 	m.predicted = f.counter("kvmesh_router_predicted_cached_tokens_total", "Prompt tokens predicted to be cached where requests were sent.")
+	m.predictedOffloaded = f.counter("kvmesh_router_predicted_offloaded_tokens_total", "Part of kvmesh_router_predicted_cached_tokens_total predicted held only on an offload tier (host memory, disk): loaded back, not found on the GPU.")
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")

@@ -76,6 +76,10 @@ type Settings struct {
 	MaxPrefixTokens, MaxPrefixBytes int
 	// MaxAttempts bounds the replicas tried, not counting the fallback.
 	MaxAttempts int
+	// IgnoreTiers matches GPU blocks only, blind to the blocks replicas
+	// hold on offload tiers (as a router that predates tiers): for
+	// comparing tier-priced routing with tier-blind.
+	IgnoreTiers bool
 }
 
 // Input is everything one decision reads.
@@ -115,6 +119,10 @@ type Target struct {
 	// its cache (X-Kvmesh-Cached-Tokens); Uncached the rest, the prefill
 	// it adds to the replica's load until the first byte.
 	PredictedCached, Uncached int
+	// PredictedOffloaded is the part of PredictedCached held only on an
+	// offload tier, loaded back rather than found on the GPU
+	// (X-Kvmesh-Offloaded-Tokens).
+	PredictedOffloaded int
 	// PrefixAware targets are recorded by the policy when the request is
 	// sent to them (routing.Recorder), with the blocks their filter showed
 	// (FilterMatched tokens).
@@ -367,14 +375,14 @@ func noReplica(model string) error {
 func (p *Plan) target(snap *fleet.Snapshot, ci int) Target {
 	c := &p.Candidates[ci]
 	r := &snap.Replicas[p.snapIdx[ci]]
-	matched := 0
+	matched, offloaded := 0, 0
 	if c.PrefixAware {
-		matched = c.MatchedTokens
+		matched, offloaded = c.MatchedTokens, c.OffloadedTokens
 	}
 	mode := p.Decision.Mode
 	picked := ci == p.Decision.Pick
 	if picked {
-		matched = p.Decision.PredictedCachedTokens
+		matched, offloaded = p.Decision.PredictedCachedTokens, p.Decision.PredictedOffloadedTokens
 	} else if mode == routing.ModePrefix && matched == 0 {
 		mode = routing.ModeBalance
 	}
@@ -383,7 +391,7 @@ func (p *Plan) target(snap *fleet.Snapshot, ci int) Target {
 	}
 	t := Target{
 		Replica: p.snapIdx[ci], Fallback: -1, Name: r.Name, Mode: mode,
-		PredictedCached: matched, Uncached: max(p.Prompt.Tokens-matched, 0),
+		PredictedCached: matched, PredictedOffloaded: offloaded, Uncached: max(p.Prompt.Tokens-matched, 0),
 		PrefixAware: c.PrefixAware, FilterMatched: c.MatchedTokens, Stale: r.Stale, Picked: picked,
 	}
 	t.Teaches = p.teaches(&t)
@@ -528,10 +536,10 @@ func (p *Plan) match(in *Input) {
 				otherSize = true
 				continue
 			}
-			p.Candidates[i].MatchedTokens = p.cacheable(p.matchAll[p.snapIdx[i]], bs)
+			p.setMatch(snap, i, p.keys, p.matchAll[p.snapIdx[i]], bs, !in.Settings.IgnoreTiers)
 		}
 		if otherSize {
-			p.matchOtherSizes(snap, ids, bs)
+			p.matchOtherSizes(snap, ids, bs, !in.Settings.IgnoreTiers)
 		}
 	} else {
 		p.Request.BlockSize = 0
@@ -565,7 +573,7 @@ func (p *Plan) cacheable(blocks, bs int) int {
 
 // matchOtherSizes handles replicas whose engines use another block size
 // (rare: a mixed fleet): their keys are computed for their size.
-func (p *Plan) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
+func (p *Plan) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int, tiers bool) {
 	for i := range p.Candidates {
 		r := &snap.Replicas[p.snapIdx[i]]
 		if !p.Candidates[i].PrefixAware || r.BlockSize == done || r.BlockSize <= 0 {
@@ -573,7 +581,30 @@ func (p *Plan) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int) {
 		}
 		p.sizeKeys = blockkey.Append(p.sizeKeys[:0], p.seed, ids, r.BlockSize)
 		snap.MatchPrefix(p.sizeKeys, p.matchAll)
-		p.Candidates[i].MatchedTokens = p.cacheable(p.matchAll[p.snapIdx[i]], r.BlockSize)
+		p.setMatch(snap, i, p.sizeKeys, p.matchAll[p.snapIdx[i]], r.BlockSize, tiers)
+	}
+}
+
+// setMatch sets candidate i's matched tokens from the gpu leading blocks
+// (of bs tokens) of keys its filter holds and, with tiers, the blocks one
+// of its offload tiers holds where those stop (the first of its tiers,
+// in the order its sidecar prefers them, that continues the prefix): a
+// block evicted from the GPU and kept in host memory is loaded back, not
+// computed, and the engine counts it cached.
+func (p *Plan) setMatch(snap *fleet.Snapshot, i int, keys []uint64, gpu, bs int, tiers bool) {
+	c := &p.Candidates[i]
+	si := p.snapIdx[i]
+	c.MatchedTokens, c.OffloadedTokens, c.OffloadMedium = p.cacheable(gpu, bs), 0, ""
+	if !tiers || gpu >= len(keys) || c.MatchedTokens >= p.Request.MaxCachedTokens(bs) {
+		return
+	}
+	for _, m := range snap.Replicas[si].OffloadMedia {
+		if n := snap.MatchTier(si, keys, gpu, blockkey.TierSalt(m)); n > 0 {
+			total := p.cacheable(gpu+n, bs)
+			c.OffloadedTokens, c.OffloadMedium = total-c.MatchedTokens, m
+			c.MatchedTokens = total
+			return
+		}
 	}
 }
 

@@ -57,7 +57,9 @@ type Config struct {
 	// NoDataParallelHeader withholds X-data-parallel-rank from requests to
 	// data-parallel ranks (gateway.Settings.NoDataParallelHeader).
 	NoDataParallelHeader bool
-	MaxBodyBytes         int
+	// IgnoreTiers matches GPU blocks only (gateway.Settings.IgnoreTiers).
+	IgnoreTiers  bool
+	MaxBodyBytes int
 	// PprofListen serves Go profiles ("": off).
 	PprofListen string
 	// TLSCert and TLSKey, both or neither, serve HTTPS; renewed files are
@@ -103,7 +105,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	table := fleet.NewTable(fleet.TableConfig{ForgetOrphanAfter: cfg.OrphanForget})
 	builder := &routerconfig.Builder{Table: table, AdminToken: cfg.AdminToken, AdminOpen: cfg.AdminOpen, EngineAPIKey: cfg.EngineAPIKey,
-		NoDataParallelHeader: cfg.NoDataParallelHeader, Log: log}
+		NoDataParallelHeader: cfg.NoDataParallelHeader, IgnoreTiers: cfg.IgnoreTiers, Log: log}
 	rc := base
 	if cfg.ConfigPath != "" {
 		file, err := routerconfig.Load(cfg.ConfigPath, cfg.ConfigMaxBytes, cfg.ConfigSettle)

@@ -32,6 +32,8 @@ type Builder struct {
 	// NoDataParallelHeader is --no-data-parallel-header
 	// (gateway.Settings.NoDataParallelHeader).
 	NoDataParallelHeader bool
+	// IgnoreTiers is --ignore-tiers (gateway.Settings.IgnoreTiers).
+	IgnoreTiers bool
 	// Log gets a line per tokenizer loaded (the zero Logger: none).
 	Log zerolog.Logger
 
@@ -72,6 +74,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		ResumeStreams:   c.ResumeStreams != nil && *c.ResumeStreams,
 
 		NoDataParallelHeader: b.NoDataParallelHeader,
+		IgnoreTiers:          b.IgnoreTiers,
 		SessionHeaders:       sessionHeaders(c.SessionHeaders),
 		AdminToken:           b.AdminToken,
 		AdminOpen:            b.AdminOpen,

@@ -12,6 +12,8 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"reflect"
+	"strings"
 	"time"
 
 	"gopkg.in/yaml.v3"
@@ -87,6 +89,11 @@ type Routing struct {
 	ImbalanceExit     float64       `yaml:"imbalance_exit"`
 	ImbalanceMinQueue time.Duration `yaml:"imbalance_min_queue"`
 	SpeculativeTTL    time.Duration `yaml:"speculative_ttl"`
+	// OffloadPerToken prices a token loaded back from an offload tier (0:
+	// routing.DefaultOffloadPerToken); OffloadPerTokenByMedium per medium
+	// (keys as the engine's events name them, e.g. CPU).
+	OffloadPerToken         time.Duration            `yaml:"offload_per_token"`
+	OffloadPerTokenByMedium map[string]time.Duration `yaml:"offload_per_token_by_medium"`
 	// Calibrate decides by the cost model fitted per model to measured
 	// times to first token (nil: the flag's setting).
 	Calibrate *bool `yaml:"calibrate"`
@@ -97,8 +104,21 @@ func (r Routing) config() routing.Config {
 		PrefillPerToken: r.PrefillPerToken, PerRunning: r.PerRunning, TokensPerWaiting: r.TokensPerWaiting,
 		LoadBound: r.LoadBound, ColdSlack: r.ColdSlack, ImbalanceEnter: r.ImbalanceEnter,
 		ImbalanceExit: r.ImbalanceExit, ImbalanceMinQueue: r.ImbalanceMinQueue, SpeculativeTTL: r.SpeculativeTTL,
-		Calibrate: r.Calibrate != nil && *r.Calibrate,
+		Calibrate:       r.Calibrate != nil && *r.Calibrate,
+		OffloadPerToken: r.OffloadPerToken, OffloadPerTokenBy: upperKeys(r.OffloadPerTokenByMedium),
 	}
+}
+
+// upperKeys is m with upper-case keys: media are compared so.
+func upperKeys(m map[string]time.Duration) map[string]time.Duration {
+	if m == nil {
+		return nil
+	}
+	out := make(map[string]time.Duration, len(m))
+	for k, v := range m {
+		out[strings.ToUpper(k)] = v
+	}
+	return out
 }
 
 // Model is one served model name (or LoRA adapter).
@@ -295,7 +315,7 @@ func Overlay(base, file *Config) *Config {
 	if file.Policy != "" {
 		out.Policy = file.Policy
 	}
-	if file.Routing != (Routing{}) {
+	if !reflect.ValueOf(file.Routing).IsZero() {
 		out.Routing = file.Routing
 		if file.Routing.Calibrate == nil {
 			out.Routing.Calibrate = base.Routing.Calibrate

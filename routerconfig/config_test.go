@@ -470,3 +470,16 @@ func TestEmptyFileIsNotReloaded(t *testing.T) {
 		}
 	}
 }
+
+// Load costs of offload tiers parse into routing.Config, media in upper
+// case as sidecars announce them.
+func TestOffloadPerTokenParses(t *testing.T) {
+	c, err := Parse([]byte("routing:\n  offload_per_token: 3us\n  offload_per_token_by_medium:\n    disk: 20us\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc := c.Routing.config()
+	if rc.OffloadPerToken != 3*time.Microsecond || len(rc.OffloadPerTokenBy) != 1 || rc.OffloadPerTokenBy["DISK"] != 20*time.Microsecond {
+		t.Fatalf("routing config %+v", rc)
+	}
+}

@@ -20,7 +20,7 @@ func fillOrder(d *Decision, n int) {
 	for i := range n {
 		d.Order = append(d.Order, i)
 	}
-	d.Pick, d.Mode, d.PredictedCachedTokens, d.Degraded, d.Reason = -1, ModeBalance, 0, false, ""
+	d.Pick, d.Mode, d.PredictedCachedTokens, d.PredictedOffloadedTokens, d.Degraded, d.Reason = -1, ModeBalance, 0, 0, false, ""
 	d.PredictedTTFT, d.Queue = 0, 0
 }
 
@@ -211,6 +211,7 @@ func (p prefixPin) Route(req *Request, cands []Candidate, d *Decision) {
 	finish(d, cands, mode)
 	if d.Pick >= 0 {
 		d.PredictedCachedTokens = matched(d.Pick)
+		d.PredictedOffloadedTokens = offloaded(&cands[d.Pick], d.PredictedCachedTokens)
 	}
 	d.Reason = "longest prefix"
 }

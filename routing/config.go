@@ -51,6 +51,15 @@ type Config struct {
 	// by the fit gained nothing and under overload it can feed on itself
 	// (loadtest/README.md).
 	Calibrate bool
+	// OffloadPerToken is the engine time to load one token's KV back from
+	// an offload tier instead of computing it (default 2.6 µs: a Llama-3-8B
+	// token's 128 KiB over PCIe Gen5 x16 at ≈ 50 GB/s of pinned DMA, which
+	// is enginesim's --cpu-load-us-per-token default); OffloadPerTokenBy
+	// sets it per medium (upper case, e.g. "CPU", "DISK"). A hit there is
+	// priced between free (a GPU hit) and recompute: a cost above the
+	// prefill cost counts as the prefill cost.
+	OffloadPerToken   time.Duration
+	OffloadPerTokenBy map[string]time.Duration
 
 	cost costfit.Coefficients // the configured cost model
 }
@@ -66,6 +75,7 @@ func (c Config) withDefaults() Config {
 	def(&c.ColdSlack, 50*time.Millisecond)
 	def(&c.ImbalanceMinQueue, 2*time.Second)
 	def(&c.SpeculativeTTL, 2*time.Second)
+	def(&c.OffloadPerToken, DefaultOffloadPerToken)
 	if c.TokensPerWaiting == 0 {
 		c.TokensPerWaiting = 1024
 	}
@@ -93,9 +103,14 @@ func (c Config) check() error {
 		name string
 		v    time.Duration
 	}{{"prefill_per_token", c.PrefillPerToken}, {"per_running", c.PerRunning}, {"cold_slack", c.ColdSlack},
-		{"imbalance_min_queue", c.ImbalanceMinQueue}, {"speculative_ttl", c.SpeculativeTTL}} {
+		{"imbalance_min_queue", c.ImbalanceMinQueue}, {"speculative_ttl", c.SpeculativeTTL}, {"offload_per_token", c.OffloadPerToken}} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("routing: %s must not be negative (got %v)", d.name, d.v))
+		}
+	}
+	for m, v := range c.OffloadPerTokenBy {
+		if v < 0 {
+			errs = append(errs, fmt.Errorf("routing: offload_per_token of %s must not be negative (got %v)", m, v))
 		}
 	}
 	if c.TokensPerWaiting < 0 || c.SpeculativeMaxKeys < 0 {
@@ -123,6 +138,41 @@ func (cfg *Config) queue(k *costfit.Coefficients, c *Candidate) time.Duration {
 // ttft predicts the time to first token of req at c given matched tokens.
 func (cfg *Config) ttft(k *costfit.Coefficients, c *Candidate, promptTokens, matched int) time.Duration {
 	return k.Base + cfg.queue(k, c) + time.Duration(promptTokens-matched)*k.PerToken
+}
+
+// DefaultOffloadPerToken is Config.OffloadPerToken's default.
+const DefaultOffloadPerToken = 2600 * time.Nanosecond
+
+// offloadCost is the engine time to load one token's KV back from medium,
+// at most k's prefill cost: loading is never dearer than recomputing.
+func (cfg *Config) offloadCost(k *costfit.Coefficients, medium string) time.Duration {
+	v, ok := cfg.OffloadPerTokenBy[medium]
+	if !ok {
+		v = cfg.OffloadPerToken
+	}
+	return min(v, k.PerToken)
+}
+
+// loadTime is the time c spends loading the offloaded part of its matched
+// tokens back.
+func (cfg *Config) loadTime(k *costfit.Coefficients, c *Candidate, matched int) time.Duration {
+	n := offloaded(c, matched)
+	if n == 0 {
+		return 0
+	}
+	return time.Duration(n) * cfg.offloadCost(k, c.OffloadMedium)
+}
+
+// offloaded is the part of matched tokens at c held only on an offload
+// tier. The GPU blocks come first in the prefix, so a match cut short
+// (at the prompt's cacheable tokens) loses offloaded tokens first, and one
+// extended (speculative records) adds to the GPU part.
+func offloaded(c *Candidate, matched int) int {
+	if !c.PrefixAware || c.OffloadedTokens <= 0 {
+		return 0
+	}
+	gpu := c.MatchedTokens - c.OffloadedTokens
+	return min(c.OffloadedTokens, max(matched-gpu, 0))
 }
 
 // outstanding is the request count least-load balancing compares.

@@ -122,7 +122,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 			matched[i] = min(matched[i], req.PromptTokens)
 		}
 		bestMatched = max(bestMatched, matched[i])
-		ttft[i] = p.cfg.ttft(k, c, req.PromptTokens, matched[i])
+		ttft[i] = p.cfg.ttft(k, c, req.PromptTokens, matched[i]) + p.cfg.loadTime(k, c, matched[i])
 	}
 
 	if p.checkImbalance(req.Model, k, cands) {
@@ -130,6 +130,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 		finish(d, cands, ModeBalance)
 		d.Degraded = true
 		d.PredictedCachedTokens = matched[d.Pick]
+		d.PredictedOffloadedTokens = offloaded(&cands[d.Pick], matched[d.Pick])
 		d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(k, &cands[d.Pick])
 		d.Reason = "imbalanced fleet: least-load mode"
 		return
@@ -165,6 +166,7 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	}
 	finish(d, cands, mode)
 	d.PredictedCachedTokens = matched[d.Pick]
+	d.PredictedOffloadedTokens = offloaded(&cands[d.Pick], matched[d.Pick])
 	d.PredictedTTFT, d.Queue = ttft[d.Pick], p.cfg.queue(k, &cands[d.Pick])
 	d.Reason = "smallest predicted ttft"
 	if d.SessionHome {

@@ -44,6 +44,13 @@ type Candidate struct {
 	// caller caps it: it knows the replica's block size); ignored unless
 	// PrefixAware.
 	MatchedTokens int
+	// OffloadedTokens is the part of MatchedTokens held only on an offload
+	// tier, OffloadMedium (e.g. "CPU"): the engine loads it back instead of
+	// computing it, at Config.OffloadPerToken per token. The planner matches
+	// GPU blocks first; where they stop, offloaded blocks continue the
+	// prefix on one tier.
+	OffloadedTokens int
+	OffloadMedium   string
 
 	Waiting int // requests queued at the engine
 	Running int // requests running at the engine
@@ -92,6 +99,9 @@ type Decision struct {
 	Mode  Mode
 	// PredictedCachedTokens is the prefix the picked replica should hold.
 	PredictedCachedTokens int
+	// PredictedOffloadedTokens is the part of PredictedCachedTokens the
+	// pick holds only on an offload tier.
+	PredictedOffloadedTokens int
 	// Degraded is true when kvaware ran in least-load mode for imbalance.
 	Degraded bool
 	// PredictedTTFT and Queue are kvaware's estimates for the pick (engine
@@ -218,11 +228,11 @@ func New(name string, cfg Config) (Policy, error) {
 	case "round-robin":
 		return &roundRobin{}, nil
 	case "least-loaded":
-		return leastLoaded{cfg: cfg}, nil
+		return &leastLoaded{cfg: cfg}, nil
 	case "chwbl":
-		return chwbl{cfg: cfg}, nil
+		return &chwbl{cfg: cfg}, nil
 	case "prefix-pin":
-		return prefixPin{cfg: cfg}, nil
+		return &prefixPin{cfg: cfg}, nil
 	}
 	return nil, unknownPolicy(name)
 }
