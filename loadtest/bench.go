@@ -124,7 +124,7 @@ type run struct {
 }
 
 // parseRun reads "policy[+variant...]": "+fc" turns the routers' flow
-// control on, "+without=X" drops the requests of tenant or priority X,
+// control on, "+blind" makes them blind to offload tiers (--ignore-tiers), "+without=X" drops the requests of tenant or priority X,
 // "+only=X" keeps only those (the same traffic, less a part of it, since
 // workload streams are drawn independently).
 func parseRun(spec string, w workload.Workload) (run, error) {
@@ -136,6 +136,8 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 		switch {
 		case key == "fc" && val == "":
 			r.routerArgs = append(r.routerArgs, "--flow-control")
+		case key == "blind" && val == "":
+			r.routerArgs = append(r.routerArgs, "--ignore-tiers")
 		case (key == "without" || key == "only") && val != "":
 			keep := key == "only"
 			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
@@ -143,7 +145,7 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 				err = fmt.Errorf("%s leaves no request", spec)
 			}
 		default:
-			err = fmt.Errorf("%s: unknown variant %q (want fc, without=X or only=X)", spec, v)
+			err = fmt.Errorf("%s: unknown variant %q (want fc, blind, without=X or only=X)", spec, v)
 		}
 		if err != nil {
 			return run{}, err
@@ -171,7 +173,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 	cl, err := cluster.Start(ctx, cluster.Config{
 		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
-		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: cfg.SidecarArgs, RouterArgs: routerArgs,
+		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: append(slices.Clone(cfg.Scenario.SidecarArgs), cfg.SidecarArgs...), RouterArgs: routerArgs,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err

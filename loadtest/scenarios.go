@@ -29,8 +29,9 @@ type Scenario struct {
 	// MinKVBlocks keeps room for the running sequences' own blocks; it
 	// must be at least enginesim's max model length (32,768) / block size.
 	MinKVBlocks int
-	// EngineArgs are extra enginesim flags the scenario needs.
-	EngineArgs []string
+	// EngineArgs and SidecarArgs are extra enginesim and sidecar flags the
+	// scenario needs.
+	EngineArgs, SidecarArgs []string
 	// RouterConfig, when set, is the routers' YAML config (--config): the
 	// multi-tenant scenarios name their tenants there.
 	RouterConfig string
@@ -123,6 +124,16 @@ const DefaultTrace = "../shared/traces/mooncake_conversation_trace.jsonl"
 // 2× speed with outputs capped at 64 tokens. (At 4×, the prefill of
 // Mooncake's long prompts — quadratic attention included — overloads 8
 // calibrated replicas whatever the routing.)
+// TiersParams is the tiers scenario: tenants-shaped traffic whose working
+// set is 4× the fleet's GPU KV cache (FleetFill 4), with a host tier on
+// every engine (vLLM's OffloadingConnector, CPU backend) large enough to
+// hold all of it, so that most prefixes are a load from host memory away.
+var TiersParams = workload.TenantsParams{Groups: 48, UsersPerGroup: 4, ContextTokens: 3000, QuestionTokens: 600, OutputTokens: 32, RateStart: 8, RateEnd: 24}
+
+// tiersHostBlocks is the host tier of each engine in the tiers scenario,
+// and what its sidecar follows: room for the whole working set.
+const tiersHostBlocks = "32768"
+
 var TraceDefaults = workload.TraceParams{Limit: 400, Speedup: 2, MaxOutput: 64}
 
 // Scenarios returns the catalogue; trace reads traceFile with tp.
@@ -149,6 +160,16 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies:   []string{"least-loaded", "prefix-pin", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("hot", HotParams, seed, d)
+			},
+		},
+		"tiers": {
+			Name: "tiers", About: "48 groups × 3,000-token context, 4 users each asking 600-token questions, 8→24 req/s; working set 4× the GPU KV cache, all of it in each engine's CPU tier",
+			Replicas: 4, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 4, MinKVBlocks: 512,
+			EngineArgs:  []string{"--max-model-len", "8192", "--cpu-offload-blocks", tiersHostBlocks},
+			SidecarArgs: []string{"--offload-capacity", tiersHostBlocks},
+			Policies:    []string{"kvaware", "kvaware+blind", "least-loaded"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("tiers", TiersParams, seed, d)
 			},
 		},
 		"multiturn": {

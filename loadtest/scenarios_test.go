@@ -79,7 +79,10 @@ func TestRunVariants(t *testing.T) {
 	if r, err = parseRun("kvaware+only=critical", w); err != nil || len(r.w.Requests) != count(w, "a") || len(r.routerArgs) != 0 {
 		t.Fatalf("%v %+v", err, r)
 	}
-	for _, bad := range []string{"kvaware+turbo", "kvaware+only=", "kvaware+only=nobody"} {
+	if r, err = parseRun("kvaware+blind", w); err != nil || r.policy != "kvaware" || strings.Join(r.routerArgs, " ") != "--ignore-tiers" {
+		t.Fatalf("%v %+v", err, r)
+	}
+	for _, bad := range []string{"kvaware+turbo", "kvaware+blind=x", "kvaware+only=", "kvaware+only=nobody"} {
 		if _, err := parseRun(bad, w); err == nil {
 			t.Errorf("%s accepted", bad)
 		}
