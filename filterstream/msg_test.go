@@ -119,14 +119,18 @@ func FuzzDecodeMeta(f *testing.F) {
 	m := Meta{Role: RoleRouter, Name: "r", Models: []string{"a"}, EngineURL: "u", Protocol: "vllm", BlockSize: 16, SchemeVersion: 1}
 	b, _, _ := m.Encode()
 	f.Add(b)
+	m.Role, m.Capabilities, m.OffloadMedia = RoleSidecar, CapKVEvents|CapTiers, []string{"CPU", "DISK"}
+	b, _, _ = m.Encode()
+	f.Add(b)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		m, err := DecodeMeta(b)
 		if err != nil {
 			return
 		}
-		// One byte short of the limit: an earlier build's record, without
-		// the data-parallel field, re-encodes one byte longer.
-		if _, _, err := m.Encode(); err != nil && len(b) < MetaMaxSize {
+		// Two bytes short of the limit: an earlier build's record, without
+		// the data-parallel field and the offload media, re-encodes two
+		// bytes longer.
+		if _, _, err := m.Encode(); err != nil && len(b) < MetaMaxSize-1 {
 			t.Fatalf("decoded metadata does not re-encode: %v", err)
 		}
 	})
