@@ -181,18 +181,8 @@ func completionVia(t *testing.T, router, prompt string) routed {
 	if rep.status != 200 {
 		t.Fatalf("completion: %d %s", rep.status, rep.body)
 	}
-	var body struct {
-		Usage struct {
-			Details struct {
-				Cached int `json:"cached_tokens"`
-			} `json:"prompt_tokens_details"`
-		} `json:"usage"`
-	}
-	if err := json.Unmarshal([]byte(rep.body), &body); err != nil {
-		t.Fatal(err)
-	}
 	predicted, _ := strconv.Atoi(rep.header["x-kvmesh-cached-tokens"])
-	return routed{replica: rep.header["x-kvmesh-replica"], predicted: predicted, cached: body.Usage.Details.Cached}
+	return routed{replica: rep.header["x-kvmesh-replica"], predicted: predicted, cached: cachedTokensOf(t, rep.body)}
 }
 
 // TestDataParallelRanksServeWhatTheRouterPredicted: a sidecar follows
