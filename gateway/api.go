@@ -223,6 +223,9 @@ type replicaView struct {
 	// server are the replicas with the same server) and the rank.
 	Server           string `json:"server,omitempty"`
 	DataParallelRank *int   `json:"data_parallel_rank,omitempty"`
+	// OffloadMedia are the offload tiers whose blocks its filter holds
+	// apart (its sidecar's --offload-capacity), cheapest first.
+	OffloadMedia []string `json:"offload_media,omitempty"`
 }
 
 func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
@@ -244,6 +247,7 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 			LocalInflightRequests:        int(l.requests.Load()),
 			LocalInflightPrefillTokens:   int(l.prefill.Load()),
 			RoutingDegraded:              degraded,
+			OffloadMedia:                 slices.Clone(r.OffloadMedia),
 		}
 		if until := l.eject.until.Load(); until > now.UnixNano() {
 			v.EjectedMS = time.Duration(until - now.UnixNano()).Milliseconds()

@@ -117,6 +117,9 @@ func TestOffloadedPrefixPredictedAsTheEngineServesIt(t *testing.T) {
 	if predicted != cached {
 		t.Fatalf("predicted %d cached tokens, the engine reports %d", predicted, cached)
 	}
+	if reps := (&testRouter{url: router}).get(t, "/admin/replicas"); !strings.Contains(reps.body, `"offload_media":["CPU"]`) {
+		t.Fatalf("/admin/replicas without the CPU tier: %s", reps.body)
+	}
 	want := fmt.Sprintf("kvmesh_router_predicted_offloaded_tokens_total %d\n", offloaded)
 	if m := (&testRouter{url: router}).get(t, "/metrics"); !strings.Contains(m.body, want) {
 		t.Fatalf("metrics without %q", want)
