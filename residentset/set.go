@@ -35,12 +35,15 @@
 // GPU medium is published as itself, and a key held only on an offload
 // tier under blockkey.Tiered(key, blockkey.TierSalt(medium)), so that the
 // Observer, and the one filter it feeds, tell a router what a hit there
-// costs (a load from host memory, not free, far from a recompute). Salting
-// in the same filter needs no new message kind or second filter stream, a
-// router that knows no tiers simply never finds those keys, and every
-// published key still stands for one block: the filter's size bound holds.
-// A block moving between tiers (evicted from the GPU, still on the host) is
-// one Removed and one Added.
+// costs (a load from host memory: dearer than a GPU hit, far cheaper than
+// recomputing). Salting in the same filter needs no new message kind, no
+// second filter stream and no change to its deltas and generations; a
+// router that knows no tiers simply never finds those keys. A key is
+// published once, under its cheapest tier (write-through offloading holds
+// every GPU block on the host too), so the published keys never outnumber
+// the blocks of both tiers: the filter's size bound holds. A block moving
+// between tiers (evicted from the GPU, still on the host) is one Removed and
+// one Added.
 package residentset
 
 import (
@@ -564,10 +567,10 @@ func (s *Set) Contains(key uint64) bool { return s.keys.contains(key) }
 // blockkey.Tiered for an offload tier only) and whether it is resident.
 func (s *Set) Published(key uint64) (uint64, bool) { return s.publishedAs(key) }
 
-// AppendKeys appends every resident key to dst, once each, in no particular
-// order (a sidecar copies the set under its lock to rebuild a filter outside
-// it).
-// Keys resident only on an offload tier are appended as published.
+// AppendKeys appends every resident key to dst as it is published (a key
+// held only on an offload tier as its blockkey.Tiered), once each, in no
+// particular order (a sidecar copies the set under its lock to rebuild a
+// filter outside it).
 func (s *Set) AppendKeys(dst []uint64) []uint64 {
 	dst = s.keys.appendTo(dst)
 	for j := range s.offload {

@@ -2,6 +2,11 @@
 // exact resident set and the filter generations, its /health and /metrics
 // feed the load record, and a gossip sidecar member sends both to every
 // router. It serves /status, /metrics and /health for operators.
+//
+// With an offload tier (Config.OffloadCapacity), blocks the engine holds
+// only in host memory go into the same filter under tier-salted keys
+// (package residentset says why), announced in the node metadata, and the
+// exact set and filter are sized for both tiers.
 package sidecar
 
 import (
