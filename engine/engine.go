@@ -473,6 +473,32 @@ func (e *Engine) Resident() map[uint64]int {
 	return m
 }
 
+// Holds reports whether the prefix cache holds the block with engine hash
+// h: a simulator's oracle reads the exact cache through it.
+func (e *Engine) Holds(h uint64) bool {
+	_, ok := e.pool.lookup(h)
+	return ok
+}
+
+// PendingPrefill is the prompt tokens still to compute, over every waiting
+// and running sequence: a waiting one's uncached tokens as the cache stands
+// now, a running one's not yet prefilled. It is the exact prefill queue a
+// simulator's oracle weighs.
+func (e *Engine) PendingPrefill() int {
+	n := 0
+	for _, s := range e.waiting {
+		done := s.computed
+		if s.load == loadNone && s.computed == 0 {
+			done = e.longestHit(s) * e.cfg.BlockSize
+		}
+		n += max(len(s.tokens)-done, 0)
+	}
+	for _, s := range e.running {
+		n += max(s.promptLen-s.computed, 0)
+	}
+	return n
+}
+
 // Offloaded returns the block hashes the host tier holds, least recently
 // used first: what a consumer of the CPU events must reconstruct.
 func (e *Engine) Offloaded() []uint64 {

@@ -1,0 +1,78 @@
+package fleetsim
+
+import (
+	"cmp"
+	"slices"
+	"time"
+
+	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/routing"
+)
+
+// OracleName is the reference policy only the simulator has: at decision
+// time it reads every engine's exact prefix cache and prefill queue (zero
+// staleness) and picks the least predicted time to first token. No
+// deployable router can see this much; it bounds what routing could gain.
+const OracleName = "oracle"
+
+// oracle is a routing.Policy that reads the engines themselves. The
+// simulator sets hashes, the prompt's engine block hashes, before each
+// decision: candidates name replicas, and the policy looks each one's
+// engine up.
+type oracle struct {
+	engines map[string]*engine.Engine
+	hashes  []uint64
+	ttft    []time.Duration
+}
+
+func (o *oracle) Name() string { return OracleName }
+
+// Route predicts each candidate's time to first token from its engine's
+// exact state, with the engine's own cost profile, and orders them by it.
+func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routing.Decision) {
+	d.Order = d.Order[:0]
+	o.ttft = o.ttft[:0]
+	matched := make([]int, len(cands))
+	for i := range cands {
+		e := o.engines[cands[i].Name]
+		cfg := e.Config()
+		hit := 0
+		for _, h := range o.hashes[:min(len(o.hashes), routing.CacheableTokens(req.PromptTokens, cfg.BlockSize)/cfg.BlockSize)] {
+			if !e.Holds(h) {
+				break
+			}
+			hit++
+		}
+		matched[i] = hit * cfg.BlockSize
+		o.ttft = append(o.ttft, predictTTFT(e, req.PromptTokens, matched[i]))
+		d.Order = append(d.Order, i)
+	}
+	slices.SortStableFunc(d.Order, func(a, b int) int { return cmp.Compare(o.ttft[a], o.ttft[b]) })
+	d.Pick, d.Mode, d.Reason, d.Degraded = -1, routing.ModeBalance, "oracle: no candidate", false
+	if len(d.Order) == 0 {
+		return
+	}
+	d.Pick = d.Order[0]
+	d.PredictedCachedTokens = matched[d.Pick]
+	d.PredictedTTFT = o.ttft[d.Pick]
+	d.Reason = "oracle: least predicted ttft on exact engine state"
+	if matched[d.Pick] > 0 {
+		d.Mode = routing.ModePrefix
+	}
+}
+
+// predictTTFT prices, with e's cost profile, the prefill ahead of a new
+// request plus its own uncached tokens, chunked at the step token budget,
+// each step also decoding the sequences running there.
+func predictTTFT(e *engine.Engine, prompt, cached int) time.Duration {
+	cfg := e.Config()
+	c := cfg.Cost
+	own := max(prompt-cached, 1)
+	tokens := e.PendingPrefill() + own
+	steps := (tokens + cfg.MaxNumBatchedTokens - 1) / cfg.MaxNumBatchedTokens
+	running := e.Stats().Running
+	ns := c.PrefillUsPerToken*1e3*float64(tokens) +
+		c.PrefillNsPerPair*float64(own)*(float64(cached)+float64(own)/2) +
+		float64(steps)*(c.FloorMs*1e6+c.DecodeUsPerSeq*1e3*float64(running))
+	return time.Duration(ns)
+}
