@@ -172,6 +172,9 @@ type reqState struct {
 	uncached        int
 	cached, output  int
 	err             string
+	// hashes are the engine block hashes the oracle counts as queued at
+	// the replica until the first token.
+	hashes []uint64
 }
 
 // Run simulates w through a fleet as cfg describes.
@@ -220,7 +223,8 @@ func (s *sim) build() error {
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x666c656574))
 	s.net = newNetwork(cfg.Network, rng.Uint64())
 	maxKeys := bloom.MaxCapacity(0.01, filterstream.MaxFilterPayload)
-	engines := map[string]*engine.Engine{}
+	var engines []*engine.Engine
+	var names []string
 	for i := range cfg.Replicas {
 		eng, err := engine.New(cfg.Engine)
 		if err != nil {
@@ -237,10 +241,10 @@ func (s *sim) build() error {
 			load:   filterstream.Load{Healthy: true},
 		})
 		s.sidecarIdx[member], s.replicaIdx[name] = i, i
-		engines[name] = eng
+		engines, names = append(engines, eng), append(names, name)
 	}
 	if cfg.Policy == OracleName {
-		s.oracle = &oracle{engines: engines}
+		s.oracle = newOracle(engines, names)
 	}
 	s.settings = plan.Settings{MaxPrefixTokens: tokenize.DefaultMaxPrefixTokens, MaxPrefixBytes: tokenize.DefaultMaxPrefixBytes, MaxAttempts: 3}
 	routerMeta := filterstream.Meta{Role: filterstream.RoleRouter, SchemeVersion: blockkey.SchemeVersion, Capabilities: filterstream.CapInflightOthers}
@@ -441,6 +445,10 @@ func (s *sim) arrive(k int) {
 	}
 	st.replica, st.mode, st.predicted, st.uncached = i, t.Mode, t.PredictedCached, t.Uncached
 	rt.account(i, r.name, 1, t.Uncached)
+	if s.oracle != nil {
+		st.hashes = slices.Clone(s.oracle.hashes)
+		s.oracle.sent(i, st.hashes)
+	}
 	if !r.busy {
 		s.step(i)
 	}
@@ -485,6 +493,10 @@ func (s *sim) stepDone(i int) {
 			st.ttft = s.now - s.cfg.Warmup - st.start
 			st.cached = o.CachedTokens
 			rt.account(i, r.name, 0, -st.uncached)
+			if s.oracle != nil {
+				s.oracle.done(i, st.hashes)
+				st.hashes = nil
+			}
 		}
 		if o.Finished != engine.NotFinished {
 			st.e2e = s.now - s.cfg.Warmup - st.start

@@ -11,8 +11,10 @@ import (
 
 // OracleName is the reference policy only the simulator has: at decision
 // time it reads every engine's exact prefix cache and prefill queue (zero
-// staleness) and picks the least predicted time to first token. No
-// deployable router can see this much; it bounds what routing could gain.
+// staleness), counts as cached too the blocks of requests already queued
+// there (FCFS computes them first), and picks the least predicted time to
+// first token. No deployable router can see this much; it bounds what
+// routing could gain.
 const OracleName = "oracle"
 
 // oracle is a routing.Policy that reads the engines themselves. The
@@ -20,9 +22,40 @@ const OracleName = "oracle"
 // decision: candidates name replicas, and the policy looks each one's
 // engine up.
 type oracle struct {
-	engines map[string]*engine.Engine
-	hashes  []uint64
-	ttft    []time.Duration
+	engines []*engine.Engine
+	byName  map[string]int
+	// queued counts, per engine, the requests sent there whose first
+	// token has not come yet that hold each block hash: every router's,
+	// for the oracle is one instance shared by all.
+	queued []map[uint64]int32
+	hashes []uint64
+	ttft   []time.Duration
+}
+
+func newOracle(engines []*engine.Engine, names []string) *oracle {
+	o := &oracle{engines: engines, byName: map[string]int{}, queued: make([]map[uint64]int32, len(engines))}
+	for i, n := range names {
+		o.byName[n] = i
+		o.queued[i] = map[uint64]int32{}
+	}
+	return o
+}
+
+// sent records that a request with block hashes went to engine i; done
+// that it had its first token there, its blocks computed.
+func (o *oracle) sent(i int, hashes []uint64) {
+	for _, h := range hashes {
+		o.queued[i][h]++
+	}
+}
+
+func (o *oracle) done(i int, hashes []uint64) {
+	q := o.queued[i]
+	for _, h := range hashes {
+		if q[h]--; q[h] <= 0 {
+			delete(q, h)
+		}
+	}
 }
 
 func (o *oracle) Name() string { return OracleName }
@@ -34,11 +67,12 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 	o.ttft = o.ttft[:0]
 	matched := make([]int, len(cands))
 	for i := range cands {
-		e := o.engines[cands[i].Name]
+		k := o.byName[cands[i].Name]
+		e, q := o.engines[k], o.queued[k]
 		cfg := e.Config()
 		hit := 0
 		for _, h := range o.hashes[:min(len(o.hashes), routing.CacheableTokens(req.PromptTokens, cfg.BlockSize)/cfg.BlockSize)] {
-			if !e.Holds(h) {
+			if !e.Holds(h) && q[h] == 0 {
 				break
 			}
 			hit++
