@@ -5,6 +5,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/engine"
 	"github.com/kvmesh/kvmesh/routing"
 )
@@ -81,7 +82,18 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 		o.ttft = append(o.ttft, predictTTFT(e, req.PromptTokens, matched[i]))
 		d.Order = append(d.Order, i)
 	}
-	slices.SortStableFunc(d.Order, func(a, b int) int { return cmp.Compare(o.ttft[a], o.ttft[b]) })
+	// Equal predictions (idle, cold replicas) go by rendezvous hashing on
+	// the prompt's leading blocks, as kvaware places cold prefixes, so new
+	// prefixes spread over the fleet instead of piling on its first names.
+	score := func(i int) uint64 {
+		return blockkey.Remix(req.AffinityKey ^ blockkey.Remix(uint64(o.byName[cands[i].Name])+1))
+	}
+	slices.SortStableFunc(d.Order, func(a, b int) int {
+		if c := cmp.Compare(o.ttft[a], o.ttft[b]); c != 0 {
+			return c
+		}
+		return cmp.Compare(score(b), score(a))
+	})
 	d.Pick, d.Mode, d.Reason, d.Degraded = -1, routing.ModeBalance, "oracle: no candidate", false
 	if len(d.Order) == 0 {
 		return
