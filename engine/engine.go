@@ -480,23 +480,34 @@ func (e *Engine) Holds(h uint64) bool {
 	return ok
 }
 
-// PendingPrefill is the prompt tokens still to compute, over every waiting
-// and running sequence: a waiting one's uncached tokens as the cache stands
-// now, a running one's not yet prefilled. It is the exact prefill queue a
-// simulator's oracle weighs.
-func (e *Engine) PendingPrefill() int {
-	n := 0
+// Backlog is the work ahead of a new request at an engine, exactly as it
+// stands between steps: what a simulator's oracle weighs.
+type Backlog struct {
+	// PrefillTokens are the prompt tokens still to compute: a waiting
+	// sequence's uncached ones as the cache stands now, a running one's
+	// not yet prefilled.
+	PrefillTokens int
+	// Running counts the running sequences, DecodeContext their tokens
+	// with KV: every step decodes them.
+	Running, DecodeContext int
+}
+
+// Backlog returns the engine's backlog.
+func (e *Engine) Backlog() Backlog {
+	var b Backlog
 	for _, s := range e.waiting {
 		done := s.computed
 		if s.load == loadNone && s.computed == 0 {
 			done = e.longestHit(s) * e.cfg.BlockSize
 		}
-		n += max(len(s.tokens)-done, 0)
+		b.PrefillTokens += max(len(s.tokens)-done, 0)
 	}
 	for _, s := range e.running {
-		n += max(s.promptLen-s.computed, 0)
+		b.PrefillTokens += max(s.promptLen-s.computed, 0)
+		b.DecodeContext += s.computed
 	}
-	return n
+	b.Running = len(e.running)
+	return b
 }
 
 // Offloaded returns the block hashes the host tier holds, least recently

@@ -477,6 +477,9 @@ func (s *sim) step(i int) {
 	}
 	r.busy = true
 	s.q.at(s.now+res.Duration, evStepDone, i, nil)
+	if s.oracle != nil {
+		s.oracle.stepEnds[i] = s.wall().Add(res.Duration)
+	}
 }
 
 // stepDone publishes the step's KV events to the sidecar, delivers its

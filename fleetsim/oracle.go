@@ -29,12 +29,16 @@ type oracle struct {
 	// token has not come yet that hold each block hash: every router's,
 	// for the oracle is one instance shared by all.
 	queued []map[uint64]int32
-	hashes []uint64
-	ttft   []time.Duration
+	// stepEnds is when each engine's step under way ends: a new request
+	// waits for it, and the engine's state already shows its work done.
+	stepEnds []time.Time
+	hashes   []uint64
+	ttft     []time.Duration
 }
 
 func newOracle(engines []*engine.Engine, names []string) *oracle {
-	o := &oracle{engines: engines, byName: map[string]int{}, queued: make([]map[uint64]int32, len(engines))}
+	o := &oracle{engines: engines, byName: map[string]int{}, queued: make([]map[uint64]int32, len(engines)),
+		stepEnds: make([]time.Time, len(engines))}
 	for i, n := range names {
 		o.byName[n] = i
 		o.queued[i] = map[uint64]int32{}
@@ -79,7 +83,7 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 			hit++
 		}
 		matched[i] = hit * cfg.BlockSize
-		o.ttft = append(o.ttft, predictTTFT(e, req.PromptTokens, matched[i]))
+		o.ttft = append(o.ttft, max(o.stepEnds[k].Sub(req.Now), 0)+predictTTFT(e, req.PromptTokens, matched[i]))
 		d.Order = append(d.Order, i)
 	}
 	// Equal predictions (idle, cold replicas) go by rendezvous hashing on
@@ -109,16 +113,16 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 
 // predictTTFT prices, with e's cost profile, the prefill ahead of a new
 // request plus its own uncached tokens, chunked at the step token budget,
-// each step also decoding the sequences running there.
+// each step also decoding the sequences running there over their context.
 func predictTTFT(e *engine.Engine, prompt, cached int) time.Duration {
 	cfg := e.Config()
 	c := cfg.Cost
+	b := e.Backlog()
 	own := max(prompt-cached, 1)
-	tokens := e.PendingPrefill() + own
+	tokens := b.PrefillTokens + own
 	steps := (tokens + cfg.MaxNumBatchedTokens - 1) / cfg.MaxNumBatchedTokens
-	running := e.Stats().Running
 	ns := c.PrefillUsPerToken*1e3*float64(tokens) +
 		c.PrefillNsPerPair*float64(own)*(float64(cached)+float64(own)/2) +
-		float64(steps)*(c.FloorMs*1e6+c.DecodeUsPerSeq*1e3*float64(running))
+		float64(steps)*(c.FloorMs*1e6+c.DecodeUsPerSeq*1e3*float64(b.Running)+c.DecodeNsPerContextToken*float64(b.DecodeContext))
 	return time.Duration(ns)
 }
