@@ -41,7 +41,7 @@ import (
 type Config struct {
 	Replicas, Routers int
 	// Policy is a routing policy name (routing.Names but random, whose
-	// draws are not seeded) or OracleName.
+	// draws are not seeded), OracleName or GuessName.
 	Policy  string
 	Routing routing.Config
 	// Engine configures every replica's engine; zero fields take
@@ -249,21 +249,26 @@ func (s *sim) build() error {
 	s.settings = plan.Settings{MaxPrefixTokens: tokenize.DefaultMaxPrefixTokens, MaxPrefixBytes: tokenize.DefaultMaxPrefixBytes, MaxAttempts: 3}
 	routerMeta := filterstream.Meta{Role: filterstream.RoleRouter, SchemeVersion: blockkey.SchemeVersion, Capabilities: filterstream.CapInflightOthers}
 	for j := range cfg.Routers {
-		var pol routing.Policy = s.oracle
-		if s.oracle == nil {
+		name := fmt.Sprintf("router-%d", j)
+		table := fleet.NewTable(fleet.TableConfig{})
+		rt := &router{
+			name: name, table: table,
+			recv:     filterstream.NewReceiver(filterstream.ReceiverConfig{Self: name, Epoch: rng.Uint64() | 1}, table),
+			inflight: make([]inflight, cfg.Replicas),
+		}
+		switch cfg.Policy {
+		case OracleName:
+			rt.policy = s.oracle
+		case GuessName:
+			rt.policy = newRouterGuess(rt.inflight, s.replicaIdx)
+		default:
 			p, err := routing.New(cfg.Policy, cfg.Routing)
 			if err != nil {
 				return err
 			}
-			pol = p
+			rt.policy = p
 		}
-		name := fmt.Sprintf("router-%d", j)
-		table := fleet.NewTable(fleet.TableConfig{})
-		s.routers = append(s.routers, &router{
-			name: name, table: table, policy: pol,
-			recv:     filterstream.NewReceiver(filterstream.ReceiverConfig{Self: name, Epoch: rng.Uint64() | 1}, table),
-			inflight: make([]inflight, cfg.Replicas),
-		})
+		s.routers = append(s.routers, rt)
 		s.routerIdx[name] = j
 	}
 	for _, rt := range s.routers {

@@ -39,7 +39,7 @@ func summarize(t testing.TB, cfg Config, w *workload.Workload) (report.Summary, 
 
 func TestSameSeedSameReport(t *testing.T) {
 	w := tenants(t)
-	for _, policy := range []string{"kvaware", "round-robin", OracleName} {
+	for _, policy := range []string{"kvaware", "round-robin", OracleName, GuessName} {
 		t.Run(policy, func(t *testing.T) {
 			cfg := Config{Replicas: 4, Routers: 2, Policy: policy, Seed: 7, Engine: engineFor(w),
 				Network: Network{Delay: time.Millisecond, Jitter: 2 * time.Millisecond, Loss: 0.05}}

@@ -55,7 +55,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&o.traceStart, "trace-start", 0, "skip trace records before this trace time")
 	fs.IntVar(&o.traceLimit, "trace-limit", loadtest.TraceDefaults.Limit, "replay at most this many trace records (0: all)")
 	fs.Float64Var(&o.traceSpeedup, "trace-speedup", loadtest.TraceDefaults.Speedup, "replay the trace this many times faster")
-	fs.StringVar(&o.policies, "policies", defaultPolicies, "comma list of policies: kvaware, round-robin, least-loaded, chwbl, prefix-pin, oracle")
+	fs.StringVar(&o.policies, "policies", defaultPolicies, "comma list of policies: kvaware, round-robin, least-loaded, chwbl, prefix-pin, and the references oracle (exact engine state) and router-guess (each router guesses caches from its own decisions, as SGLang's router)")
 	fs.IntVar(&o.replicas, "replicas", 0, "engine replicas (default: the scenario's, 8)")
 	fs.IntVar(&o.routers, "routers", 1, "routers; requests are spread over them round-robin")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV capacity per replica in blocks (default: the scenario's sizing)")
