@@ -347,9 +347,7 @@ func (s *sim) handle(ev event) {
 		r := s.replicas[ev.a]
 		out := r.sender.Handle(ev.msg, s.wall())
 		if out.Cleared {
-			r.keysBuf = r.set.AppendKeys(r.keysBuf[:0])
-			r.gens.Rebuild(s.wall(), slices.Values(r.keysBuf))
-			r.rebuilt++
+			r.rebuild(s.wall())
 		}
 		s.fromSidecar(ev.a, out)
 	}

@@ -69,9 +69,13 @@ func (r *replica) apply(events []kvevents.Event, now time.Time) {
 }
 
 func (r *replica) maybeRebuild(now time.Time) {
-	if !r.gens.NeedsRebuild(now) {
-		return
+	if r.gens.NeedsRebuild(now) {
+		r.rebuild(now)
 	}
+}
+
+// rebuild starts the next filter generation from the exact set.
+func (r *replica) rebuild(now time.Time) {
 	r.keysBuf = r.set.AppendKeys(r.keysBuf[:0])
 	r.gens.Rebuild(now, slices.Values(r.keysBuf))
 	r.rebuilt++
