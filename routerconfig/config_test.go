@@ -100,7 +100,7 @@ func TestCalibrationSettingFromFlagAndFile(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return Overlay(base, f).Routing.config().Calibrate
+		return Overlay(base, f).Routing.Config().Calibrate
 	}
 	if !calibrates("") || !calibrates("routing: {cold_slack: 20ms}\n") {
 		t.Error("a file without routing.calibrate should keep the flag's setting")

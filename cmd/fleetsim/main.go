@@ -21,6 +21,8 @@ import (
 	"github.com/kvmesh/kvmesh/loadtest/report"
 	"github.com/kvmesh/kvmesh/loadtest/workload"
 	"github.com/kvmesh/kvmesh/logging"
+	"github.com/kvmesh/kvmesh/routerconfig"
+	"github.com/kvmesh/kvmesh/routing"
 )
 
 func main() {
@@ -35,6 +37,7 @@ func main() {
 
 type options struct {
 	scenario, policies, trace, jsonPath, plotPath, costProfile string
+	routerConfig                                               string
 	replicas, routers, kvBlocks, maxRequests, traceLimit       int
 	loadScale, loss, traceSpeedup                              float64
 	duration, deltaInterval, loadInterval, delay, jitter       time.Duration
@@ -69,6 +72,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&o.jitter, "jitter", time.Millisecond, "extra random delay, up to this")
 	fs.Float64Var(&o.loss, "loss", 0, "datagram loss probability (snapshots travel on streams and are not lost)")
 	fs.StringVar(&o.costProfile, "cost-profile", "", "engine cost profile overrides, as enginesim --cost-profile")
+	fs.StringVar(&o.routerConfig, "config", "", "router config YAML (the router's --config): its routing section tunes every router's policy")
 	fs.StringVar(&o.jsonPath, "json", "", "write the report JSON here")
 	fs.StringVar(&o.plotPath, "plot", "", "write the TTFT CDF plot (PNG) here")
 	o.log.Register(fs)
@@ -89,6 +93,18 @@ func run(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	var rc routing.Config
+	if o.routerConfig != "" {
+		data, err := os.ReadFile(o.routerConfig)
+		if err != nil {
+			return err
+		}
+		c, err := routerconfig.Parse(data)
+		if err != nil {
+			return fmt.Errorf("--config %s: %w", o.routerConfig, err)
+		}
+		rc = c.Routing.Config()
+	}
 	kv := o.kvBlocks
 	if kv <= 0 {
 		kv = sc.KVBlocks(w, o.replicas)
@@ -107,7 +123,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 		sc.Name, len(w.Requests), w.Span().Round(time.Millisecond), o.replicas, kv, o.routers)
 	for _, policy := range splitList(o.policies) {
 		cfg := fleetsim.Config{
-			Replicas: o.replicas, Routers: o.routers, Policy: policy, Seed: o.seed,
+			Replicas: o.replicas, Routers: o.routers, Policy: policy, Seed: o.seed, Routing: rc,
 			Engine:        engine.Config{BlockSize: w.BlockSize, KVBlocks: kv, MaxModelLen: maxModelLen, Cost: cost},
 			Network:       fleetsim.Network{Delay: o.delay, Jitter: o.jitter, Loss: o.loss},
 			DeltaInterval: o.deltaInterval, LoadInterval: o.loadInterval,

@@ -57,7 +57,12 @@ func TestSameFlagsSameReport(t *testing.T) {
 }
 
 func TestBadFlags(t *testing.T) {
+	bad := filepath.Join(t.TempDir(), "bad.yaml")
+	if err := os.WriteFile(bad, []byte("routing:\n  load_bound: 0.5\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for _, args := range [][]string{
+		{"--config", bad, "--max-requests", "5"}, // load bound under 1
 		{"--scenario", "nope"},
 		{"--policies", "random", "--max-requests", "5"},
 		{"--routers", "0"},
