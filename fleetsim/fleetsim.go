@@ -12,7 +12,8 @@
 // It is a discrete-event simulation: one event heap, no wall clock, no
 // goroutines. Every random draw comes from the seed, and every output of
 // a state machine that iterates a map is put in order before it draws, so
-// the same seed and workload give the same records on any machine.
+// the same seed and workload give the same records (on one architecture:
+// where Go fuses multiply-adds, float figures may differ in the last bit).
 package fleetsim
 
 import (
