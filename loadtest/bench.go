@@ -59,7 +59,7 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 		cfg.Replicas = sc.Replicas
 	}
 	if cfg.Routers <= 0 {
-		cfg.Routers = 1
+		cfg.Routers = max(sc.Routers, 1)
 	}
 	if cfg.TimeScale <= 0 {
 		cfg.TimeScale = sc.TimeScale
@@ -121,12 +121,15 @@ type run struct {
 	name, policy string
 	routerArgs   []string
 	w            workload.Workload
+	chat         bool // agent turns as chat completions
 }
 
 // parseRun reads "policy[+variant...]": "+fc" turns the routers' flow
-// control on, "+without=X" drops the requests of tenant or priority X,
-// "+only=X" keeps only those (the same traffic, less a part of it, since
-// workload streams are drawn independently).
+// control on, "+noheader" keeps them from sending X-data-parallel-rank,
+// "+chat" sends agent turns as the chat completions they amount to instead
+// of through the Responses API, "+without=X" drops the requests of tenant
+// or priority X, "+only=X" keeps only those (the same traffic, less a part
+// of it, since workload streams are drawn independently).
 func parseRun(spec string, w workload.Workload) (run, error) {
 	parts := strings.Split(spec, "+")
 	r := run{name: spec, policy: parts[0], w: w}
@@ -136,6 +139,10 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 		switch {
 		case key == "fc" && val == "":
 			r.routerArgs = append(r.routerArgs, "--flow-control")
+		case key == "noheader" && val == "":
+			r.routerArgs = append(r.routerArgs, "--no-data-parallel-header")
+		case key == "chat" && val == "":
+			r.chat = true
 		case (key == "without" || key == "only") && val != "":
 			keep := key == "only"
 			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
@@ -143,7 +150,7 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 				err = fmt.Errorf("%s leaves no request", spec)
 			}
 		default:
-			err = fmt.Errorf("%s: unknown variant %q (want fc, without=X or only=X)", spec, v)
+			err = fmt.Errorf("%s: unknown variant %q (want fc, noheader, chat, without=X or only=X)", spec, v)
 		}
 		if err != nil {
 			return run{}, err
@@ -184,6 +191,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 	log.Info().Dur("startup", time.Since(started)).Strs("routers", cl.Routers).Str("logs", dir).Msg("cluster ready")
 
 	client := NewClient(cfg.Model)
+	client.Chat = run.chat
 	defer client.HTTP.CloseIdleConnections()
 	cpu0 := cl.RouterCPU()
 	out := Replay(ctx, client, w, ReplayOptions{Targets: cl.Routers, TimeScale: cfg.TimeScale, Drain: cfg.Drain})

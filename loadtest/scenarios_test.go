@@ -79,7 +79,10 @@ func TestRunVariants(t *testing.T) {
 	if r, err = parseRun("kvaware+only=critical", w); err != nil || len(r.w.Requests) != count(w, "a") || len(r.routerArgs) != 0 {
 		t.Fatalf("%v %+v", err, r)
 	}
-	for _, bad := range []string{"kvaware+turbo", "kvaware+only=", "kvaware+only=nobody"} {
+	if r, err = parseRun("kvaware+noheader+chat", w); err != nil || strings.Join(r.routerArgs, " ") != "--no-data-parallel-header" || !r.chat {
+		t.Fatalf("%v %+v", err, r)
+	}
+	for _, bad := range []string{"kvaware+turbo", "kvaware+chat=1", "kvaware+only=", "kvaware+only=nobody"} {
 		if _, err := parseRun(bad, w); err == nil {
 			t.Errorf("%s accepted", bad)
 		}
