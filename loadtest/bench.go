@@ -85,9 +85,10 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 	if len(w.Requests) == 0 {
 		return Result{}, fmt.Errorf("scenario %s: the workload is empty", sc.Name)
 	}
-	kv := sc.KVBlocks(w, cfg.Replicas)
+	ranks := max(sc.DataParallelSize, 1)
+	kv := sc.KVBlocks(w, cfg.Replicas*ranks)
 	rep := report.Report{
-		Scenario: sc.Name, Replicas: cfg.Replicas, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
+		Scenario: sc.Name, Replicas: cfg.Replicas * ranks, DataParallelSize: sc.DataParallelSize, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
 		Requests: len(w.Requests), KVBlocks: kv, DemandBlocks: w.DemandBlocks, Units: report.Units,
 		Policies: map[string]report.Summary{},
 	}
@@ -176,7 +177,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		routerArgs = append(routerArgs, "--config", path)
 	}
 	cl, err := cluster.Start(ctx, cluster.Config{
-		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: run.policy,
+		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, DataParallelSize: cfg.Scenario.DataParallelSize, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
 		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: cfg.SidecarArgs, RouterArgs: routerArgs,
 	})

@@ -21,6 +21,9 @@ type Scenario struct {
 	Name     string
 	About    string
 	Replicas int
+	// DataParallelSize above 1 makes each of the Replicas an engine
+	// server of that many data-parallel ranks, a sidecar following each.
+	DataParallelSize int
 	// Routers run by default (--routers overrides); 0 is one.
 	Routers   int
 	TimeScale float64
@@ -70,6 +73,13 @@ var TenantsParams = workload.TenantsParams{
 var HotParams = workload.TenantsParams{
 	Groups: 16, UsersPerGroup: 8, ContextTokens: 3000, QuestionTokens: 300, OutputTokens: 32,
 	RateStart: 64, RateEnd: 64, HotShare: 0.5,
+}
+
+// DPParams is the dp scenario: the tenants shape at 10→30 req/s, what 2
+// servers of 4 data-parallel ranks serve on this machine.
+var DPParams = workload.TenantsParams{
+	Groups: 64, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32,
+	RateStart: 10, RateEnd: 30,
 }
 
 // MultiturnParams is the multiturn scenario: ShareGPT-like chats.
@@ -177,6 +187,14 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies: []string{"kvaware", "kvaware+chat"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Agent(AgentParams, seed, d)
+			},
+		},
+		"dp": {
+			Name: "dp", About: "tenants (64 groups × 6,000-token context, 10→30 req/s) on 2 servers × 4 data-parallel ranks; +noheader: routers without X-data-parallel-rank",
+			Replicas: 2, DataParallelSize: 4, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			Policies: []string{"kvaware", "kvaware+noheader"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("dp", DPParams, seed, d)
 			},
 		},
 		"nocache": {

@@ -278,11 +278,14 @@ func errorKind(r Record) string {
 
 // Report is one scenario run: the setup and a summary per policy.
 type Report struct {
-	Scenario  string  `json:"scenario"`
-	Replicas  int     `json:"replicas"`
-	Routers   int     `json:"routers"`
-	TimeScale float64 `json:"time_scale"`
-	Seed      uint64  `json:"seed"`
+	Scenario string `json:"scenario"`
+	// Replicas counts routing targets: engine servers × DataParallelSize
+	// when the servers run data-parallel ranks.
+	Replicas         int     `json:"replicas"`
+	DataParallelSize int     `json:"data_parallel_size,omitempty"`
+	Routers          int     `json:"routers"`
+	TimeScale        float64 `json:"time_scale"`
+	Seed             uint64  `json:"seed"`
 	// Requests is the workload size each policy was given.
 	Requests     int    `json:"requests"`
 	KVBlocks     int    `json:"kv_blocks_per_replica"`
@@ -305,8 +308,12 @@ func (r Report) WriteJSON(w io.Writer) error {
 
 // WriteTable prints one line per policy.
 func (r Report) WriteTable(w io.Writer) error {
-	fmt.Fprintf(w, "scenario %s: %d replicas, %d router(s), time-scale %g, seed %d, %d requests per policy, KV %d blocks/replica (demand %d blocks = %.0f%% of fleet, %.1f× one replica)\n",
-		r.Scenario, r.Replicas, r.Routers, r.TimeScale, r.Seed, r.Requests, r.KVBlocks, r.DemandBlocks,
+	dp := ""
+	if r.DataParallelSize > 1 {
+		dp = fmt.Sprintf(" (%d servers × %d data-parallel ranks)", r.Replicas/r.DataParallelSize, r.DataParallelSize)
+	}
+	fmt.Fprintf(w, "scenario %s: %d replicas%s, %d router(s), time-scale %g, seed %d, %d requests per policy, KV %d blocks/replica (demand %d blocks = %.0f%% of fleet, %.1f× one replica)\n",
+		r.Scenario, r.Replicas, dp, r.Routers, r.TimeScale, r.Seed, r.Requests, r.KVBlocks, r.DemandBlocks,
 		100*float64(r.DemandBlocks)/float64(max(1, r.KVBlocks*r.Replicas)), float64(r.DemandBlocks)/float64(max(1, r.KVBlocks)))
 	fmt.Fprintln(w, "TTFT in simulated-equivalent ms (wall / time-scale); rates per simulated second")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
