@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -416,22 +417,25 @@ func (p *portPicker) tcp() (int, error) { return p.pick(false) }
 func (p *portPicker) gossip() (int, error) { return p.pick(true) }
 
 // run returns the first of n consecutive free TCP ports (a data-parallel
-// engine's per-rank endpoints).
+// engine's per-rank endpoints). They are drawn below the kernel's
+// ephemeral range, where no outgoing connection can take one between this
+// check and the engine's bind (on every address, as tcp://*: binds).
 func (p *portPicker) run(n int) (int, error) {
-	for range 100 {
-		first, err := p.tcp()
-		if err != nil || n == 1 {
-			return first, err
-		}
+	if p.used == nil {
+		p.used = map[int]bool{}
+	}
+	lo, hi := listenRange()
+	for range 200 {
+		first := lo + mrand.IntN(hi-lo-n)
 		ok := true
-		for port := first + 1; port < first+n && ok; port++ {
-			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		for port := first; port < first+n && ok; port++ {
+			l, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
 			if ok = err == nil && !p.used[port]; err == nil {
 				l.Close()
 			}
 		}
 		if ok {
-			for port := first + 1; port < first+n; port++ {
+			for port := first; port < first+n; port++ {
 				p.used[port] = true
 			}
 			return first, nil
@@ -466,4 +470,19 @@ func (p *portPicker) pick(udpToo bool) (int, error) {
 		}
 	}
 	return 0, errors.New("cluster: no free port found")
+}
+
+// listenRange is the span of ports below the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range; Linux's default starts at
+// 32768) the per-rank endpoints are drawn from.
+func listenRange() (lo, hi int) {
+	lo, hi = 20000, 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if start, err := strconv.Atoi(f[0]); err == nil && start > 2048 {
+				lo, hi = start/2, start
+			}
+		}
+	}
+	return lo, hi
 }

@@ -153,10 +153,14 @@ func TestRealDataParallelCluster(t *testing.T) {
 func TestPortRunsAreConsecutiveAndDistinct(t *testing.T) {
 	p := &portPicker{}
 	seen := map[int]bool{}
+	lo, hi := listenRange()
 	for range 5 {
 		first, err := p.run(4)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if first < lo || first+4 > hi {
+			t.Fatalf("run %d–%d outside [%d, %d), below the ephemeral ports", first, first+3, lo, hi)
 		}
 		for port := first; port < first+4; port++ {
 			if seen[port] || !p.used[port] {
