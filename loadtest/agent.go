@@ -8,7 +8,6 @@ import (
 	"errors"
 	"io"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/kvmesh/kvmesh/chatconv"
@@ -24,33 +23,6 @@ type conversation struct {
 	items  []json.RawMessage
 	id     string // the answer's response id (through the router: rewritten)
 	answer string
-}
-
-// conversations are the client's agent conversations by name; a turn is
-// only sent after its previous one ended (Replay's After), so each is used
-// by one request at a time.
-type conversations struct {
-	mu sync.Mutex
-	m  map[string]*conversation
-}
-
-// take removes and returns a conversation's state: a turn that fails
-// leaves none, so the turns after it are not sent on an older answer.
-func (cs *conversations) take(name string) *conversation {
-	cs.mu.Lock()
-	defer cs.mu.Unlock()
-	c := cs.m[name]
-	delete(cs.m, name)
-	return c
-}
-
-func (cs *conversations) put(name string, c *conversation) {
-	cs.mu.Lock()
-	defer cs.mu.Unlock()
-	if cs.m == nil {
-		cs.m = map[string]*conversation{}
-	}
-	cs.m[name] = c
 }
 
 // agentRequest is one turn ready to send: the Responses body, the chat
@@ -126,10 +98,14 @@ func (c *Client) doAgent(ctx context.Context, base string, r workload.Request) r
 	t := r.Agent
 	var prev *conversation
 	if t.Turn > 0 {
-		if prev = c.conversations.take(t.Conversation); prev == nil {
+		// Taken, not read: a turn that fails leaves no state, so the turns
+		// after it are not sent on an older answer.
+		v, ok := c.conversations.LoadAndDelete(t.Conversation)
+		if !ok {
 			rec.Err = "not sent: the previous turn failed"
 			return rec
 		}
+		prev = v.(*conversation)
 	}
 	a, err := buildTurn(c.Model, t, r.MaxTokens, prev)
 	if err != nil {
@@ -157,7 +133,7 @@ func (c *Client) doAgent(ctx context.Context, base string, r workload.Request) r
 	}
 	rec.E2E = time.Since(start)
 	if rec.Err == "" {
-		c.conversations.put(t.Conversation, &conversation{chat: a.messages, items: a.items, id: id, answer: text.String()})
+		c.conversations.Store(t.Conversation, &conversation{chat: a.messages, items: a.items, id: id, answer: text.String()})
 	}
 	return rec
 }

@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvmesh/kvmesh/loadtest/report"
@@ -30,8 +31,10 @@ type Client struct {
 	// Chat sends agent turns as the chat completions they amount to
 	// instead of through the Responses API.
 	Chat bool
-	// conversations remember the agent conversations' answers.
-	conversations conversations
+	// conversations holds each agent conversation's *conversation after
+	// its last turn, by name. A turn is only sent after its previous one
+	// ended (Replay's After), so each is used by one request at a time.
+	conversations sync.Map
 }
 
 // NewClient returns a client whose transport keeps enough idle
