@@ -19,7 +19,7 @@ func TestScenarioSizing(t *testing.T) {
 	tp := TraceDefaults
 	tp.Limit = 100 // synthesizing 13k-token prompts is slow under -race
 	for name, sc := range Scenarios(trace, tp) {
-		if name != "tenants" && name != "hot" && (testing.Short() || os.Getenv("KVMESH_SIZE_ALL") == "") {
+		if name != "tenants" && name != "hot" && name != "agent" && (testing.Short() || os.Getenv("KVMESH_SIZE_ALL") == "") {
 			continue // slow under -race; KVMESH_SIZE_ALL=1 prints every scenario's size
 		}
 		sim := time.Duration(float64(sc.Duration) / sc.TimeScale)
