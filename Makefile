@@ -1,6 +1,6 @@
 # kvmesh — build, test, bench. `make test` is the README's test command and what CI runs.
 GO        ?= go
-BINARIES  := router sidecar enginesim loadtest healthcheck
+BINARIES  := router sidecar enginesim loadtest healthcheck fleetsim
 FUZZTIME  ?= 5s
 # The revision stamped into the binaries (buildinfo.Version, in logs and
 # metrics); empty outside git, where the binaries fall back to Go's own stamp.

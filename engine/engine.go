@@ -473,6 +473,43 @@ func (e *Engine) Resident() map[uint64]int {
 	return m
 }
 
+// Holds reports whether the prefix cache holds the block with engine hash
+// h: a simulator's oracle reads the exact cache through it.
+func (e *Engine) Holds(h uint64) bool {
+	_, ok := e.pool.lookup(h)
+	return ok
+}
+
+// Backlog is the work ahead of a new request at an engine, exactly as it
+// stands between steps: what a simulator's oracle weighs.
+type Backlog struct {
+	// PrefillTokens are the prompt tokens still to compute: a waiting
+	// sequence's uncached ones as the cache stands now, a running one's
+	// not yet prefilled.
+	PrefillTokens int
+	// Running counts the running sequences, DecodeContext their tokens
+	// with KV: every step decodes them.
+	Running, DecodeContext int
+}
+
+// Backlog returns the engine's backlog.
+func (e *Engine) Backlog() Backlog {
+	var b Backlog
+	for _, s := range e.waiting {
+		done := s.computed
+		if s.load == loadNone && s.computed == 0 {
+			done = e.longestHit(s) * e.cfg.BlockSize
+		}
+		b.PrefillTokens += max(len(s.tokens)-done, 0)
+	}
+	for _, s := range e.running {
+		b.PrefillTokens += max(s.promptLen-s.computed, 0)
+		b.DecodeContext += s.computed
+	}
+	b.Running = len(e.running)
+	return b
+}
+
 // Offloaded returns the block hashes the host tier holds, least recently
 // used first: what a consumer of the CPU events must reconstruct.
 func (e *Engine) Offloaded() []uint64 {

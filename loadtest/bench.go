@@ -59,7 +59,7 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 		cfg.Replicas = sc.Replicas
 	}
 	if cfg.Routers <= 0 {
-		cfg.Routers = 1
+		cfg.Routers = max(sc.Routers, 1)
 	}
 	if cfg.TimeScale <= 0 {
 		cfg.TimeScale = sc.TimeScale
@@ -85,9 +85,10 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 	if len(w.Requests) == 0 {
 		return Result{}, fmt.Errorf("scenario %s: the workload is empty", sc.Name)
 	}
-	kv := sc.KVBlocks(w, cfg.Replicas)
+	ranks := max(sc.DataParallelSize, 1)
+	kv := sc.KVBlocks(w, cfg.Replicas*ranks)
 	rep := report.Report{
-		Scenario: sc.Name, Replicas: cfg.Replicas, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
+		Scenario: sc.Name, Replicas: cfg.Replicas * ranks, DataParallelSize: sc.DataParallelSize, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
 		Requests: len(w.Requests), KVBlocks: kv, DemandBlocks: w.DemandBlocks, Units: report.Units,
 		Policies: map[string]report.Summary{},
 	}
@@ -121,11 +122,15 @@ type run struct {
 	name, policy string
 	routerArgs   []string
 	w            workload.Workload
+	chat         bool // agent turns as chat completions
 }
 
 // parseRun reads "policy[+variant...]": "+fc" turns the routers' flow
-// control on, "+blind" makes them blind to offload tiers (--ignore-tiers), "+without=X" drops the requests of tenant or priority X,
-// "+only=X" keeps only those (the same traffic, less a part of it, since
+// control on, "+blind" makes them blind to offload tiers (--ignore-tiers),
+// "+noheader" keeps them from sending X-data-parallel-rank, "+chat" sends
+// agent turns as the chat completions they amount to instead of through
+// the Responses API, "+without=X" drops the requests of tenant or priority
+// X, "+only=X" keeps only those (the same traffic, less a part of it, since
 // workload streams are drawn independently).
 func parseRun(spec string, w workload.Workload) (run, error) {
 	parts := strings.Split(spec, "+")
@@ -138,6 +143,10 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 			r.routerArgs = append(r.routerArgs, "--flow-control")
 		case key == "blind" && val == "":
 			r.routerArgs = append(r.routerArgs, "--ignore-tiers")
+		case key == "noheader" && val == "":
+			r.routerArgs = append(r.routerArgs, "--no-data-parallel-header")
+		case key == "chat" && val == "":
+			r.chat = true
 		case (key == "without" || key == "only") && val != "":
 			keep := key == "only"
 			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
@@ -145,7 +154,7 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 				err = fmt.Errorf("%s leaves no request", spec)
 			}
 		default:
-			err = fmt.Errorf("%s: unknown variant %q (want fc, blind, without=X or only=X)", spec, v)
+			err = fmt.Errorf("%s: unknown variant %q (want fc, blind, noheader, chat, without=X or only=X)", spec, v)
 		}
 		if err != nil {
 			return run{}, err
@@ -171,7 +180,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		routerArgs = append(routerArgs, "--config", path)
 	}
 	cl, err := cluster.Start(ctx, cluster.Config{
-		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, Routers: cfg.Routers, Policy: run.policy,
+		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, DataParallelSize: cfg.Scenario.DataParallelSize, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
 		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: append(slices.Clone(cfg.Scenario.SidecarArgs), cfg.SidecarArgs...), RouterArgs: routerArgs,
 	})
@@ -186,6 +195,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 	log.Info().Dur("startup", time.Since(started)).Strs("routers", cl.Routers).Str("logs", dir).Msg("cluster ready")
 
 	client := NewClient(cfg.Model)
+	client.Chat = run.chat
 	defer client.HTTP.CloseIdleConnections()
 	cpu0 := cl.RouterCPU()
 	out := Replay(ctx, client, w, ReplayOptions{Targets: cl.Routers, TimeScale: cfg.TimeScale, Drain: cfg.Drain})

@@ -14,17 +14,27 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvmesh/kvmesh/loadtest/report"
 	"github.com/kvmesh/kvmesh/loadtest/workload"
 )
 
-// Client sends workload requests as streamed chat completions and times
-// them: TTFT at the first chunk carrying content, E2E at the stream's end.
+// Client sends workload requests as streamed chat completions, and agent
+// turns through the Responses API (agent.go), and times them: TTFT at the
+// first chunk or event carrying output, E2E at the stream's end.
 type Client struct {
 	HTTP  *http.Client
 	Model string
+	// Chat sends agent turns as the chat completions they amount to
+	// instead of through the Responses API.
+	Chat bool
+	// conversations holds each agent conversation's *conversation after
+	// its last turn, by name. A turn is only sent after its previous one
+	// ended (Replay's After), so each is used by one request at a time.
+	conversations sync.Map
 }
 
 // NewClient returns a client whose transport keeps enough idle
@@ -75,7 +85,10 @@ type chunk struct {
 // Start is left for the caller. It never panics on a bad response: every
 // failure is an error string in the record.
 func (c *Client) Do(ctx context.Context, base string, r workload.Request) report.Record {
-	rec := report.Record{Router: base, Key: r.Key, Tenant: r.Tenant, Priority: r.Priority, PredictedCached: -1, PromptTokens: r.PromptTokens, QueueMs: -1}
+	if r.Agent != nil {
+		return c.doAgent(ctx, base, r)
+	}
+	rec := newRecord(base, r)
 	body := chatBody{Model: c.Model, Messages: r.Messages, MaxTokens: r.MaxTokens, Stream: true}
 	body.StreamOptions.IncludeUsage = true
 	raw, err := json.Marshal(body)
@@ -83,10 +96,30 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 		rec.Err = err.Error()
 		return rec
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(raw))
+	start := time.Now()
+	resp := c.post(ctx, base+"/v1/chat/completions", raw, r, &rec)
+	if resp == nil {
+		return rec
+	}
+	defer resp.Body.Close()
+	readStream(ctx, resp.Body, start, &rec, nil)
+	rec.E2E = time.Since(start)
+	return rec
+}
+
+func newRecord(base string, r workload.Request) report.Record {
+	return report.Record{Router: base, Key: r.Key, Tenant: r.Tenant, Priority: r.Priority,
+		PredictedCached: -1, RouterPromptTokens: -1, PromptTokens: r.PromptTokens, QueueMs: -1}
+}
+
+// post sends a streamed request and reads the router's headers into rec.
+// It returns the response when it is a 200 (the caller reads and closes
+// its body), nil with rec.Err set otherwise.
+func (c *Client) post(ctx context.Context, url string, raw []byte, r workload.Request, rec *report.Record) *http.Response {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(raw))
 	if err != nil {
 		rec.Err = err.Error()
-		return rec
+		return nil
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Accept", "text/event-stream")
@@ -96,21 +129,16 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 	if r.Priority != "" {
 		req.Header.Set("X-Kvmesh-Priority", r.Priority)
 	}
-	start := time.Now()
 	resp, err := c.HTTP.Do(req)
 	if err != nil {
 		rec.Err = classify(ctx, err, "connect")
-		return rec
+		return nil
 	}
-	defer resp.Body.Close()
 	rec.Status = resp.StatusCode
 	rec.Replica = resp.Header.Get("X-Kvmesh-Replica")
 	rec.Mode = resp.Header.Get("X-Kvmesh-Mode")
-	if v := resp.Header.Get("X-Kvmesh-Cached-Tokens"); v != "" {
-		if n, err := strconv.Atoi(v); err == nil {
-			rec.PredictedCached = n
-		}
-	}
+	rec.PredictedCached = headerInt(resp.Header, "X-Kvmesh-Cached-Tokens")
+	rec.RouterPromptTokens = headerInt(resp.Header, "X-Kvmesh-Prompt-Tokens")
 	if v := resp.Header.Get("X-Kvmesh-Queue-Ms"); v != "" {
 		if ms, err := strconv.ParseFloat(v, 64); err == nil {
 			rec.QueueMs = ms
@@ -120,12 +148,19 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 	rec.RetryAfter = resp.Header.Get("Retry-After") != ""
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		resp.Body.Close()
 		rec.Err = fmt.Sprintf("http %d: %s", resp.StatusCode, bytes.TrimSpace(msg))
-		return rec
+		return nil
 	}
-	readStream(ctx, resp.Body, start, &rec)
-	rec.E2E = time.Since(start)
-	return rec
+	return resp
+}
+
+// headerInt reads an integer header, -1 when absent or malformed.
+func headerInt(h http.Header, name string) int {
+	if n, err := strconv.Atoi(h.Get(name)); err == nil {
+		return n
+	}
+	return -1
 }
 
 // classify names a transport failure, telling our own deadline apart.
@@ -138,9 +173,9 @@ func classify(ctx context.Context, err error, phase string) string {
 
 // readStream reads an OpenAI chat SSE stream into rec: TTFT at the first
 // chunk with content, usage from the chunk that carries it, and an error
-// for a broken, erroring or content-free stream. Any byte sequence is
-// handled without panicking.
-func readStream(ctx context.Context, body io.Reader, start time.Time, rec *report.Record) {
+// for a broken, erroring or content-free stream; the content goes to text
+// when it is not nil. Any byte sequence is handled without panicking.
+func readStream(ctx context.Context, body io.Reader, start time.Time, rec *report.Record, text *strings.Builder) {
 	contentChunks := 0
 	sawUsage, done := false, false
 	br := bufio.NewReaderSize(body, 64<<10)
@@ -168,7 +203,7 @@ func readStream(ctx context.Context, body io.Reader, start time.Time, rec *repor
 		}
 		// After the first token, only chunks with usage or an error need
 		// decoding; counting the rest keeps the client cheap.
-		if rec.TTFT > 0 && !bytes.Contains(data, []byte(`"prompt_tokens"`)) && !bytes.Contains(data, []byte(`"error"`)) {
+		if rec.TTFT > 0 && text == nil && !bytes.Contains(data, []byte(`"prompt_tokens"`)) && !bytes.Contains(data, []byte(`"error"`)) {
 			contentChunks++
 			continue
 		}
@@ -183,6 +218,9 @@ func readStream(ctx context.Context, body io.Reader, start time.Time, rec *repor
 		}
 		for _, c := range ch.Choices {
 			if c.Delta.Content != "" {
+				if text != nil {
+					text.WriteString(c.Delta.Content)
+				}
 				if rec.TTFT == 0 {
 					rec.TTFT = max(time.Since(start), time.Nanosecond)
 				}

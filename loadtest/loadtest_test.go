@@ -41,10 +41,10 @@ func freePort(t *testing.T) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
-// TestClientAgainstEnginesim replays a small tenants workload straight into
-// one real enginesim: TTFT before E2E, usage read from the stream, and the
-// second asking of a prompt served from cache.
-func TestClientAgainstEnginesim(t *testing.T) {
+// startEnginesim runs bin/enginesim at time-scale 0.05 until the test ends
+// and returns its base URL.
+func startEnginesim(t *testing.T) string {
+	t.Helper()
 	needBins(t, "enginesim")
 	port := freePort(t)
 	p, err := cluster.StartProc("enginesim", filepath.Join(binDir, "enginesim"), []string{
@@ -53,7 +53,7 @@ func TestClientAgainstEnginesim(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Stop(5 * time.Second)
+	t.Cleanup(func() { p.Stop(5 * time.Second) })
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -61,7 +61,7 @@ func TestClientAgainstEnginesim(t *testing.T) {
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				break
+				return base
 			}
 		}
 		if time.Now().After(deadline) {
@@ -69,6 +69,13 @@ func TestClientAgainstEnginesim(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// TestClientAgainstEnginesim replays a small tenants workload straight into
+// one real enginesim: TTFT before E2E, usage read from the stream, and the
+// second asking of a prompt served from cache.
+func TestClientAgainstEnginesim(t *testing.T) {
+	base := startEnginesim(t)
 	params := workload.TenantsParams{Groups: 2, UsersPerGroup: 2, ContextTokens: 400, QuestionTokens: 50, OutputTokens: 5, RateStart: 20, RateEnd: 20}
 	w, err := workload.Tenants("t", params, 1, 2*time.Second)
 	if err != nil {
@@ -202,7 +209,7 @@ func TestReadStream(t *testing.T) {
 	}
 	for _, c := range cases {
 		rec := report.Record{PromptTokens: 7}
-		readStream(context.Background(), strings.NewReader(c.body), time.Now(), &rec)
+		readStream(context.Background(), strings.NewReader(c.body), time.Now(), &rec, nil)
 		if !strings.HasPrefix(rec.Err, c.err) || (c.err == "") != (rec.Err == "") {
 			t.Errorf("%s: err %q, want %q", c.name, rec.Err, c.err)
 		}
@@ -217,7 +224,7 @@ func FuzzReadStream(f *testing.F) {
 	f.Add([]byte("data: {\"usage\":{\"prompt_tokens\":3,\"prompt_tokens_details\":null}}\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var rec report.Record
-		readStream(context.Background(), bytes.NewReader(data), time.Now(), &rec)
+		readStream(context.Background(), bytes.NewReader(data), time.Now(), &rec, nil)
 		if rec.Err == "" && rec.TTFT <= 0 {
 			t.Fatalf("success without a first token: %+v", rec)
 		}

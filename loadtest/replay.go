@@ -39,8 +39,10 @@ type ReplayResult struct {
 var ErrOverCap = errors.New("client in-flight cap reached")
 
 // Replay sends w's requests at their arrival times (scaled to wall time)
-// through c, open loop: an arrival never waits for an earlier answer. It
-// returns when every request has finished or been cancelled.
+// through c, open loop: an arrival never waits for an earlier answer,
+// except the one it names in After (an agent's previous turn), which it
+// follows as soon as that one is done. It returns when every request has
+// finished or been cancelled.
 func Replay(ctx context.Context, c *Client, w workload.Workload, o ReplayOptions) ReplayResult {
 	if o.TimeScale <= 0 {
 		o.TimeScale = 1
@@ -65,6 +67,13 @@ func Replay(ctx context.Context, c *Client, w workload.Workload, o ReplayOptions
 	ctx, cancel := context.WithTimeoutCause(ctx, span+o.Drain, errors.New("drain deadline passed"))
 	defer cancel()
 
+	// done[key] is closed once a request of that key has its record.
+	done := map[string]*doneSignal{}
+	for _, r := range w.Requests {
+		if r.After != "" {
+			done[r.After] = &doneSignal{ch: make(chan struct{})}
+		}
+	}
 	slots := make(chan struct{}, o.MaxInFlight)
 	var wg sync.WaitGroup
 	begin := time.Now()
@@ -85,26 +94,51 @@ func Replay(ctx context.Context, c *Client, w workload.Workload, o ReplayOptions
 		target := o.Targets[i%len(o.Targets)]
 		if ctx.Err() != nil {
 			res.Records[i] = report.Record{Router: target, Key: r.Key, Start: sent, Err: "not sent: " + context.Cause(ctx).Error()}
+			done[r.Key].close()
 			continue
 		}
 		select {
 		case slots <- struct{}{}:
 		default:
 			res.Records[i] = report.Record{Router: target, Key: r.Key, Start: sent, Err: ErrOverCap.Error()}
+			done[r.Key].close()
 			continue
 		}
+		after, mine := done[r.After], done[r.Key]
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { <-slots }()
+			defer mine.close()
+			start := sent
+			if after != nil {
+				select {
+				case <-after.ch:
+				case <-ctx.Done():
+				}
+				start = time.Since(begin)
+			}
 			rctx, rcancel := context.WithTimeoutCause(ctx, o.RequestTimeout, errors.New("request timeout"))
 			defer rcancel()
 			rec := c.Do(rctx, target, r)
-			rec.Start = sent
+			rec.Start = start
 			res.Records[i] = rec
 		}()
 	}
 	wg.Wait()
 	res.Wall = time.Since(begin)
 	return res
+}
+
+// doneSignal is closed once, however many requests share its key.
+type doneSignal struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+// close closes the signal; a nil one (a key nothing waits for) is a no-op.
+func (d *doneSignal) close() {
+	if d != nil {
+		d.once.Do(func() { close(d.ch) })
+	}
 }

@@ -18,9 +18,14 @@ var AllPolicies = []string{"random", "round-robin", "least-loaded", "chwbl", "pr
 // the arrival phase at TimeScale, so the workload covers
 // Duration/TimeScale simulated seconds.
 type Scenario struct {
-	Name      string
-	About     string
-	Replicas  int
+	Name     string
+	About    string
+	Replicas int
+	// DataParallelSize above 1 makes each of the Replicas an engine
+	// server of that many data-parallel ranks, a sidecar following each.
+	DataParallelSize int
+	// Routers run by default (--routers overrides); 0 is one.
+	Routers   int
 	TimeScale float64
 	Duration  time.Duration
 	// FleetFill is the workload's distinct KV demand over the fleet's KV
@@ -71,10 +76,27 @@ var HotParams = workload.TenantsParams{
 	RateStart: 64, RateEnd: 64, HotShare: 0.5,
 }
 
+// DPParams is the dp scenario: the tenants shape at 10→30 req/s, what 2
+// servers of 4 data-parallel ranks serve on this machine.
+var DPParams = workload.TenantsParams{
+	Groups: 64, UsersPerGroup: 5, ContextTokens: 6000, QuestionTokens: 1200, OutputTokens: 32,
+	RateStart: 10, RateEnd: 30,
+}
+
 // MultiturnParams is the multiturn scenario: ShareGPT-like chats.
 var MultiturnParams = workload.MultiturnParams{
 	ConversationRate: 8, MinTurns: 4, MaxTurns: 12, SystemPrompts: 4, SystemTokens: 400,
 	UserMedian: 200, AssistantMedian: 120, MaxUser: 2000, MaxAssistant: 400, ThinkTime: 2 * time.Second,
+}
+
+// AgentParams is the agent scenario: coding-agent conversations of 3–10
+// turns over four agents' 2,000-token instructions, each turn adding a
+// tool's ≈300-token output, 1 s of tool time apart; 30 % of the
+// conversations chain turns by previous_response_id on stored responses.
+var AgentParams = workload.AgentParams{
+	ConversationRate: 3, MinTurns: 3, MaxTurns: 10, Agents: 4, InstructionTokens: 2000,
+	TaskMedian: 150, ToolOutputMedian: 300, MaxToolOutput: 2000, OutputTokens: 32,
+	StoredShare: 0.3, ThinkTime: time.Second,
 }
 
 // NoCacheParams is the nocache scenario: unique summarization-like prompts.
@@ -178,6 +200,22 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies: []string{"round-robin", "least-loaded", "chwbl", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Multiturn(MultiturnParams, seed, d)
+			},
+		},
+		"agent": {
+			Name: "agent", About: "tool-using agent conversations of 3–10 turns through /v1/responses (30 % chained by previous_response_id on stored responses) and, +chat, the same turns as chat completions",
+			Replicas: 4, Routers: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			Policies: []string{"kvaware", "kvaware+chat"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Agent(AgentParams, seed, d)
+			},
+		},
+		"dp": {
+			Name: "dp", About: "tenants (64 groups × 6,000-token context, 10→30 req/s) on 2 servers × 4 data-parallel ranks; +noheader: routers without X-data-parallel-rank",
+			Replicas: 2, DataParallelSize: 4, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			Policies: []string{"kvaware", "kvaware+noheader"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("dp", DPParams, seed, d)
 			},
 		},
 		"nocache": {

@@ -19,7 +19,7 @@ func TestScenarioSizing(t *testing.T) {
 	tp := TraceDefaults
 	tp.Limit = 100 // synthesizing 13k-token prompts is slow under -race
 	for name, sc := range Scenarios(trace, tp) {
-		if name != "tenants" && name != "hot" && (testing.Short() || os.Getenv("KVMESH_SIZE_ALL") == "") {
+		if name != "tenants" && name != "hot" && name != "agent" && (testing.Short() || os.Getenv("KVMESH_SIZE_ALL") == "") {
 			continue // slow under -race; KVMESH_SIZE_ALL=1 prints every scenario's size
 		}
 		sim := time.Duration(float64(sc.Duration) / sc.TimeScale)
@@ -82,7 +82,10 @@ func TestRunVariants(t *testing.T) {
 	if r, err = parseRun("kvaware+blind", w); err != nil || r.policy != "kvaware" || strings.Join(r.routerArgs, " ") != "--ignore-tiers" {
 		t.Fatalf("%v %+v", err, r)
 	}
-	for _, bad := range []string{"kvaware+turbo", "kvaware+blind=x", "kvaware+only=", "kvaware+only=nobody"} {
+	if r, err = parseRun("kvaware+noheader+chat", w); err != nil || strings.Join(r.routerArgs, " ") != "--no-data-parallel-header" || !r.chat {
+		t.Fatalf("%v %+v", err, r)
+	}
+	for _, bad := range []string{"kvaware+turbo", "kvaware+blind=x", "kvaware+chat=1", "kvaware+only=", "kvaware+only=nobody"} {
 		if _, err := parseRun(bad, w); err == nil {
 			t.Errorf("%s accepted", bad)
 		}

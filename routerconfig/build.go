@@ -88,7 +88,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 	if policy == "" {
 		policy = "kvaware"
 	}
-	rc := c.Routing.config()
+	rc := c.Routing.Config()
 	// The policy in force is kept across reloads that leave its settings
 	// alone (its speculative records and learned costs with it). A new one
 	// replaces it only once the whole configuration built: a rejected

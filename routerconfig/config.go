@@ -99,7 +99,9 @@ type Routing struct {
 	Calibrate *bool `yaml:"calibrate"`
 }
 
-func (r Routing) config() routing.Config {
+// Config is the routing.Config these settings make (what a router decides
+// with; fleetsim reads a router config file through it).
+func (r Routing) Config() routing.Config {
 	return routing.Config{
 		PrefillPerToken: r.PrefillPerToken, PerRunning: r.PerRunning, TokensPerWaiting: r.TokensPerWaiting,
 		LoadBound: r.LoadBound, ColdSlack: r.ColdSlack, ImbalanceEnter: r.ImbalanceEnter,
@@ -244,7 +246,7 @@ func parseFile(path string, data []byte) (*Config, error) {
 // Validate checks what can be checked without building anything.
 func (c *Config) Validate() error {
 	var errs []error
-	if err := routing.Validate(c.Policy, c.Routing.config()); err != nil {
+	if err := routing.Validate(c.Policy, c.Routing.Config()); err != nil {
 		errs = append(errs, err)
 	}
 	if c.MaxPrefixTokens < 0 || c.MaxPrefixBytes < 0 || c.MaxAttempts < 0 {

@@ -100,7 +100,7 @@ func TestCalibrationSettingFromFlagAndFile(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return Overlay(base, f).Routing.config().Calibrate
+		return Overlay(base, f).Routing.Config().Calibrate
 	}
 	if !calibrates("") || !calibrates("routing: {cold_slack: 20ms}\n") {
 		t.Error("a file without routing.calibrate should keep the flag's setting")
@@ -478,7 +478,7 @@ func TestOffloadPerTokenParses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rc := c.Routing.config()
+	rc := c.Routing.Config()
 	if rc.OffloadPerToken != 3*time.Microsecond || len(rc.OffloadPerTokenBy) != 1 || rc.OffloadPerTokenBy["DISK"] != 20*time.Microsecond {
 		t.Fatalf("routing config %+v", rc)
 	}

@@ -258,13 +258,21 @@ func (p *kvaware) checkImbalance(model string, k *costfit.Coefficients, cands []
 	if len(cands) < 2 {
 		return false
 	}
-	var total, longest time.Duration
+	// The longest queues are the mean of the top eighth of the fleet (the
+	// single longest up to 15 replicas): over hundreds of replicas the
+	// longest of many busy queues is always far above the mean by chance
+	// alone, and one outlier would hold the whole model in least-load mode.
+	top := max(len(cands)/8, 1)
+	var heapBuf [stackCands]time.Duration
+	longestQ := topQueueSet{q: heapBuf[:0], k: top}
+	var total time.Duration
 	for i := range cands {
 		q := p.cfg.queue(k, &cands[i])
 		total += q
-		longest = max(longest, q)
+		longestQ.push(q)
 	}
-	others := float64(total-longest) / float64(len(cands)-1)
+	longest := longestQ.mean()
+	others := float64(total-longestQ.sum()) / float64(len(cands)-len(longestQ.q))
 	enter := float64(longest) > p.cfg.ImbalanceEnter*others && longest >= p.cfg.ImbalanceMinQueue
 	if !enter && p.nDegraded.Load() == 0 {
 		return false
@@ -287,6 +295,49 @@ func (p *kvaware) checkImbalance(model string, k *costfit.Coefficients, cands []
 	p.degradations.Add(1)
 	return true
 }
+
+// topQueueSet keeps the k largest queue estimates pushed (a min-heap).
+type topQueueSet struct {
+	q []time.Duration
+	k int
+}
+
+func (t *topQueueSet) push(v time.Duration) {
+	if len(t.q) < t.k {
+		t.q = append(t.q, v)
+		for i := len(t.q) - 1; i > 0 && t.q[(i-1)/2] > t.q[i]; i = (i - 1) / 2 {
+			t.q[i], t.q[(i-1)/2] = t.q[(i-1)/2], t.q[i]
+		}
+		return
+	}
+	if v <= t.q[0] {
+		return
+	}
+	t.q[0] = v
+	for i := 0; ; {
+		l, r, m := 2*i+1, 2*i+2, i
+		if l < len(t.q) && t.q[l] < t.q[m] {
+			m = l
+		}
+		if r < len(t.q) && t.q[r] < t.q[m] {
+			m = r
+		}
+		if m == i {
+			return
+		}
+		t.q[i], t.q[m] = t.q[m], t.q[i]
+		i = m
+	}
+}
+
+func (t *topQueueSet) sum() (s time.Duration) {
+	for _, v := range t.q {
+		s += v
+	}
+	return s
+}
+
+func (t *topQueueSet) mean() time.Duration { return t.sum() / time.Duration(len(t.q)) }
 
 // speculativeMatches sets matched[i] to the leading blocks candidate i's
 // filter shows, extended by the blocks recently routed to it that the filter

@@ -584,3 +584,26 @@ func TestExactRepeatPredictsAsTheEngineCounts(t *testing.T) {
 		t.Error("an empty prompt or an unknown block size must predict nothing")
 	}
 }
+
+// TestLargeFleetIsNotImbalancedByItsLongestQueueAlone: over 256 busy
+// replicas the longest queue is far above the mean by chance alone; what
+// counts is the top eighth against the rest, so a few outliers leave kvaware
+// routing by cost, while a hot eighth of the fleet still switches it.
+func TestLargeFleetIsNotImbalancedByItsLongestQueueAlone(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	cands := fleetOf(256)
+	for i := range cands {
+		cands[i].PendingPrefillTokens = 40000 + (i*7919)%40000 // 1.2–2.4 s
+	}
+	cands[17].PendingPrefillTokens = 400000 // 12 s, and two more at 6 s
+	cands[99].PendingPrefillTokens, cands[200].PendingPrefillTokens = 200000, 200000
+	if d := route(t, p, &Request{PromptTokens: 1000, Now: t0}, cands); d.Degraded {
+		t.Fatalf("three outliers in 256 switched to least-load mode: %+v", d)
+	}
+	for i := range 32 {
+		cands[i*8].PendingPrefillTokens = 400000
+	}
+	if d := route(t, p, &Request{PromptTokens: 1000, Now: t0}, cands); !d.Degraded {
+		t.Fatalf("a hot eighth of the fleet did not switch to least-load mode: %+v", d)
+	}
+}

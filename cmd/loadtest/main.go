@@ -47,10 +47,10 @@ type options struct {
 func run(args []string) error {
 	var o options
 	fs := flag.NewFlagSet("loadtest", flag.ContinueOnError)
-	fs.StringVar(&o.scenario, "scenario", "tenants", "scenario: tenants, hot, multiturn, nocache, trace, or all (tenants, hot, nocache, multiturn)")
+	fs.StringVar(&o.scenario, "scenario", "tenants", "scenario: "+strings.Join(loadtest.Names(loadtest.Scenarios("", loadtest.TraceDefaults)), ", ")+", or all ("+strings.Join(loadtest.DefaultOrder, ", ")+")")
 	fs.StringVar(&o.policies, "policies", "", "comma list of router policies (default: the scenario's; "+strings.Join(loadtest.AllPolicies, ",")+")")
-	fs.IntVar(&o.replicas, "replicas", 0, "enginesim+sidecar pairs (default: the scenario's, 8)")
-	fs.IntVar(&o.routers, "routers", 1, "routers; requests are spread over them round-robin")
+	fs.IntVar(&o.replicas, "replicas", 0, "enginesim+sidecar pairs, or for dp data-parallel engine servers (a sidecar per rank) (default: the scenario's, 8)")
+	fs.IntVar(&o.routers, "routers", 0, "routers; requests are spread over them round-robin (default: the scenario's, 1 but for agent's 2)")
 	fs.Float64Var(&o.timeScale, "time-scale", 0, "enginesim --time-scale (default: the scenario's); TTFT is reported as wall / time-scale")
 	fs.DurationVar(&o.duration, "duration", 0, "wall length of the arrival phase (default: the scenario's)")
 	fs.Uint64Var(&o.seed, "seed", 1, "workload seed")
@@ -88,7 +88,7 @@ func run(args []string) error {
 	switch {
 	case o.smoke:
 		scenarios = []loadtest.Scenario{loadtest.Smoke}
-		if o.routers == 1 {
+		if o.routers == 0 {
 			o.routers = 2
 		}
 		if o.maxRequests == 0 {

@@ -1,5 +1,6 @@
 // Package cluster starts a whole kvmesh fleet as real processes on
-// loopback — an enginesim and its sidecar per replica, and routers — waits
+// loopback — an enginesim and its sidecar per replica (a sidecar per rank
+// of a data-parallel enginesim), and routers — waits
 // until every router sees every replica, and tears it all down again, also
 // on failure or Ctrl-C, leaving no process behind.
 package cluster
@@ -12,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -24,16 +26,21 @@ import (
 
 // Config describes one fleet.
 type Config struct {
-	BinDir    string // holds enginesim, sidecar, router
-	OutDir    string // one log file per process
-	Replicas  int
-	Routers   int
-	Policy    string
-	Model     string // served model name; default "sim"
-	KVBlocks  int    // per replica; 0 leaves enginesim's default
-	BlockSize int    // 0 leaves enginesim's default
-	TimeScale float64
-	GossipKey string // base64; a fresh random key when empty
+	BinDir   string // holds enginesim, sidecar, router
+	OutDir   string // one log file per process
+	Replicas int    // engine servers
+	// DataParallelSize above 1 runs each server with that many
+	// data-parallel ranks (enginesim --data-parallel-size), their KV
+	// events on ports shifted by rank as vLLM's, and one sidecar per rank
+	// (--data-parallel-rank): Replicas × DataParallelSize replicas.
+	DataParallelSize int
+	Routers          int
+	Policy           string
+	Model            string // served model name; default "sim"
+	KVBlocks         int    // per replica (per rank); 0 leaves enginesim's default
+	BlockSize        int    // 0 leaves enginesim's default
+	TimeScale        float64
+	GossipKey        string // base64; a fresh random key when empty
 	// Extra flags appended per binary (e.g. a cost profile).
 	EngineArgs, SidecarArgs, RouterArgs []string
 	ReadyTimeout                        time.Duration // default 60 s
@@ -43,9 +50,9 @@ type Config struct {
 // Cluster is a running fleet.
 type Cluster struct {
 	Routers  []string // router base URLs
-	Engines  []string // engine base URLs, replica i at index i
-	Sidecars []string // sidecar status base URLs
-	Names    []string // replica names as gossiped
+	Engines  []string // engine server base URLs, server i at index i
+	Sidecars []string // sidecar status base URLs, one per replica
+	Names    []string // replica names as gossiped, in Sidecars' order
 	// RunID marks every process of this cluster: its environment holds
 	// RunEnv=RunID, so leftovers can be found even after a crash.
 	RunID   string
@@ -97,6 +104,7 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 	ctx, cancel := context.WithTimeout(ctx, cfg.ReadyTimeout)
 	defer cancel()
 
+	ranks := max(cfg.DataParallelSize, 1)
 	ports := &portPicker{}
 	engineEvents := make([]int, cfg.Replicas)
 	engineReplay := make([]int, cfg.Replicas)
@@ -105,10 +113,11 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		if err != nil {
 			return nil, err
 		}
-		if engineEvents[i], err = ports.tcp(); err != nil {
+		// Rank r publishes on the given ports plus r.
+		if engineEvents[i], err = ports.run(ranks); err != nil {
 			return nil, err
 		}
-		if engineReplay[i], err = ports.tcp(); err != nil {
+		if engineReplay[i], err = ports.run(ranks); err != nil {
 			return nil, err
 		}
 		url := fmt.Sprintf("http://127.0.0.1:%d", port)
@@ -126,6 +135,9 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		}
 		if cfg.BlockSize > 0 {
 			args = append(args, "--block-size", strconv.Itoa(cfg.BlockSize))
+		}
+		if ranks > 1 {
+			args = append(args, "--data-parallel-size", strconv.Itoa(ranks))
 		}
 		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", append(args, cfg.EngineArgs...)); err != nil {
 			return nil, err
@@ -179,7 +191,8 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		}
 	}
 
-	for i := range cfg.Replicas {
+	for n := range cfg.Replicas * ranks {
+		i, rank := n/ranks, n%ranks
 		port, err := ports.tcp()
 		if err != nil {
 			return nil, err
@@ -188,19 +201,25 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		if err != nil {
 			return nil, err
 		}
-		name := fmt.Sprintf("replica-%d", i)
+		name, proc := fmt.Sprintf("replica-%d", i), "sidecar-"+strconv.Itoa(i)
+		if ranks > 1 {
+			name, proc = fmt.Sprintf("replica-%d-rank-%d", i, rank), fmt.Sprintf("sidecar-%d-rank-%d", i, rank)
+		}
 		gaddr := fmt.Sprintf("127.0.0.1:%d", gport)
 		args := []string{
 			"--engine", c.Engines[i],
-			"--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", engineEvents[i]),
-			"--kv-replay", fmt.Sprintf("tcp://127.0.0.1:%d", engineReplay[i]),
+			"--kv-events", fmt.Sprintf("tcp://127.0.0.1:%d", engineEvents[i]+rank),
+			"--kv-replay", fmt.Sprintf("tcp://127.0.0.1:%d", engineReplay[i]+rank),
 			"--name", name,
 			"--gossip-bind", gaddr, "--gossip-advertise", gaddr, "--gossip-key", cfg.GossipKey,
 			"--join", strings.Join(gossipAddrs, ","),
 			"--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--log-format", "json",
 		}
-		if err := c.start("sidecar-"+strconv.Itoa(i), "sidecar", append(args, cfg.SidecarArgs...)); err != nil {
+		if ranks > 1 {
+			args = append(args, "--data-parallel-rank", strconv.Itoa(rank))
+		}
+		if err := c.start(proc, "sidecar", append(args, cfg.SidecarArgs...)); err != nil {
 			return nil, err
 		}
 		c.Sidecars = append(c.Sidecars, fmt.Sprintf("http://127.0.0.1:%d", port))
@@ -397,6 +416,34 @@ func (p *portPicker) tcp() (int, error) { return p.pick(false) }
 
 func (p *portPicker) gossip() (int, error) { return p.pick(true) }
 
+// run returns the first of n consecutive free TCP ports (a data-parallel
+// engine's per-rank endpoints). They are drawn below the kernel's
+// ephemeral range, where no outgoing connection can take one between this
+// check and the engine's bind (on every address, as tcp://*: binds).
+func (p *portPicker) run(n int) (int, error) {
+	if p.used == nil {
+		p.used = map[int]bool{}
+	}
+	lo, hi := listenRange()
+	for range 200 {
+		first := lo + mrand.IntN(hi-lo-n)
+		ok := true
+		for port := first; port < first+n && ok; port++ {
+			l, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
+			if ok = err == nil && !p.used[port]; err == nil {
+				l.Close()
+			}
+		}
+		if ok {
+			for port := first; port < first+n; port++ {
+				p.used[port] = true
+			}
+			return first, nil
+		}
+	}
+	return 0, fmt.Errorf("cluster: no %d consecutive free ports found", n)
+}
+
 func (p *portPicker) pick(udpToo bool) (int, error) {
 	if p.used == nil {
 		p.used = map[int]bool{}
@@ -423,4 +470,19 @@ func (p *portPicker) pick(udpToo bool) (int, error) {
 		}
 	}
 	return 0, errors.New("cluster: no free port found")
+}
+
+// listenRange is the span of ports below the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range; Linux's default starts at
+// 32768) the per-rank endpoints are drawn from.
+func listenRange() (lo, hi int) {
+	lo, hi = 20000, 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if start, err := strconv.Atoi(f[0]); err == nil && start > 2048 {
+				lo, hi = start/2, start
+			}
+		}
+	}
+	return lo, hi
 }

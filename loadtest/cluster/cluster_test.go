@@ -93,3 +93,83 @@ func TestFailedStartCleansUp(t *testing.T) {
 		}
 	}
 }
+
+// TestRealDataParallelCluster starts one enginesim of 2 data-parallel
+// ranks with a sidecar per rank: the router lists both ranks online and
+// each rank's events reach its own sidecar.
+func TestRealDataParallelCluster(t *testing.T) {
+	needBins(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := Start(ctx, Config{BinDir: binDir, OutDir: t.TempDir(), Replicas: 1, DataParallelSize: 2, Routers: 1, Policy: "kvaware",
+		KVBlocks: 4096, TimeScale: 0.1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	if len(c.Engines) != 1 || strings.Join(c.Names, ",") != "replica-0-rank-0,replica-0-rank-1" || len(c.Sidecars) != 2 {
+		t.Fatalf("engines %v, replicas %v", c.Engines, c.Names)
+	}
+	// One request per rank, named by the header: each rank's sidecar sees
+	// its own stored blocks.
+	for rank := range 2 {
+		body := `{"model":"sim","prompt":"` + strings.Repeat("word ", 100) + `","max_tokens":1}`
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, c.Engines[0]+"/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-data-parallel-rank", strconv.Itoa(rank))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("rank %d: status %d", rank, resp.StatusCode)
+		}
+	}
+	for _, sc := range c.Sidecars {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			resp, err := http.Get(sc + "/status")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var st struct {
+				Resident int `json:"resident_blocks"`
+			}
+			err = json.NewDecoder(resp.Body).Decode(&st)
+			resp.Body.Close()
+			if err == nil && st.Resident > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no resident block (%v)", sc, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+func TestPortRunsAreConsecutiveAndDistinct(t *testing.T) {
+	p := &portPicker{}
+	seen := map[int]bool{}
+	lo, hi := listenRange()
+	for range 5 {
+		first, err := p.run(4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if first < lo || first+4 > hi {
+			t.Fatalf("run %d–%d outside [%d, %d), below the ephemeral ports", first, first+3, lo, hi)
+		}
+		for port := first; port < first+4; port++ {
+			if seen[port] || !p.used[port] {
+				t.Fatalf("port %d handed out twice or not marked used", port)
+			}
+			seen[port] = true
+		}
+	}
+	if single, err := p.tcp(); err != nil || seen[single] {
+		t.Fatalf("single port %d (%v) among the runs", single, err)
+	}
+}

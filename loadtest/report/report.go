@@ -31,9 +31,16 @@ type Record struct {
 	// PredictedCached is X-Kvmesh-Cached-Tokens (-1 when absent);
 	// ActualCached is usage.prompt_tokens_details.cached_tokens.
 	PredictedCached, ActualCached int
-	PromptTokens, OutputTokens    int
-	Status                        int
-	Err                           string // empty on success
+	// RouterPromptTokens is X-Kvmesh-Prompt-Tokens (-1 when absent): 0
+	// for a request the router routed by load without tokenizing it.
+	RouterPromptTokens         int
+	PromptTokens, OutputTokens int
+	// FollowUp marks a request continuing a stored response
+	// (previous_response_id); StoredMissing one that failed because that
+	// response was not found (a 404).
+	FollowUp, StoredMissing bool
+	Status                  int
+	Err                     string // empty on success
 	// Tenant and Priority are what the workload sent (empty when none).
 	Tenant, Priority string
 	// QueueMs is X-Kvmesh-Queue-Ms, wall ms the router held it (-1 when
@@ -146,6 +153,19 @@ type Summary struct {
 	// sent (multi-tenant scenarios only).
 	Tenants    map[string]Group `json:"tenants,omitempty"`
 	Priorities map[string]Group `json:"priorities,omitempty"`
+	// Served counts successful requests. PredictedExact is the share of
+	// them whose predicted cached tokens equal the engine's;
+	// PredictedExactTokenized the same share over the Tokenized ones the
+	// router tokenized (X-Kvmesh-Prompt-Tokens above 0), leaving out
+	// what it routes by load, such as stored-response follow-ups.
+	Served                  int     `json:"served"`
+	PredictedExact          float64 `json:"predicted_exact"`
+	Tokenized               int     `json:"tokenized"`
+	PredictedExactTokenized float64 `json:"predicted_exact_tokenized"`
+	// FollowUps were sent with previous_response_id; FollowUpsMissing
+	// of them failed because their stored response was not found.
+	FollowUps        int `json:"follow_ups,omitempty"`
+	FollowUpsMissing int `json:"follow_ups_missing,omitempty"`
 }
 
 // Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
@@ -189,9 +209,16 @@ func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 	var ttft, e2e []float64
 	var first, last time.Duration = -1, 0
 	prompt, predicted, actual, output := 0, 0, 0, 0
+	exact, exactTokenized := 0, 0
 	for _, r := range recs {
 		if first < 0 || r.Start < first {
 			first = r.Start
+		}
+		if r.FollowUp {
+			s.FollowUps++
+		}
+		if r.StoredMissing {
+			s.FollowUpsMissing++
 		}
 		if !r.OK() {
 			s.Errors++
@@ -210,6 +237,23 @@ func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 		output += r.OutputTokens
 		s.Replicas[r.Replica]++
 		s.Modes[r.Mode]++
+		s.Served++
+		hit := r.PredictedCached == r.ActualCached
+		if hit {
+			exact++
+		}
+		if r.RouterPromptTokens > 0 {
+			s.Tokenized++
+			if hit {
+				exactTokenized++
+			}
+		}
+	}
+	if s.Served > 0 {
+		s.PredictedExact = float64(exact) / float64(s.Served)
+	}
+	if s.Tokenized > 0 {
+		s.PredictedExactTokenized = float64(exactTokenized) / float64(s.Tokenized)
 	}
 	s.TTFT, s.E2E = percentiles(ttft), percentiles(e2e)
 	if span := SimMillis(last-first, timeScale) / 1000; len(ttft) > 0 && span > 0 {
@@ -234,11 +278,14 @@ func errorKind(r Record) string {
 
 // Report is one scenario run: the setup and a summary per policy.
 type Report struct {
-	Scenario  string  `json:"scenario"`
-	Replicas  int     `json:"replicas"`
-	Routers   int     `json:"routers"`
-	TimeScale float64 `json:"time_scale"`
-	Seed      uint64  `json:"seed"`
+	Scenario string `json:"scenario"`
+	// Replicas counts routing targets: engine servers × DataParallelSize
+	// when the servers run data-parallel ranks.
+	Replicas         int     `json:"replicas"`
+	DataParallelSize int     `json:"data_parallel_size,omitempty"`
+	Routers          int     `json:"routers"`
+	TimeScale        float64 `json:"time_scale"`
+	Seed             uint64  `json:"seed"`
 	// Requests is the workload size each policy was given.
 	Requests     int    `json:"requests"`
 	KVBlocks     int    `json:"kv_blocks_per_replica"`
@@ -261,8 +308,12 @@ func (r Report) WriteJSON(w io.Writer) error {
 
 // WriteTable prints one line per policy.
 func (r Report) WriteTable(w io.Writer) error {
-	fmt.Fprintf(w, "scenario %s: %d replicas, %d router(s), time-scale %g, seed %d, %d requests per policy, KV %d blocks/replica (demand %d blocks = %.0f%% of fleet, %.1f× one replica)\n",
-		r.Scenario, r.Replicas, r.Routers, r.TimeScale, r.Seed, r.Requests, r.KVBlocks, r.DemandBlocks,
+	dp := ""
+	if r.DataParallelSize > 1 {
+		dp = fmt.Sprintf(" (%d servers × %d data-parallel ranks)", r.Replicas/r.DataParallelSize, r.DataParallelSize)
+	}
+	fmt.Fprintf(w, "scenario %s: %d replicas%s, %d router(s), time-scale %g, seed %d, %d requests per policy, KV %d blocks/replica (demand %d blocks = %.0f%% of fleet, %.1f× one replica)\n",
+		r.Scenario, r.Replicas, dp, r.Routers, r.TimeScale, r.Seed, r.Requests, r.KVBlocks, r.DemandBlocks,
 		100*float64(r.DemandBlocks)/float64(max(1, r.KVBlocks*r.Replicas)), float64(r.DemandBlocks)/float64(max(1, r.KVBlocks)))
 	fmt.Fprintln(w, "TTFT in simulated-equivalent ms (wall / time-scale); rates per simulated second")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -276,7 +327,31 @@ func (r Report) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := r.writePredictions(w); err != nil {
+		return err
+	}
 	return r.writeGroups(w)
+}
+
+// writePredictions prints, once requests were served, one line per policy
+// on how exactly the router predicted the engines' cached tokens, and on
+// stored-response follow-ups.
+func (r Report) writePredictions(w io.Writer) error {
+	served := false
+	for _, name := range r.Order {
+		served = served || r.Policies[name].Served > 0
+	}
+	if !served {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\tserved\tpredicted=cached\ttokenized\tpredicted=cached (tokenized)\tfollow-ups\tfollow-ups not found\t")
+	for _, name := range r.Order {
+		s := r.Policies[name]
+		fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%.1f%%\t%d\t%d\t\n", name, s.Served, 100*s.PredictedExact,
+			s.Tokenized, 100*s.PredictedExactTokenized, s.FollowUps, s.FollowUpsMissing)
+	}
+	return tw.Flush()
 }
 
 // writeGroups prints, for multi-tenant scenarios, one line per policy and

@@ -38,10 +38,10 @@ func TestPercentileNearestRank(t *testing.T) {
 func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
 	ms := time.Millisecond
 	recs := []Record{
-		{Replica: "r0", Mode: "prefix", Start: 0, TTFT: 10 * ms, E2E: 100 * ms, PredictedCached: 80, ActualCached: 96, PromptTokens: 100, OutputTokens: 10, Status: 200},
+		{Replica: "r0", Mode: "prefix", Start: 0, TTFT: 10 * ms, E2E: 100 * ms, PredictedCached: 80, ActualCached: 96, RouterPromptTokens: 100, PromptTokens: 100, OutputTokens: 10, Status: 200},
 		{Replica: "r1", Mode: "cold", Start: 500 * ms, TTFT: 30 * ms, E2E: 500 * ms, PredictedCached: 0, ActualCached: 0, PromptTokens: 100, OutputTokens: 30, Status: 200},
-		{Replica: "r0", Mode: "prefix", Start: 100 * ms, Status: 503, Err: ""},
-		{Start: 200 * ms, Err: "timeout before first token"},
+		{Replica: "r0", Mode: "prefix", Start: 100 * ms, Status: 503, Err: "", FollowUp: true},
+		{Start: 200 * ms, Err: "timeout before first token", FollowUp: true, StoredMissing: true},
 	}
 	s := Summarize(recs, 0.1, 2)
 	// Two successes over wall [0, 1000 ms] = 10 simulated seconds.
@@ -58,6 +58,10 @@ func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
 		Replicas:         map[string]int{"r0": 1, "r1": 1},
 		Modes:            map[string]int{"prefix": 1, "cold": 1},
 		ErrorKind:        map[string]int{"http 503": 1, "timeout before first token": 1},
+		// The cold one (0 predicted, 0 cached) is exact, though the
+		// router did not tokenize it; the prefix one is not.
+		Served: 2, PredictedExact: 0.5, Tokenized: 1, PredictedExactTokenized: 0,
+		FollowUps: 2, FollowUpsMissing: 1,
 	}
 	approx := func(a, b float64) bool { return a-b < 1e-9 && b-a < 1e-9 }
 	if !approx(s.ThroughputRPS, want.ThroughputRPS) || !approx(s.OutputTokensPerS, want.OutputTokensPerS) || !approx(s.TTFT.P50, 100) || !approx(s.TTFT.Mean, 200) || !approx(s.E2E.P90, 5000) {
@@ -121,6 +125,22 @@ func TestTableHasOneRowPerPolicy(t *testing.T) {
 	}
 	if !strings.Contains(lines[0], "70% of fleet") || !strings.Contains(lines[0], "2.8× one replica") {
 		t.Fatalf("header: %s", lines[0])
+	}
+}
+
+func TestTableShowsPredictionsOnceServed(t *testing.T) {
+	recs := []Record{
+		{Status: 200, TTFT: 1, PredictedCached: 32, ActualCached: 32, RouterPromptTokens: 40},
+		{Status: 200, TTFT: 1, PredictedCached: 0, ActualCached: 48, RouterPromptTokens: 0, FollowUp: true},
+		{Status: 404, Err: "http 404", FollowUp: true, StoredMissing: true},
+	}
+	r := Report{Order: []string{"kvaware"}, Policies: map[string]Summary{"kvaware": Summarize(recs, 1, 0)}}
+	var out strings.Builder
+	if err := r.WriteTable(&out); err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^ +kvaware +2 +50\.0% +1 +100\.0% +2 +1 *$`).MatchString(out.String()) {
+		t.Errorf("no prediction row with 2 served, 50%% exact, 1 tokenized, 100%% of it exact, 2 follow-ups, 1 not found:\n%s", out.String())
 	}
 }
 

@@ -44,6 +44,13 @@ type Request struct {
 	// generation prompt included: what the engine will report as
 	// usage.prompt_tokens.
 	PromptTokens int
+	// After is the Key of the request whose answer this one needs (an
+	// agent's previous turn): it is sent only once that one is done.
+	After string
+	// Agent, when set, makes this a tool-using conversation's turn, sent
+	// through the Responses API (or as the chat it amounts to); Messages
+	// then only approximate its prompt (answers unknown until sent).
+	Agent *AgentTurn
 }
 
 // Workload is one scenario's requests, sorted by arrival.
