@@ -305,7 +305,7 @@ func parseObject(raw []byte) (*object, error) {
 			}
 		}
 		i = skipSpace(raw, skipSpace(raw, end)+1) // past the colon
-		vEnd := valueEnd(raw, i)
+		vEnd := jsonscan.ValueEnd(raw, i)
 		o.set(key, json.RawMessage(raw[i:vEnd]))
 		if i = skipSpace(raw, vEnd); raw[i] == ',' {
 			i = skipSpace(raw, i+1)
@@ -323,7 +323,7 @@ func parseArray(raw []byte) ([]json.RawMessage, bool) {
 	}
 	items := []json.RawMessage{}
 	for i = skipSpace(raw, i+1); raw[i] != ']'; {
-		end := valueEnd(raw, i)
+		end := jsonscan.ValueEnd(raw, i)
 		items = append(items, raw[i:end])
 		if i = skipSpace(raw, end); raw[i] == ',' {
 			i = skipSpace(raw, i+1)
@@ -341,33 +341,6 @@ func skipSpace(b []byte, i int) int {
 	return i
 }
 
-// valueEnd returns the index just past the valid JSON value at b[i].
-func valueEnd(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return jsonscan.StringEnd(b, i+1)
-	case '{', '[':
-		depth := 0
-		for j := i; j < len(b); j++ {
-			switch b[j] {
-			case '"':
-				j = jsonscan.StringEnd(b, j+1) - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				if depth--; depth == 0 {
-					return j + 1
-				}
-			}
-		}
-		return len(b)
-	}
-	j := i // a number, true, false or null
-	for j < len(b) && b[j] != ',' && b[j] != '}' && b[j] != ']' && b[j] != ' ' && b[j] != '\t' && b[j] != '\n' && b[j] != '\r' {
-		j++
-	}
-	return j
-}
 
 // stringValue decodes r when it is a JSON string (of a valid body).
 func stringValue(r json.RawMessage) (string, bool) {

@@ -63,3 +63,40 @@ func StringEnd(b []byte, j int) int {
 		j = q + 1
 	}
 }
+
+// ValueEnd returns the index just past the JSON value starting at b[i] of a
+// body already known to be valid JSON (len(b) for one not closed; i when i
+// is past the end).
+func ValueEnd(b []byte, i int) int {
+	if i >= len(b) {
+		return i
+	}
+	switch b[i] {
+	case '"':
+		return StringEnd(b, i+1)
+	case '{', '[':
+		depth := 0
+		for j := i; j < len(b); j++ {
+			switch b[j] {
+			case '"':
+				j = StringEnd(b, j+1) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				if depth--; depth == 0 {
+					return j + 1
+				}
+			}
+		}
+		return len(b)
+	}
+	j := i // a number, true, false or null
+	for j < len(b) {
+		switch b[j] {
+		case ',', '}', ']', ' ', '\t', '\r', '\n':
+			return j
+		}
+		j++
+	}
+	return j
+}

@@ -81,3 +81,24 @@ func FuzzDepthWithin(f *testing.F) {
 		}
 	})
 }
+
+func TestValueEnd(t *testing.T) {
+	b := []byte(`{"a":"x\"}","b":[1,{"c":"]"}],"d":-1.5e3 ,"e":null}`)
+	for _, c := range []struct {
+		at   int
+		want string
+	}{
+		{0, string(b)},
+		{5, `"x\"}"`},
+		{16, `[1,{"c":"]"}]`},
+		{34, `-1.5e3`},
+		{46, `null`},
+	} {
+		if got := string(b[c.at:ValueEnd(b, c.at)]); got != c.want {
+			t.Errorf("at %d: %s, want %s", c.at, got, c.want)
+		}
+	}
+	if ValueEnd(b, len(b)) != len(b) || ValueEnd([]byte(`[1,2`), 0) != 4 {
+		t.Error("past the end, or an unclosed array")
+	}
+}

@@ -26,14 +26,14 @@ func decodeTop(body []byte, r *fields) error {
 		if i >= len(body) || body[i] != '"' {
 			return Invalid("malformed JSON object")
 		}
-		kEnd := valueEnd(body, i)
+		kEnd := jsonscan.ValueEnd(body, i)
 		key := body[i+1 : kEnd-1]
 		i = skipSpace(body, kEnd)
 		if i >= len(body) || body[i] != ':' {
 			return Invalid("malformed JSON object")
 		}
 		i = skipSpace(body, i+1)
-		vEnd := valueEnd(body, i)
+		vEnd := jsonscan.ValueEnd(body, i)
 		if vEnd <= i {
 			return Invalid("malformed JSON object")
 		}
@@ -146,38 +146,3 @@ func skipSpace(b []byte, i int) int {
 	return i
 }
 
-// valueEnd returns the end of the valid JSON value starting at b[i].
-func valueEnd(b []byte, i int) int {
-	if i >= len(b) {
-		return i
-	}
-	switch b[i] {
-	case '"':
-		return jsonscan.StringEnd(b, i+1)
-	case '{', '[':
-		depth := 0
-		for j := i; j < len(b); j++ {
-			switch b[j] {
-			case '"':
-				j = jsonscan.StringEnd(b, j+1) - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return j + 1
-				}
-			}
-		}
-		return len(b)
-	}
-	j := i
-	for j < len(b) {
-		switch b[j] {
-		case ',', '}', ']', ' ', '\t', '\r', '\n':
-			return j
-		}
-		j++
-	}
-	return j
-}
