@@ -341,7 +341,6 @@ func skipSpace(b []byte, i int) int {
 	return i
 }
 
-
 // stringValue decodes r when it is a JSON string (of a valid body).
 func stringValue(r json.RawMessage) (string, bool) {
 	if len(r) < 2 || r[0] != '"' {

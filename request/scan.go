@@ -145,4 +145,3 @@ func skipSpace(b []byte, i int) int {
 	}
 	return i
 }
-
