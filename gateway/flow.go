@@ -536,7 +536,7 @@ func (s *Settings) admission(ctx *fasthttp.RequestCtx) (*tenant.Tenant, flowcont
 	if name := s.Tenants.Header(); name != "" {
 		named = h.Peek(name)
 	}
-	tn, ok := s.Tenants.Identify(string(bytes.TrimSpace(key)), string(named))
+	tn, ok := s.Tenants.Identify(key, named)
 	if !ok {
 		return nil, 0, 0, errUnauthorized
 	}

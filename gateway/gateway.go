@@ -454,7 +454,7 @@ func (s *Settings) authorize(ctx *fasthttp.RequestCtx) error {
 		return nil
 	}
 	tok, ok := bytes.CutPrefix(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization), []byte("Bearer "))
-	if _, known := s.Tenants.Identify(string(bytes.TrimSpace(tok)), ""); !ok || !known {
+	if _, known := s.Tenants.Identify(tok, nil); !ok || !known {
 		return errUnauthorized
 	}
 	return nil

@@ -108,7 +108,7 @@ func TestTenantScenariosNameTheirTenants(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, r := range w.Requests {
-			if tn, ok := d.Identify(workload.TenantKey(r.Tenant), ""); !ok || tn.Name != r.Tenant {
+			if tn, ok := d.Identify([]byte(workload.TenantKey(r.Tenant)), nil); !ok || tn.Name != r.Tenant {
 				t.Fatalf("%s: %s's key names %v", name, r.Tenant, tn)
 			}
 		}

@@ -34,14 +34,14 @@ tenants:
 		t.Fatal(err)
 	}
 	for key, want := range map[string]string{"sk-plain": "default", "sk-search": "search", "sk-batch": "batch", "sk-batch-3": "batch"} {
-		if got, ok := d.Identify(key, ""); !ok || got.Name != want {
+		if got, ok := d.Identify([]byte(key), nil); !ok || got.Name != want {
 			t.Errorf("key %s: %v %v, want %s", key, got, ok, want)
 		}
 	}
-	if _, ok := d.Identify("", ""); ok {
+	if _, ok := d.Identify(nil, nil); ok {
 		t.Error("keys configured, yet an unkeyed client is let in")
 	}
-	if got, _ := d.Identify("sk-plain", "search"); got.Name != "search" {
+	if got, _ := d.Identify([]byte("sk-plain"), []byte("search")); got.Name != "search" {
 		t.Errorf("tenant_header: %s", got.Name)
 	}
 	s, def := d.Lookup("search"), d.Default()

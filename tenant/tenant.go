@@ -9,11 +9,11 @@
 package tenant
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"math"
 	"sort"
-	"strings"
 
 	"github.com/kvmesh/kvmesh/flowcontrol"
 	"github.com/kvmesh/kvmesh/quota"
@@ -176,19 +176,20 @@ func (d *Directory) RequiresKey() bool { return len(d.byKey) > 0 }
 func (d *Directory) Header() string { return d.header }
 
 // Identify returns the tenant of a request that presented key (its bearer
-// token, "" for none) and header (the trusted header's value, "" when absent
-// or off). ok is false when a key is required and key is not one: the
-// request is unauthorized. A header naming no configured tenant leaves the
-// key's tenant: a gateway's typo must not become a tenant of its own.
-func (d *Directory) Identify(key, header string) (t *Tenant, ok bool) {
+// token, empty for none) and header (the trusted header's value, empty when
+// absent or off). ok is false when a key is required and key is not one:
+// the request is unauthorized. A header naming no configured tenant leaves
+// the key's tenant: a gateway's typo must not become a tenant of its own.
+// It takes the request's bytes as they are: the lookups do not copy them.
+func (d *Directory) Identify(key, header []byte) (t *Tenant, ok bool) {
 	t = d.def
 	if len(d.byKey) > 0 {
-		if t = d.byKey[key]; t == nil {
+		if t = d.byKey[string(bytes.TrimSpace(key))]; t == nil {
 			return nil, false
 		}
 	}
-	if d.header != "" && header != "" {
-		if named := d.byName[strings.TrimSpace(header)]; named != nil {
+	if d.header != "" && len(header) > 0 {
+		if named := d.byName[string(bytes.TrimSpace(header))]; named != nil {
 			t = named
 		}
 	}

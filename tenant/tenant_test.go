@@ -45,7 +45,7 @@ func TestIdentify(t *testing.T) {
 		{name: "trusted header does not authenticate", header: "X-Tenant", named: "search", want: ""},
 	} {
 		d := directory(t, c.header, c.defaultKeys...)
-		got, ok := d.Identify(c.key, c.named)
+		got, ok := d.Identify([]byte(c.key), []byte(c.named))
 		if c.want == "" {
 			if ok {
 				t.Errorf("%s: authorized as %q, want unauthorized", c.name, got.Name)
@@ -66,7 +66,7 @@ func TestUnkeyedClientsAreTheDefaultTenant(t *testing.T) {
 	if d.RequiresKey() {
 		t.Fatal("no keys configured, yet keys required")
 	}
-	got, ok := d.Identify("anything", "")
+	got, ok := d.Identify([]byte("anything"), nil)
 	if !ok || got.Name != DefaultName || got.Weight != 1 {
 		t.Fatalf("got %+v %v", got, ok)
 	}
@@ -125,5 +125,14 @@ func TestBadSpecsSayWhat(t *testing.T) {
 		if err != nil && strings.Contains(err.Error(), "shared") {
 			t.Errorf("an error shows the key itself: %v", err)
 		}
+	}
+}
+
+// TestIdentifyCopiesNothing: it runs on every request.
+func TestIdentifyCopiesNothing(t *testing.T) {
+	d := directory(t, "X-Tenant")
+	key, header := []byte(" sk-batch "), []byte("search")
+	if n := testing.AllocsPerRun(100, func() { d.Identify(key, header) }); n != 0 {
+		t.Fatalf("%v allocations per call", n)
 	}
 }
