@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -135,7 +136,10 @@ type flowGate struct {
 	mu      sync.Mutex
 	pools   map[string]*flowcontrol.Queue[*waiter]
 	cfg     flowcontrol.Config
-	running bool
+	// running: the dispatcher runs, which it does exactly while requests
+	// are held. Written under mu; read without it by mustWait, so a request
+	// on a fleet with nothing held takes no lock.
+	running atomic.Bool
 	kick    chan struct{}
 	// pushed: a request was held since the last dispatch; lastSnap is the
 	// table it looked at.
@@ -246,6 +250,9 @@ func (f *flowGate) mustWait(l *ledger) bool {
 	if f.saturated(l) {
 		return true
 	}
+	if !f.running.Load() {
+		return false // nothing held to overtake
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	q := f.pools[l.model]
@@ -317,8 +324,8 @@ func (f *flowGate) hold(ctx *fasthttp.RequestCtx, l *ledger, cost int64) error {
 	}
 	evicted, err := q.Push(t, now)
 	f.pushed = f.pushed || err == nil
-	if err == nil && !f.running {
-		f.running = true
+	if err == nil && !f.running.Load() {
+		f.running.Store(true)
 		go f.loop()
 	}
 	f.mu.Unlock()
@@ -425,7 +432,7 @@ func (f *flowGate) dispatch(kicked bool) bool {
 		held += q.Len()
 	}
 	if held == 0 {
-		f.running = false
+		f.running.Store(false)
 	}
 	return held > 0
 }
