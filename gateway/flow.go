@@ -133,9 +133,9 @@ var errClientLeft = errors.New("client left while queued")
 type flowGate struct {
 	g *Gateway
 
-	mu      sync.Mutex
-	pools   map[string]*flowcontrol.Queue[*waiter]
-	cfg     flowcontrol.Config
+	mu    sync.Mutex
+	pools map[string]*flowcontrol.Queue[*waiter]
+	cfg   flowcontrol.Config
 	// running: the dispatcher runs, which it does exactly while requests
 	// are held. Written under mu; read without it by mustWait, so a request
 	// on a fleet with nothing held takes no lock.
