@@ -22,20 +22,27 @@ func TestBatchOfTooManyEventsIsRefusedBeforeDecoding(t *testing.T) {
 	// 4 M events in 8 MB once decoded into 3.4 GB of Events; now nothing
 	// is allocated for them.
 	payload := tinyEvents(4 << 20)
-	var fresh Batch
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	err := DecodeBatch(payload, &fresh)
-	runtime.ReadMemStats(&after)
-	var de *DecodeError
-	if !errors.As(err, &de) || de.Field != "events" {
-		t.Fatalf("4M events: %v, want a DecodeError on events", err)
+	// TotalAlloc is process-wide: goroutines other tests left behind
+	// allocate too, so take the least of a few tries and allow far less
+	// than one decoded event per thousand refused.
+	grown := ^uint64(0)
+	for range 3 {
+		var fresh Batch
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		err := DecodeBatch(payload, &fresh)
+		runtime.ReadMemStats(&after)
+		var de *DecodeError
+		if !errors.As(err, &de) || de.Field != "events" {
+			t.Fatalf("4M events: %v, want a DecodeError on events", err)
+		}
+		grown = min(grown, after.TotalAlloc-before.TotalAlloc)
 	}
-	if grown := after.TotalAlloc - before.TotalAlloc; grown > 1<<10 {
+	if grown > 64<<10 {
 		t.Fatalf("refusing 4M events allocated %d bytes", grown)
 	}
-	t.Logf("refused: %v", err)
+	t.Logf("refusing 4M events allocated %d bytes", grown)
 }
 
 // An outlier batch grows the reused buffers; the next decode drops them,
