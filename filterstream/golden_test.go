@@ -52,18 +52,22 @@ func goldenMetas() map[string]Meta {
 		"meta-sidecar-tiers": {Role: RoleSidecar, Name: "b", Models: []string{"llama"}, EngineURL: "http://127.0.0.1:8001",
 			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers | CapTiers, Epoch: 9,
 			OffloadMedia: []string{"CPU", "DISK"}},
+		"meta-sidecar-prefill": {Role: RoleSidecar, Name: "p", Models: []string{"llama"}, EngineURL: "http://127.0.0.1:8002",
+			Protocol: "vllm", BlockSize: 16, SchemeVersion: 1, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: 10,
+			KVRole: 1},
 		"meta-router": {Role: RoleRouter, Name: "r1", SchemeVersion: 1, Capabilities: CapInflightOthers, Epoch: 99},
 	}
 }
 
 // earlierMetas names, for the metadata goldens an earlier build wrote
 // differently, the file holding its bytes: they must still decode to the
-// same values (metadata without the data-parallel rank, or without the
-// offload media, appended).
+// same values (metadata without the data-parallel rank, the offload media
+// or the KV role, appended).
 var earlierMetas = map[string][]string{
-	"meta-sidecar":    {"meta-sidecar-before-dp", "meta-sidecar-before-tiers"},
-	"meta-router":     {"meta-router-before-dp", "meta-router-before-tiers"},
-	"meta-sidecar-dp": {"meta-sidecar-dp-before-tiers"},
+	"meta-sidecar":       {"meta-sidecar-before-dp", "meta-sidecar-before-tiers", "meta-sidecar-before-role"},
+	"meta-router":        {"meta-router-before-dp", "meta-router-before-tiers", "meta-router-before-role"},
+	"meta-sidecar-dp":    {"meta-sidecar-dp-before-tiers", "meta-sidecar-dp-before-role"},
+	"meta-sidecar-tiers": {"meta-sidecar-tiers-before-role"},
 }
 
 // readGolden returns the bytes of testdata/wire/name.hex.
@@ -164,21 +168,24 @@ func TestDecodeIgnoresAppendedFields(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, m) {
 			t.Errorf("%s with appended fields: %+v, %v; want %+v", name, got, err, m)
 		}
-		// Cut just before the offload media, or before the data-parallel
-		// field too (one byte for ranks under 127), it is an earlier
-		// build's metadata, not a record cut short: the same member
-		// without those fields.
+		// Cut just before the KV role, the offload media, or the
+		// data-parallel field too (one byte each for small values), it is
+		// an earlier build's metadata, not a record cut short: the same
+		// member without those fields.
 		mediaLen := 1
 		for _, md := range m.OffloadMedia {
 			mediaLen += 1 + len(md)
 		}
 		earlier := map[int]Meta{}
-		noMedia := m
+		noRole := m
+		noRole.KVRole = 0
+		earlier[len(b)-1] = noRole
+		noMedia := noRole
 		noMedia.OffloadMedia = nil
-		earlier[len(b)-mediaLen] = noMedia
+		earlier[len(b)-1-mediaLen] = noMedia
 		noDP := noMedia
 		noDP.DataParallel, noDP.DataParallelRank = false, 0
-		earlier[len(b)-mediaLen-1] = noDP
+		earlier[len(b)-1-mediaLen-1] = noDP
 		for n := range len(b) {
 			got, err := DecodeMeta(b[:n])
 			without, isEarlier := earlier[n]

@@ -74,7 +74,14 @@ type Meta struct {
 	// blocks the sidecar's filter holds under blockkey.Tiered keys, in the
 	// order it prefers them (announced with CapTiers).
 	OffloadMedia []string
+	// KVRole is the engine's side of prefill/decode disaggregation
+	// (fleet.KVRole: 0 both, 1 prefill, 2 decode).
+	KVRole uint8
 }
+
+// maxKVRole is the largest role metadata carries: a role a later build
+// adds is read as both (served whole), which every engine can do.
+const maxKVRole = 2
 
 // MaxOffloadMedia bounds the offload tiers metadata carries, and
 // maxMediumName the length of each name.
@@ -132,12 +139,14 @@ func (m *Meta) encode(models []string) []byte {
 	for _, md := range m.OffloadMedia {
 		w.str(md)
 	}
+	// Appended field: the KV role, always written (0 for both).
+	w.uvarint(uint64(m.KVRole))
 	return w.b
 }
 
 // DecodeMeta parses metadata written by Encode, or by a build before the
-// data-parallel rank or the offload media were appended. Fields appended by later versions are
-// ignored.
+// data-parallel rank, the offload media or the KV role were appended.
+// Fields appended by later versions are ignored.
 func DecodeMeta(b []byte) (Meta, error) {
 	var m Meta
 	r := reader{b: b}
@@ -165,6 +174,11 @@ func DecodeMeta(b []byte) (Meta, error) {
 		n := r.int(MaxOffloadMedia)
 		for i := 0; i < n && r.err == nil; i++ {
 			m.OffloadMedia = append(m.OffloadMedia, r.str(maxMediumName))
+		}
+	}
+	if r.err == nil && len(r.b) > 0 { // absent in metadata of earlier builds: both
+		if role := r.int(1 << 16); role <= maxKVRole {
+			m.KVRole = uint8(role)
 		}
 	}
 	if r.err != nil {

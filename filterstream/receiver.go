@@ -194,6 +194,7 @@ func (r *Receiver) Member(name string, meta Meta, now time.Time) (out Output) {
 		DataParallel:     meta.DataParallel,
 		DataParallelRank: meta.DataParallelRank,
 		OffloadMedia:     offloadMedia(meta),
+		KVRole:           fleet.KVRole(meta.KVRole),
 	}, now)
 	if blockSizeChanged && p.mirror.State() != nil {
 		// The table dropped the filter (keys of another block size); the

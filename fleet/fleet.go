@@ -5,6 +5,7 @@
 package fleet
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/kvmesh/kvmesh/bloom"
@@ -16,6 +17,50 @@ const (
 	ProtocolSGLang = "sglang" // SGLang engine with a sidecar
 	ProtocolStatic = "static" // configured upstream without a sidecar: load-balanced only
 )
+
+// KVRole is the side of prefill/decode disaggregation a replica's engine
+// plays (vLLM's --kv-transfer-config kv_role): a prefill engine computes
+// prompts and hands their KV to a decode engine, which decodes. Its zero
+// value is both: an engine that serves whole requests.
+type KVRole uint8
+
+// The roles.
+const (
+	KVBoth    KVRole = iota // kv_both: serves whole requests (and either side)
+	KVPrefill               // kv_producer: prefills for remote decodes
+	KVDecode                // kv_consumer: decodes remote prefills, or serves whole requests
+)
+
+// String names the role as the sidecar's --kv-role flag does.
+func (r KVRole) String() string {
+	switch r {
+	case KVPrefill:
+		return "prefill"
+	case KVDecode:
+		return "decode"
+	}
+	return "both"
+}
+
+// ParseKVRole reads a role by its name ("prefill", "decode", "both") or
+// by vLLM's kv_role name (kv_producer, kv_consumer, kv_both).
+func ParseKVRole(s string) (KVRole, error) {
+	switch s {
+	case "both", "kv_both", "":
+		return KVBoth, nil
+	case "prefill", "kv_producer":
+		return KVPrefill, nil
+	case "decode", "kv_consumer":
+		return KVDecode, nil
+	}
+	return KVBoth, fmt.Errorf("KV role %q: want prefill, decode or both (or vLLM's kv_producer, kv_consumer, kv_both)", s)
+}
+
+// Prefills reports whether a replica of role r takes prefills for remote
+// decodes; Decodes whether it takes requests to decode (remote prefills,
+// or whole requests it prefills itself).
+func (r KVRole) Prefills() bool { return r != KVDecode }
+func (r KVRole) Decodes() bool  { return r != KVPrefill }
 
 // Replica is one engine replica as a router knows it at one moment.
 type Replica struct {
@@ -56,6 +101,8 @@ type Replica struct {
 	// sidecar prefers them, whose blocks its filter holds, when no GPU
 	// holds them, under blockkey.Tiered(key, blockkey.TierSalt(medium)).
 	OffloadMedia []string
+	// KVRole is the side of prefill/decode disaggregation its engine plays.
+	KVRole KVRole
 	// Filter holds the replica's resident block keys; nil when unknown.
 	// Read it only through Snapshot.MatchPrefix, which handles concurrency.
 	Filter           *bloom.Filter

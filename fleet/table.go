@@ -61,6 +61,8 @@ type Info struct {
 	// OffloadMedia are the offload tiers its filter holds under
 	// blockkey.Tiered keys (Replica.OffloadMedia).
 	OffloadMedia []string
+	// KVRole is its engine's side of prefill/decode disaggregation.
+	KVRole KVRole
 }
 
 // Table holds the replicas a router knows, by name. Writers (gossip, config)
@@ -158,6 +160,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 	e.r.KVEvents = info.KVEvents
 	e.r.DataParallel, e.r.DataParallelRank = info.DataParallel, info.DataParallelRank
 	e.r.OffloadMedia = slices.Clone(info.OffloadMedia)
+	e.r.KVRole = info.KVRole
 	if info.BlockSize != e.r.BlockSize {
 		// Keys of another block size mean nothing here: wait for a snapshot.
 		// A size announced for the first time changes nothing: the sidecar

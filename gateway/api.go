@@ -226,6 +226,9 @@ type replicaView struct {
 	// OffloadMedia are the offload tiers whose blocks its filter holds
 	// apart (its sidecar's --offload-capacity), cheapest first.
 	OffloadMedia []string `json:"offload_media,omitempty"`
+	// KVRole is its engine's side of prefill/decode disaggregation:
+	// prefill, decode or both.
+	KVRole string `json:"kv_role"`
 }
 
 func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
@@ -248,6 +251,7 @@ func (g *Gateway) serveReplicas(ctx *fasthttp.RequestCtx) {
 			LocalInflightPrefillTokens:   int(l.prefill.Load()),
 			RoutingDegraded:              degraded,
 			OffloadMedia:                 slices.Clone(r.OffloadMedia),
+			KVRole:                       r.KVRole.String(),
 		}
 		if until := l.eject.until.Load(); until > now.UnixNano() {
 			v.EjectedMS = time.Duration(until - now.UnixNano()).Milliseconds()

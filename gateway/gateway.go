@@ -94,6 +94,10 @@ type Settings struct {
 	// IgnoreTiers matches only the blocks replicas hold on a GPU, blind to
 	// their offload tiers (--ignore-tiers, plan.Settings.IgnoreTiers).
 	IgnoreTiers bool
+	// Split and SplitMinUncached: when a request to a model served by
+	// prefill and decode pools is split (plan.Settings).
+	Split            plan.Split
+	SplitMinUncached int
 	// ResumeStreams continues a stream that breaks after reaching the
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.
@@ -176,7 +180,8 @@ func (s *Settings) withDefaults() *Settings {
 	if c.SessionHeaders == nil {
 		c.SessionHeaders = DefaultSessionHeaders
 	}
-	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts, IgnoreTiers: c.IgnoreTiers}
+	c.plan = plan.Settings{Policy: c.Policy, MaxPrefixTokens: c.MaxPrefixTokens, MaxPrefixBytes: c.MaxPrefixBytes, MaxAttempts: c.MaxAttempts, IgnoreTiers: c.IgnoreTiers,
+		Split: c.Split, SplitMinUncached: c.SplitMinUncached}
 	c.planModels = make(map[string]plan.Model, len(c.Models))
 	for name, ms := range c.Models {
 		pm := plan.Model{Tokenizer: c.tokenizer(ms), Adapter: ms.Adapter, Base: ms.Base, SpillAfter: ms.SpillAfter}

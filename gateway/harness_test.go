@@ -54,10 +54,17 @@ func startEngineWithKey(t testing.TB, model, apiKey string) string {
 // the engine dies).
 func serveEngine(t testing.TB, model, apiKey string) (string, *fasthttp.Server) {
 	t.Helper()
-	sim, err := enginesim.New(enginesim.Config{
+	return serveSim(t, enginesim.Config{
 		Model: model, Tokenizer: tokenize.Builtin{}, APIKey: apiKey,
 		Engine: engine.Config{BlockSize: 16, KVBlocks: 4096, MaxNumSeqs: 256, MaxNumBatchedTokens: 8192, MaxModelLen: 32768},
 	})
+}
+
+// serveSim runs an enginesim of cfg until the test ends and returns its
+// URL and server.
+func serveSim(t testing.TB, cfg enginesim.Config) (string, *fasthttp.Server) {
+	t.Helper()
+	sim, err := enginesim.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -40,6 +40,13 @@ type ledger struct {
 	loads     []*replicaLoad
 	planLoads []plan.Load
 	targets   []*proxy.Upstream // parallel to plan.Targets
+	// prefills are the upstreams of a split plan's prefill targets
+	// (parallel to plan.Prefill); prefilled is the one whose transfer
+	// parameters the decode got (-1: none), prefillCached the prompt
+	// tokens its engine found cached.
+	prefills      []*proxy.Upstream
+	prefilled     int
+	prefillCached int
 	// decideTime is only logged (debug): clock reads cost on every request
 	// otherwise.
 	decideTime time.Duration
@@ -83,6 +90,7 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.g, l.s = g, s
 	l.attempts, l.open, l.firstByte, l.ttft, l.measuresTTFT, l.decideTime = 0, -1, false, 0, false, 0
 	l.targets = l.targets[:0]
+	l.prefills, l.prefilled, l.prefillCached = l.prefills[:0], -1, -1
 	l.pin, l.pinWhat, l.session = "", "", ""
 	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
 	return l
@@ -98,6 +106,7 @@ func (g *Gateway) release(l *ledger) {
 	l.s, l.loads, l.req, l.tenant = nil, nil, nil, nil
 	l.plan.Release()
 	clear(l.targets[:cap(l.targets)])
+	clear(l.prefills[:cap(l.prefills)])
 	g.ledgers.Put(l)
 }
 
@@ -178,6 +187,10 @@ func (l *ledger) Header(i int, h *fasthttp.ResponseHeader) {
 	if t.Picked && l.plan.Decision.PredictedTTFT > 0 {
 		h.SetCanonical(hdrPredictedTTFT, strconv.AppendInt(l.hdrBuf[:0], l.plan.Decision.PredictedTTFT.Milliseconds(), 10))
 	}
+	if t.Split && l.prefilled >= 0 {
+		h.SetCanonical(hdrPrefillReplica, []byte(l.plan.Prefill[l.prefilled].Name))
+		h.SetCanonical(hdrPrefillCached, strconv.AppendInt(l.hdrBuf[:0], int64(l.prefillCached), 10))
+	}
 	if l.s.Flow.Enabled {
 		h.SetCanonical(hdrQueueMs, strconv.AppendInt(l.hdrBuf[:0], l.queued.Milliseconds(), 10))
 	}
@@ -192,6 +205,11 @@ var (
 	// hdrOffloadedTokens is the part of the predicted cached tokens held
 	// only on an offload tier (loaded back, not found on the GPU).
 	hdrOffloadedTokens = []byte("X-Kvmesh-Offloaded-Tokens")
+	// hdrPrefillReplica names a split request's prefill replica, and
+	// hdrPrefillCached the prompt tokens its engine found cached (the
+	// decode's usage counts the transferred prompt as cached).
+	hdrPrefillReplica = []byte("X-Kvmesh-Prefill-Replica")
+	hdrPrefillCached  = []byte("X-Kvmesh-Prefill-Cached-Tokens")
 )
 
 // Retry implements proxy.Observer: attempt i failed, and a later target
@@ -236,8 +254,12 @@ func (l *ledger) End(r proxy.Result) {
 		m.prompt.Add(float64(l.plan.Prompt.Tokens))
 		m.predicted.Add(float64(t.PredictedCached))
 		m.predictedOffloaded.Add(float64(t.PredictedOffloaded))
-		if r.CachedTokens > 0 {
-			m.actual.Add(float64(r.CachedTokens))
+		actual := r.CachedTokens
+		if t.Split {
+			actual = l.prefillCached
+		}
+		if actual > 0 {
+			m.actual.Add(float64(actual))
 		}
 		if l.session != "" {
 			placement := "elsewhere"
@@ -315,6 +337,9 @@ func (l *ledger) logDecision(t *plan.Target, r proxy.Result) {
 		// kvaware's estimates are for its pick: beside the TTFT
 		// measured there, not at a replica a retry moved to.
 		ev = ev.Dur("predicted_ttft", l.plan.Decision.PredictedTTFT).Dur("predicted_queue", l.plan.Decision.Queue)
+	}
+	if t.Split && l.prefilled >= 0 {
+		ev = ev.Str("prefill_replica", l.plan.Prefill[l.prefilled].Name).Int("prefill_cached", l.prefillCached)
 	}
 	if l.plan.Prompt.Err != nil {
 		ev = ev.Str("tokenize_error", l.plan.Prompt.Err.Error())

@@ -29,6 +29,7 @@ type metrics struct {
 	errors             *prometheus.CounterVec
 	ejections          *prometheus.CounterVec
 	spills             prometheus.Counter
+	prefills           *prometheus.CounterVec
 	promptsCut         prometheus.Counter
 	promptsTooLong     prometheus.Counter
 	ttft               *prometheus.HistogramVec
@@ -58,6 +59,7 @@ func newMetrics(g *Gateway) *metrics {
 	m.actual = f.counter("kvmesh_router_actual_cached_tokens_total", "Prompt tokens the engines reported cached (usage.prompt_tokens_details.cached_tokens).")
 	m.retries = f.counter("kvmesh_router_retries_total", "Attempts on a further replica after a failure before the first byte.")
 	m.errors = f.counterVec("kvmesh_router_errors_total", "Errors by type.", "type")
+	m.prefills = f.counterVec("kvmesh_router_prefills_total", "Prefill steps of split (prefill/decode disaggregated) requests, by outcome: ok (transfer parameters answered), failed (retried at the next prefill replica, or the request served whole).", "outcome")
 	m.spills = f.counter("kvmesh_router_spills_total", "Requests sent to their model's fallback first because the best replica's predicted time to first token was over spill_after.")
 	m.promptsCut = f.counter("kvmesh_router_prompts_cut_total", "Prompts longer than the window first tokenized (8 bytes per max_prefix_tokens token): matched on their exact leading tokens, the rest counted by estimate.")
 	m.promptsTooLong = f.counter("kvmesh_router_prompts_too_long_total", "Prompts routed by load because their leading tokens could not be found within max_prefix_bytes (no word end to cut at, or a chat template not known to render in order).")
@@ -118,7 +120,7 @@ func newMetrics(g *Gateway) *metrics {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	)
 	m.routesByMode = map[routing.Mode]prometheus.Counter{}
-	for _, mode := range []routing.Mode{routing.ModePrefix, routing.ModeBalance, routing.ModeCold, routing.ModeStatic, routing.ModeFallback} {
+	for _, mode := range []routing.Mode{routing.ModePrefix, routing.ModeBalance, routing.ModeCold, routing.ModeStatic, routing.ModeFallback, routing.ModeSplit} {
 		m.routesByMode[mode] = m.routes.WithLabelValues(string(mode))
 	}
 	m.handler = fasthttpadaptor.NewFastHTTPHandler(promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))

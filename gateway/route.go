@@ -127,6 +127,9 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		req.Abort = l.abort
 		g.watch.add(l.abort, ctx.Conn())
 	}
+	if len(l.plan.Prefill) > 0 {
+		g.prefill(l, &req, k)
+	}
 	// l belongs to the proxy from here: it is released on End, which may
 	// run after this handler returns.
 	g.fwd.Forward(ctx, &req, l.targets, l)
@@ -208,6 +211,11 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 		Settings: s.plan, ModelSettings: s.planModel(l.model, ms), Now: now,
 		Replica: l.pin, StoredBy: l.pinWhat, Session: l.session,
 	}
+	if p.Kind != request.Chat && p.Kind != request.Completion {
+		// vLLM's disaggregated protocol is spoken on chat and completions
+		// only: other APIs are served whole, on the decode pool.
+		in.Settings.Split = plan.SplitNever
+	}
 	err := l.plan.Decide(&in)
 	if timed {
 		l.decideTime = time.Since(t0)
@@ -236,6 +244,13 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 			return err
 		}
 		l.targets = append(l.targets, up)
+	}
+	for i := range pl.Prefill {
+		up, err := g.upstream(&snap.Replicas[pl.Prefill[i].Replica])
+		if err != nil {
+			return err
+		}
+		l.prefills = append(l.prefills, up)
 	}
 	return nil
 }

@@ -29,6 +29,9 @@ type SidecarConfig struct {
 	// OffloadMedia are the offload tiers whose blocks the filter holds
 	// under blockkey.Tiered keys (announced with filterstream.CapTiers).
 	OffloadMedia []string
+	// KVRole is the engine's side of prefill/decode disaggregation
+	// (fleet.KVRole; 0: both).
+	KVRole uint8
 	// Filter is the sidecar's filter generations; nil announces a load-only
 	// replica (no KV events).
 	Filter *bloom.Generations
@@ -124,6 +127,7 @@ func StartSidecar(cfg SidecarConfig) (*SidecarNode, error) {
 
 		DataParallel:     cfg.DataParallel,
 		DataParallelRank: cfg.DataParallelRank,
+		KVRole:           cfg.KVRole,
 	}
 	if cfg.Filter != nil {
 		s.meta.Capabilities |= filterstream.CapKVEvents

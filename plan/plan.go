@@ -80,6 +80,53 @@ type Settings struct {
 	// hold on offload tiers (as a router that predates tiers): for
 	// comparing tier-priced routing with tier-blind.
 	IgnoreTiers bool
+	// Split is when a model whose replicas announce prefill and decode
+	// roles has a request prefilled on one replica and decoded on another.
+	Split Split
+	// SplitMinUncached is SplitAuto's threshold: a request is split when
+	// the best decode-capable replica would have to compute at least this
+	// many of its prompt tokens itself (the router's config derives it
+	// from the cost model: the prefill time that would stall the decodes
+	// running there).
+	SplitMinUncached int
+}
+
+// Split is when a request to a disaggregated model is split.
+type Split uint8
+
+// The split modes.
+const (
+	// SplitAuto splits when the uncached part of the prompt on the best
+	// decode-capable replica reaches SplitMinUncached: a short or cached
+	// prompt is served whole there, where its prefill stalls little.
+	SplitAuto Split = iota
+	// SplitAlways splits every request a prefill replica can take.
+	SplitAlways
+	// SplitNever serves every request whole on a decode-capable replica.
+	SplitNever
+)
+
+// ParseSplit reads a split mode by name: auto, always or never.
+func ParseSplit(s string) (Split, error) {
+	switch s {
+	case "auto", "":
+		return SplitAuto, nil
+	case "always":
+		return SplitAlways, nil
+	case "never":
+		return SplitNever, nil
+	}
+	return SplitAuto, fmt.Errorf("split %q: want auto, always or never", s)
+}
+
+func (s Split) String() string {
+	switch s {
+	case SplitAlways:
+		return "always"
+	case SplitNever:
+		return "never"
+	}
+	return "auto"
 }
 
 // Input is everything one decision reads.
@@ -135,6 +182,9 @@ type Target struct {
 	// Teaches: a time to first token measured here is what the decision
 	// predicted, so it may teach the cost model (see teaches).
 	Teaches bool
+	// Split: the target decodes the prefill a Plan.Prefill target made
+	// (it is sent the prefill's kv_transfer_params).
+	Split bool
 }
 
 // Prompt is what tokenizing the request gave.
@@ -178,6 +228,12 @@ type Plan struct {
 	// Targets are the replicas to try in order (at most MaxAttempts) and
 	// the fallback endpoints, first when Spilled, else last.
 	Targets []Target
+	// Prefill, when not empty, makes the plan a split one: the request is
+	// first prefilled at one of these (in order, prefix-aware), then
+	// decoded by the Split targets that lead Targets (by load). After them
+	// comes the best decode-capable replica serving the request whole,
+	// which catches a transfer no decode replica could read.
+	Prefill []Target
 	// Request, Candidates and Decision are what the policy was asked and
 	// answered: a Recorder and a Learner are told of them.
 	Request    routing.Request
@@ -193,13 +249,19 @@ type Plan struct {
 	// but whose URL cannot be dialled, skipped.
 	Unusable []int
 
-	snapIdx   []int // snapshot index of each candidate, parallel to Candidates
-	matchAll  []int
-	keys      []uint64
-	sizeKeys  []uint64
-	idsBuf    []uint32
-	promptBuf []byte
-	seed      uint64
+	snapIdx []int // snapshot index of each candidate, parallel to Candidates
+	// pool and poolIdx are one role's candidates and their indexes in
+	// Candidates (a split plan's); wholeOrder keeps its whole decision's
+	// order while the prefill is decided.
+	pool       []routing.Candidate
+	poolIdx    []int
+	wholeOrder []int
+	matchAll   []int
+	keys       []uint64
+	sizeKeys   []uint64
+	idsBuf     []uint32
+	promptBuf  []byte
+	seed       uint64
 }
 
 // PickCandidate returns the candidate the policy picked, nil when none.
@@ -212,6 +274,7 @@ func (p *Plan) PickCandidate() *routing.Candidate {
 
 func (p *Plan) reset() {
 	p.Targets, p.Candidates, p.Unusable, p.snapIdx = p.Targets[:0], p.Candidates[:0], p.Unusable[:0], p.snapIdx[:0]
+	p.Prefill = p.Prefill[:0]
 	p.Prompt = Prompt{}
 	p.StaleOnly, p.Spilled = false, false
 	p.Request = routing.Request{Keys: p.Request.Keys[:0]}
@@ -224,6 +287,7 @@ func (p *Plan) reset() {
 // few strings of an old snapshot they hold on to.
 func (p *Plan) Release() {
 	clear(p.Targets[:cap(p.Targets)])
+	clear(p.Prefill[:cap(p.Prefill)])
 	p.Prompt = Prompt{}
 	p.Request = routing.Request{Keys: p.Request.Keys[:0]}
 	if cap(p.promptBuf) > maxReusedPrompt {
@@ -302,12 +366,20 @@ func (p *Plan) Decide(in *Input) error {
 	p.Request.PromptTokens, p.Request.PromptContinues = p.Prompt.Tokens, p.Prompt.MediaPrefix
 	p.match(in)
 	p.Request.Keys = p.keys
-	in.Settings.Policy.Route(&p.Request, p.Candidates, &p.Decision)
-	if p.Prompt.Err != nil && p.Decision.Mode == routing.ModeCold {
-		// Without tokens there is no prefix to place: this was load only.
-		p.Decision.Mode = routing.ModeBalance
+	if p.disaggregated(snap) {
+		return p.decideSplit(in)
 	}
+	in.Settings.Policy.Route(&p.Request, p.Candidates, &p.Decision)
+	return p.targetsFrom(in)
+}
 
+// targetsFrom fills p.Targets from p.Decision: the replicas it orders, at
+// most MaxAttempts of them, and the model's fallback endpoints, first when
+// the pick's predicted time to first token is over SpillAfter.
+func (p *Plan) targetsFrom(in *Input) error {
+	snap, ms, model := in.Snapshot, &in.ModelSettings, in.Model
+	// Without tokens there is no prefix to place: this was load only.
+	p.fixMode(&p.Decision)
 	p.Spilled = ms.SpillAfter > 0 && len(ms.Fallback) > 0 && p.Decision.PredictedTTFT > ms.SpillAfter
 	if p.Spilled {
 		p.Decision.Reason = "spilled to the fallback: predicted ttft over spill_after"
@@ -323,7 +395,7 @@ func (p *Plan) Decide(in *Input) error {
 			p.Unusable = append(p.Unusable, i)
 			continue
 		}
-		p.Targets = append(p.Targets, p.target(snap, ci))
+		p.Targets = append(p.Targets, p.target(snap, ci, &p.Decision))
 		replicas++
 	}
 	if !p.Spilled {
@@ -362,7 +434,7 @@ func (p *Plan) decidePinned(in *Input) error {
 		p.Unusable = append(p.Unusable, i)
 		return noReplica(in.Model)
 	}
-	p.Targets = append(p.Targets, p.target(snap, 0))
+	p.Targets = append(p.Targets, p.target(snap, 0, &p.Decision))
 	return nil
 }
 
@@ -371,18 +443,18 @@ func noReplica(model string) error {
 }
 
 // target is candidate ci as a target: its mode and predicted cache hit as
-// the decision sees them.
-func (p *Plan) target(snap *fleet.Snapshot, ci int) Target {
+// decision d sees them.
+func (p *Plan) target(snap *fleet.Snapshot, ci int, d *routing.Decision) Target {
 	c := &p.Candidates[ci]
 	r := &snap.Replicas[p.snapIdx[ci]]
 	matched, offloaded := 0, 0
 	if c.PrefixAware {
 		matched, offloaded = c.MatchedTokens, c.OffloadedTokens
 	}
-	mode := p.Decision.Mode
-	picked := ci == p.Decision.Pick
+	mode := d.Mode
+	picked := ci == d.Pick
 	if picked {
-		matched, offloaded = p.Decision.PredictedCachedTokens, p.Decision.PredictedOffloadedTokens
+		matched, offloaded = d.PredictedCachedTokens, d.PredictedOffloadedTokens
 	} else if mode == routing.ModePrefix && matched == 0 {
 		mode = routing.ModeBalance
 	}

@@ -38,6 +38,8 @@ type replica struct {
 	others   int // in-flight requests other routers reported
 	adapter  string
 	oldState bool // its sidecar fell silent (stale)
+	role     fleet.KVRole
+	kvUsage  float64
 }
 
 // fleetOf builds the snapshot the planner reads, as gossip would fill the
@@ -62,8 +64,8 @@ func fleetOf(t testing.TB, reps []replica, keys []uint64) *fleet.Snapshot {
 		if r.oldState {
 			seen = t0.Add(-2 * time.Minute)
 		}
-		table.Upsert(fleet.Info{Name: r.name, Models: models, URL: url, Protocol: fleet.ProtocolVLLM, KVEvents: r.filter, BlockSize: 16}, seen)
-		table.SetLoad(r.name, fleet.Load{Waiting: r.waiting, OthersInflightRequests: r.others}, !r.offline, seen)
+		table.Upsert(fleet.Info{Name: r.name, Models: models, URL: url, Protocol: fleet.ProtocolVLLM, KVEvents: r.filter, BlockSize: 16, KVRole: r.role}, seen)
+		table.SetLoad(r.name, fleet.Load{Waiting: r.waiting, OthersInflightRequests: r.others, KVUsage: r.kvUsage}, !r.offline, seen)
 		if r.filter {
 			f := bloom.NewFilter(1024, 0.001)
 			for _, k := range keys[:r.holds] {

@@ -53,6 +53,19 @@ type Request struct {
 	Dialect Dialect
 	// Method is the method sent upstream (POST when empty).
 	Method string
+	// Bodies, when set, holds the body of target i at Bodies[i] where that
+	// is not nil (Body elsewhere): a split request's decode replicas are
+	// sent the prefill's transfer parameters, the replica after them the
+	// request whole. A continuation (Resume) goes to any target as built.
+	Bodies [][]byte
+}
+
+// bodyFor is the body target i is sent.
+func (r *Request) bodyFor(i int) []byte {
+	if i < len(r.Bodies) && r.Bodies[i] != nil {
+		return r.Bodies[i]
+	}
+	return r.Body
 }
 
 // Observer follows one request's attempts. Calls for a request come from one
@@ -157,7 +170,7 @@ func (f *Forwarder) Forward(ctx *fasthttp.RequestCtx, req *Request, targets []*U
 	for i, up := range targets {
 		obs.Attempt(i)
 		start = time.Now()
-		resp, err := f.dispatch(up, req)
+		resp, err := f.dispatch(up, req, req.bodyFor(i))
 		if err == nil && !retryable(resp.StatusCode()) {
 			// For a stream the first token is the first event, not the
 			// headers (engines send those before prefill); relay reports it.
@@ -257,7 +270,7 @@ func overran(err error) bool {
 
 // dispatch sends req to up and returns once the response headers arrived;
 // the body stays on the wire.
-func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, error) {
+func (f *Forwarder) dispatch(up *Upstream, req *Request, body []byte) (*fasthttp.Response, error) {
 	ureq := fasthttp.AcquireRequest()
 	defer fasthttp.ReleaseRequest(ureq)
 	if req.Header != nil {
@@ -276,7 +289,7 @@ func (f *Forwarder) dispatch(up *Upstream, req *Request) (*fasthttp.Response, er
 	}
 	ureq.Header.SetMethod(method)
 	up.prepare(ureq, req.Path)
-	ureq.SetBodyRaw(req.Body)
+	ureq.SetBodyRaw(body)
 	resp := fasthttp.AcquireResponse()
 	resp.StreamBody = req.Stream
 	if a := req.Abort; a != nil && !req.Stream {
@@ -493,7 +506,7 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			// Only headers reached the client (engines send them before
 			// queueing and prefill): the next target gets the request
 			// itself, as for a failure before the first byte.
-			body, res.Retried = req.Body, true
+			res.Retried = true
 		case tr.resumable():
 			body, res.Resumed = req.Resume(tr.text, tr.chunks)
 		}
@@ -516,7 +529,9 @@ func (f *Forwarder) relayStream(w *bufio.Writer, req *Request, targets []*Upstre
 			}
 			obs.Retry(i, res)
 			cont := *req
-			cont.Body = body
+			if res.Resumed {
+				cont.Body, cont.Bodies = body, nil
+			}
 			next, nextResp, nextStart, last = f.continueAt(&cont, targets, i+1, obs)
 		}
 		if next < 0 {
@@ -582,7 +597,7 @@ func (f *Forwarder) continueAt(req *Request, targets []*Upstream, from int, obs 
 	for j := from; j < len(targets); j++ {
 		obs.Attempt(j)
 		start := time.Now()
-		resp, err := f.dispatch(targets[j], req)
+		resp, err := f.dispatch(targets[j], req, req.bodyFor(j))
 		if err == nil && resp.StatusCode() == fasthttp.StatusOK && isEventStream(resp) && resp.BodyStream() != nil {
 			return j, resp, start, Result{}
 		}
@@ -612,6 +627,21 @@ var copyBufs = sync.Pool{New: func() any { b := make([]byte, 16<<10); return &b 
 
 // maxPendingEvent bounds how much of an unfinished SSE event is held back.
 const maxPendingEvent = 1 << 20
+
+// errFirstEventError ends a stream whose first event is an error: the
+// engine failed the request before its first token (vLLM answers a
+// generation error in a stream as one error event after a 200, such as a
+// decode whose remote prefill's KV could not be read), so it is a failure
+// before the first byte, which the next target may still serve.
+var errFirstEventError = errors.New("proxy: the stream's first event is an error")
+
+// errorEvent reports whether an event's data is an engine's error object:
+// {"error": {...}} (vLLM's ErrorResponse, SGLang) or {"object": "error",
+// ...} (vLLM before its ErrorInfo wrapper).
+func errorEvent(payload []byte) bool {
+	p := bytes.TrimLeft(payload, " \t")
+	return bytes.HasPrefix(p, []byte(`{"error"`)) || bytes.HasPrefix(p, []byte(`{"object":"error"`)) || bytes.HasPrefix(p, []byte(`{"object": "error"`))
+}
 
 // errStalled ends a stream whose next event is overdue.
 var errStalled = errors.New("proxy: upstream stream stalled (first-byte or idle timeout)")
@@ -688,6 +718,15 @@ func relayEvents(w *bufio.Writer, resp *fasthttp.Response, strip bool, firstByte
 			if werr == nil {
 				werr = w.Flush()
 			}
+			if errors.Is(werr, errFirstEventError) {
+				// Nothing of this attempt reached the client: the caller
+				// tries the next target as for a failure before the first byte.
+				res.Err = werr
+				if closer != nil {
+					_ = closer.CloseWithError(werr)
+				}
+				return res, done
+			}
 			if werr != nil {
 				res.ClientGone, res.Err = true, werr
 				if closer != nil {
@@ -749,6 +788,9 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 			continue
 		}
 		payload, ok := eventData(ev[:end])
+		if ok && res.Events == 0 && errorEvent(payload) {
+			return nil, errFirstEventError
+		}
 		keep := true
 		if ok {
 			if bytes.Equal(payload, doneMarker) {

@@ -963,3 +963,37 @@ func TestPanicInAContinuationFinishesIt(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestStreamWhoseFirstEventIsAnErrorIsRetried: an engine that fails the
+// request in its stream's first event (vLLM's generation error, as a
+// decode whose remote KV could not be read answers) failed before the
+// first token: the next target serves, and the client sees only its
+// stream. With no target left the stream ends with an error event.
+func TestStreamWhoseFirstEventIsAnErrorIsRetried(t *testing.T) {
+	const errEvent = `data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}` + "\n\ndata: [DONE]\n\n"
+	failing := serve(t, func(ctx *fasthttp.RequestCtx) {
+		ctx.SetContentType("text/event-stream")
+		ctx.SetBodyString(errEvent)
+	})
+	ok := serve(t, sseEngine(3, 0, false, nil))
+	rec := newRecorder()
+	url := router(t, upstreams(t, failing, ok), false, rec)
+	status, body, err := fasthttp.Post(nil, url+"/v1/chat/completions", nil)
+	if err != nil || status != 200 || strings.Contains(string(body), "error") || !strings.HasSuffix(string(body), "data: [DONE]\n\n") {
+		t.Fatalf("status %d err %v body %q", status, err, body)
+	}
+	for range 2 {
+		<-rec.done
+	}
+	rec.mu.Lock()
+	if fmt.Sprint(rec.attempts) != "[0 1]" || rec.retried != 1 || !errors.Is(rec.finish[0].Err, errFirstEventError) {
+		t.Errorf("attempts %v, %d retries, first %+v", rec.attempts, rec.retried, rec.finish[0])
+	}
+	rec.mu.Unlock()
+
+	rec = newRecorder()
+	url = router(t, upstreams(t, failing), false, rec)
+	if _, body, err = fasthttp.Post(nil, url+"/v1/chat/completions", nil); err != nil || !strings.Contains(string(body), "error") {
+		t.Fatalf("last target: %v %q", err, body)
+	}
+}

@@ -6,11 +6,13 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/rs/zerolog"
 
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gateway"
+	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/routing"
 	"github.com/kvmesh/kvmesh/tokenize"
@@ -155,6 +157,8 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		errs = append(errs, err)
 	}
 	s.Flow = c.FlowControl.settings(rc.PrefillPerToken)
+	s.Split, _ = plan.ParseSplit(c.Disaggregation.Split) // Validate checked it
+	s.SplitMinUncached = splitMinUncached(c.Disaggregation.MinPrefill, rc.PrefillPerToken)
 	if len(clientKeys) > 0 {
 		s.APIKeys = map[string]bool{}
 		for _, k := range clientKeys {
@@ -239,4 +243,17 @@ func sessionHeaders(list []string) []string {
 		return []string{}
 	}
 	return list
+}
+
+// splitMinUncached is the uncached prompt tokens whose prefill takes
+// minPrefill (DefaultMinPrefill when 0) at perToken (routing's default
+// when 0).
+func splitMinUncached(minPrefill, perToken time.Duration) int {
+	if minPrefill == 0 {
+		minPrefill = DefaultMinPrefill
+	}
+	if perToken <= 0 {
+		perToken = routing.DefaultPrefillPerToken
+	}
+	return int(minPrefill / perToken)
 }

@@ -19,6 +19,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/routing"
 )
 
@@ -59,6 +60,9 @@ type Config struct {
 	// FlowControl holds requests in the router while the fleet is
 	// saturated: strict priority, fair share between tenants, bounded waits.
 	FlowControl FlowControl `yaml:"flow_control"`
+	// Disaggregation is when requests to models served by prefill and
+	// decode pools are split.
+	Disaggregation Disaggregation `yaml:"disaggregation"`
 	// EngineAPIKeyEnv names an environment variable holding the key the
 	// engines were started with (vllm serve --api-key); the router sends it
 	// to every replica instead of the client's Authorization.
@@ -77,6 +81,26 @@ type Config struct {
 	// and comments): the reloader refuses it.
 	empty bool
 }
+
+// Disaggregation is when a request to a model whose replicas announce
+// prefill and decode roles is split (prefilled on one, decoded on another).
+type Disaggregation struct {
+	// Split is auto (default), always or never (plan.Split).
+	Split string `yaml:"split"`
+	// MinPrefill is auto's threshold: a request is split when computing
+	// the uncached part of its prompt on the best decode-capable replica
+	// would take at least this long at the cost model's prefill_per_token
+	// (0: DefaultMinPrefill), the stall it would put on every decode
+	// running there.
+	MinPrefill time.Duration `yaml:"min_prefill"`
+}
+
+// DefaultMinPrefill is Disaggregation.MinPrefill's default: about two
+// decode steps of a lightly loaded engine (a step's floor is 5–10 ms on
+// the calibration's H200; 15 ms is 500 tokens at 30 µs each). A shorter
+// prefill costs the decodes it joins less than the transfer and the extra
+// hop cost its own first token.
+const DefaultMinPrefill = 15 * time.Millisecond
 
 // Routing mirrors routing.Config.
 type Routing struct {
@@ -285,6 +309,12 @@ func (c *Config) Validate() error {
 	if err := c.FlowControl.validate(); err != nil {
 		errs = append(errs, err)
 	}
+	if _, err := plan.ParseSplit(c.Disaggregation.Split); err != nil {
+		errs = append(errs, fmt.Errorf("config: disaggregation: %w", err))
+	}
+	if c.Disaggregation.MinPrefill < 0 {
+		errs = append(errs, errors.New("config: disaggregation: min_prefill must not be negative"))
+	}
 	statics := map[string]bool{}
 	for i, s := range c.StaticUpstreams {
 		if s.Name == "" || statics[s.Name] {
@@ -361,6 +391,12 @@ func Overlay(base, file *Config) *Config {
 	}
 	if file.TenantHeader != "" {
 		out.TenantHeader = file.TenantHeader
+	}
+	if file.Disaggregation.Split != "" {
+		out.Disaggregation.Split = file.Disaggregation.Split
+	}
+	if file.Disaggregation.MinPrefill != 0 {
+		out.Disaggregation.MinPrefill = file.Disaggregation.MinPrefill
 	}
 	if fc := file.FlowControl; fc != (FlowControl{}) {
 		if fc.Enabled == nil {

@@ -50,12 +50,16 @@ type Flags struct {
 	FlowMaxInflightPerReplica int
 	// CalibrateCost: kvaware decides by the cost model fitted to measured TTFTs.
 	CalibrateCost bool
+	// Split and SplitMinPrefill (disaggregation.split, .min_prefill).
+	Split           string
+	SplitMinPrefill time.Duration
 }
 
 // FromFlags builds the base configuration the file is overlaid on.
 func FromFlags(f Flags) (*Config, error) {
 	c := &Config{Policy: f.Policy, MaxPrefixTokens: f.MaxPrefixTokens, MaxPrefixBytes: f.MaxPrefixBytes, MaxAttempts: f.MaxAttempts, ResumeStreams: &f.ResumeStreams,
-		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl, MaxEngineQueue: f.FlowMaxEngineQueue, MaxInflightPerReplica: f.FlowMaxInflightPerReplica}}
+		Routing: Routing{Calibrate: &f.CalibrateCost}, FlowControl: FlowControl{Enabled: &f.FlowControl, MaxEngineQueue: f.FlowMaxEngineQueue, MaxInflightPerReplica: f.FlowMaxInflightPerReplica},
+		Disaggregation: Disaggregation{Split: f.Split, MinPrefill: f.SplitMinPrefill}}
 	if f.SessionHeaders != "" {
 		for _, h := range strings.Split(f.SessionHeaders, ",") {
 			if h = strings.TrimSpace(h); h != "" {

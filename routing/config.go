@@ -64,13 +64,17 @@ type Config struct {
 	cost costfit.Coefficients // the configured cost model
 }
 
+// DefaultPrefillPerToken is Config.PrefillPerToken's default: the
+// calibration's 28.2 µs per token on an H200 (engine.DefaultCost), rounded.
+const DefaultPrefillPerToken = 30 * time.Microsecond
+
 func (c Config) withDefaults() Config {
 	def := func(v *time.Duration, d time.Duration) {
 		if *v == 0 {
 			*v = d
 		}
 	}
-	def(&c.PrefillPerToken, 30*time.Microsecond)
+	def(&c.PrefillPerToken, DefaultPrefillPerToken)
 	def(&c.PerRunning, 1500*time.Microsecond)
 	def(&c.ColdSlack, 50*time.Millisecond)
 	def(&c.ImbalanceMinQueue, 2*time.Second)

@@ -27,6 +27,7 @@ const (
 	ModeCold     Mode = "cold"     // a prefix no replica holds, placed by consistent hashing
 	ModeStatic   Mode = "static"   // a static upstream without KV events
 	ModeFallback Mode = "fallback" // no replica could serve; the fallback took it (set by the proxy)
+	ModeSplit    Mode = "split"    // prefilled on a prefill replica, decoded on this one (set by the planner)
 )
 
 // Candidate is one replica that serves the request's model, as the router

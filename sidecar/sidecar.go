@@ -11,6 +11,7 @@ package sidecar
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -31,6 +32,7 @@ import (
 	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/buildinfo"
 	"github.com/kvmesh/kvmesh/filterstream"
+	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gossip"
 	"github.com/kvmesh/kvmesh/kvevents"
 	"github.com/kvmesh/kvmesh/listener"
@@ -104,6 +106,10 @@ type Config struct {
 	// is known by EngineURL, which all its ranks' sidecars share.
 	DataParallel     bool
 	DataParallelRank int
+	// KVRole is the engine's side of prefill/decode disaggregation,
+	// announced so that routers send it prefills (KVPrefill), decodes of
+	// remote prefills (KVDecode) or whole requests (KVBoth).
+	KVRole fleet.KVRole
 
 	Logger zerolog.Logger
 }
@@ -342,6 +348,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		DataParallel:     s.cfg.DataParallel,
 		DataParallelRank: s.cfg.DataParallelRank,
 		OffloadMedia:     s.cfg.OffloadMedia,
+		KVRole:           uint8(s.cfg.KVRole),
 	}
 	if s.kvEvents() {
 		scfg.Filter = s.gens
@@ -805,4 +812,31 @@ func (s *Sidecar) pushLoad() {
 	}
 	m := s.load.Load()
 	n.SetEngineLoad(gossip.EngineLoad{Healthy: s.healthy.Load(), Waiting: m.Waiting, Running: m.Running, KVUsage: m.KVUsage})
+}
+
+// KVRoleOf is the role to announce: role when named (--kv-role), else the
+// kv_role of the engine's --kv-transfer-config JSON, else both. vLLM's
+// NixlConnector deployments often run both sides as kv_both, so only
+// --kv-role can tell a prefill pool from a decode pool there.
+func KVRoleOf(role, transferConfig string) (fleet.KVRole, error) {
+	if role != "" {
+		return fleet.ParseKVRole(role)
+	}
+	if transferConfig == "" {
+		return fleet.KVBoth, nil
+	}
+	var tc struct {
+		KVRole *string `json:"kv_role"`
+	}
+	if err := json.Unmarshal([]byte(transferConfig), &tc); err != nil {
+		return fleet.KVBoth, fmt.Errorf("sidecar: --kv-transfer-config: %w", err)
+	}
+	if tc.KVRole == nil {
+		return fleet.KVBoth, nil
+	}
+	r, err := fleet.ParseKVRole(*tc.KVRole)
+	if err != nil {
+		return fleet.KVBoth, fmt.Errorf("sidecar: --kv-transfer-config: %w", err)
+	}
+	return r, nil
 }

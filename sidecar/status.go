@@ -79,7 +79,9 @@ type Status struct {
 	// engine is not data-parallel); EventsDataParallelRank the rank the
 	// last batch that named one was stamped with; RankMismatches the
 	// batches refused for naming another rank than DataParallelRank.
-	DataParallelRank       *int   `json:"data_parallel_rank"`
+	DataParallelRank *int `json:"data_parallel_rank"`
+	// KVRole is the side of prefill/decode disaggregation announced.
+	KVRole                 string `json:"kv_role"`
 	EventsDataParallelRank *int   `json:"events_data_parallel_rank"`
 	RankMismatches         uint64 `json:"data_parallel_rank_mismatches"`
 
@@ -108,6 +110,7 @@ func (s *Sidecar) Status() Status {
 		KVEvents:       s.kvEvents(),
 		FilterRebuilds: s.rebuilds.Load(),
 		RankMismatches: s.rankMismatches.Load(),
+		KVRole:         s.cfg.KVRole.String(),
 	}
 	if s.cfg.DataParallel {
 		r := s.cfg.DataParallelRank

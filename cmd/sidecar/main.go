@@ -34,10 +34,11 @@ func main() {
 func run(args []string) error {
 	fs := flag.NewFlagSet("sidecar", flag.ContinueOnError)
 	var (
-		cfg                   sidecar.Config
-		member                memberflags.Flags
-		loraIDs, offloadMedia string
-		dpRank                int
+		cfg                    sidecar.Config
+		member                 memberflags.Flags
+		loraIDs, offloadMedia  string
+		kvRole, transferConfig string
+		dpRank                 int
 	)
 	host, _ := os.Hostname()
 	fs.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "engine base URL")
@@ -59,6 +60,8 @@ func run(args []string) error {
 	fs.StringVar(&offloadMedia, "offload-media", "CPU", "offload tiers followed with --offload-capacity (comma list, cheapest to load from first), as the engine's events name them")
 	fs.IntVar(&cfg.MaxKVGroups, "max-kv-groups", residentset.DefaultMaxGroups, "KV-cache groups (group_idx 0..N-1) followed; events of others are refused")
 	fs.IntVar(&dpRank, "data-parallel-rank", -1, "data-parallel rank of the engine server (--engine, shared by its ranks) this sidecar follows: --kv-events is that rank's port, its /metrics samples are read and routers send X-data-parallel-rank with it; -1: the engine is not data-parallel")
+	fs.StringVar(&kvRole, "kv-role", "", "engine's side of prefill/decode disaggregation: prefill (routers send it prefills for remote decodes), decode (decodes, and whole requests it prefills itself) or both; empty: --kv-transfer-config's kv_role, else both")
+	fs.StringVar(&transferConfig, "kv-transfer-config", "", "the engine's --kv-transfer-config JSON, whose kv_role (kv_producer, kv_consumer, kv_both) names the role when --kv-role does not (NixlConnector deployments often run both pools as kv_both: name them with --kv-role)")
 	fs.StringVar(&loraIDs, "lora-ids", "", "NAME=ID,...: LoRA adapter names for the numeric ids vLLM before v0.14 sends alone")
 	if err := flagenv.Parse(fs, args); err != nil {
 		if err == flag.ErrHelp {
@@ -80,6 +83,9 @@ func run(args []string) error {
 	}
 	cfg.DataParallel, cfg.DataParallelRank = dpRank >= 0, dpRank
 	cfg.OffloadMedia = strings.Split(offloadMedia, ",")
+	if cfg.KVRole, err = sidecar.KVRoleOf(kvRole, transferConfig); err != nil {
+		return err
+	}
 	if cfg.LoRANames, err = sidecar.ParseLoRAIDs(loraIDs); err != nil {
 		return err
 	}
