@@ -90,7 +90,7 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 	rep := report.Report{
 		Scenario: sc.Name, Replicas: cfg.Replicas * ranks, DataParallelSize: sc.DataParallelSize, Routers: cfg.Routers, TimeScale: cfg.TimeScale, Seed: cfg.Seed,
 		Requests: len(w.Requests), KVBlocks: kv, DemandBlocks: w.DemandBlocks, Units: report.Units,
-		Policies: map[string]report.Summary{},
+		Policies: map[string]report.Summary{}, Decode: len(sc.KVRoles) > 0,
 	}
 	res := Result{Report: rep, TTFT: map[string][]float64{}}
 	cfg.Log.Info().Str("scenario", sc.Name).Int("requests", len(w.Requests)).Dur("simulated", w.Span()).
@@ -123,13 +123,16 @@ type run struct {
 	routerArgs   []string
 	w            workload.Workload
 	chat         bool // agent turns as chat completions
+	aggregated   bool // every replica serves whole requests (no KV roles)
 }
 
 // parseRun reads "policy[+variant...]": "+fc" turns the routers' flow
 // control on, "+blind" makes them blind to offload tiers (--ignore-tiers),
 // "+noheader" keeps them from sending X-data-parallel-rank, "+chat" sends
 // agent turns as the chat completions they amount to instead of through
-// the Responses API, "+without=X" drops the requests of tenant or priority
+// the Responses API, "+aggregated" runs a scenario's prefill and decode
+// pools as replicas serving whole requests, "+always" and "+never" set the
+// routers' --split, "+without=X" drops the requests of tenant or priority
 // X, "+only=X" keeps only those (the same traffic, less a part of it, since
 // workload streams are drawn independently).
 func parseRun(spec string, w workload.Workload) (run, error) {
@@ -147,6 +150,10 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 			r.routerArgs = append(r.routerArgs, "--no-data-parallel-header")
 		case key == "chat" && val == "":
 			r.chat = true
+		case key == "aggregated" && val == "":
+			r.aggregated = true
+		case (key == "always" || key == "never") && val == "":
+			r.routerArgs = append(r.routerArgs, "--split", key)
 		case (key == "without" || key == "only") && val != "":
 			keep := key == "only"
 			r.w, err = r.w.Keep(func(q workload.Request) bool { return (q.Tenant == val || q.Priority == val) == keep })
@@ -154,7 +161,7 @@ func parseRun(spec string, w workload.Workload) (run, error) {
 				err = fmt.Errorf("%s leaves no request", spec)
 			}
 		default:
-			err = fmt.Errorf("%s: unknown variant %q (want fc, blind, noheader, chat, without=X or only=X)", spec, v)
+			err = fmt.Errorf("%s: unknown variant %q (want fc, blind, noheader, chat, aggregated, always, never, without=X or only=X)", spec, v)
 		}
 		if err != nil {
 			return run{}, err
@@ -179,10 +186,15 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		}
 		routerArgs = append(routerArgs, "--config", path)
 	}
+	kvRoles := cfg.Scenario.KVRoles
+	if run.aggregated {
+		kvRoles = nil
+	}
 	cl, err := cluster.Start(ctx, cluster.Config{
 		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, DataParallelSize: cfg.Scenario.DataParallelSize, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
 		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: append(slices.Clone(cfg.Scenario.SidecarArgs), cfg.SidecarArgs...), RouterArgs: routerArgs,
+		KVRoles: kvRoles,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err

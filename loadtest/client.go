@@ -104,12 +104,15 @@ func (c *Client) Do(ctx context.Context, base string, r workload.Request) report
 	defer resp.Body.Close()
 	readStream(ctx, resp.Body, start, &rec, nil)
 	rec.E2E = time.Since(start)
+	if rec.PrefillCached >= 0 {
+		rec.ActualCached = rec.PrefillCached
+	}
 	return rec
 }
 
 func newRecord(base string, r workload.Request) report.Record {
 	return report.Record{Router: base, Key: r.Key, Tenant: r.Tenant, Priority: r.Priority,
-		PredictedCached: -1, RouterPromptTokens: -1, PromptTokens: r.PromptTokens, QueueMs: -1}
+		PredictedCached: -1, RouterPromptTokens: -1, PromptTokens: r.PromptTokens, QueueMs: -1, PrefillCached: -1}
 }
 
 // post sends a streamed request and reads the router's headers into rec.
@@ -139,6 +142,7 @@ func (c *Client) post(ctx context.Context, url string, raw []byte, r workload.Re
 	rec.Mode = resp.Header.Get("X-Kvmesh-Mode")
 	rec.PredictedCached = headerInt(resp.Header, "X-Kvmesh-Cached-Tokens")
 	rec.RouterPromptTokens = headerInt(resp.Header, "X-Kvmesh-Prompt-Tokens")
+	rec.PrefillCached = headerInt(resp.Header, "X-Kvmesh-Prefill-Cached-Tokens")
 	if v := resp.Header.Get("X-Kvmesh-Queue-Ms"); v != "" {
 		if ms, err := strconv.ParseFloat(v, 64); err == nil {
 			rec.QueueMs = ms
@@ -178,6 +182,7 @@ func classify(ctx context.Context, err error, phase string) string {
 func readStream(ctx context.Context, body io.Reader, start time.Time, rec *report.Record, text *strings.Builder) {
 	contentChunks := 0
 	sawUsage, done := false, false
+	var lastChunk time.Time
 	br := bufio.NewReaderSize(body, 64<<10)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -205,6 +210,9 @@ func readStream(ctx context.Context, body io.Reader, start time.Time, rec *repor
 		// decoding; counting the rest keeps the client cheap.
 		if rec.TTFT > 0 && text == nil && !bytes.Contains(data, []byte(`"prompt_tokens"`)) && !bytes.Contains(data, []byte(`"error"`)) {
 			contentChunks++
+			now := time.Now()
+			rec.Gaps = append(rec.Gaps, now.Sub(lastChunk))
+			lastChunk = now
 			continue
 		}
 		var ch chunk
@@ -223,6 +231,11 @@ func readStream(ctx context.Context, body io.Reader, start time.Time, rec *repor
 				}
 				if rec.TTFT == 0 {
 					rec.TTFT = max(time.Since(start), time.Nanosecond)
+					lastChunk = time.Now()
+				} else {
+					now := time.Now()
+					rec.Gaps = append(rec.Gaps, now.Sub(lastChunk))
+					lastChunk = now
 				}
 				contentChunks++
 				break

@@ -37,6 +37,10 @@ type Scenario struct {
 	// EngineArgs and SidecarArgs are extra enginesim and sidecar flags the
 	// scenario needs.
 	EngineArgs, SidecarArgs []string
+	// KVRoles, when set, splits the replicas into prefill and decode pools
+	// (cluster.Config.KVRoles); the +aggregated variant runs the same
+	// replicas with every one serving whole requests.
+	KVRoles []string
 	// RouterConfig, when set, is the routers' YAML config (--config): the
 	// multi-tenant scenarios name their tenants there.
 	RouterConfig string
@@ -98,6 +102,26 @@ var AgentParams = workload.AgentParams{
 	TaskMedian: 150, ToolOutputMedian: 300, MaxToolOutput: 2000, OutputTokens: 32,
 	StoredShare: 0.3, ThinkTime: time.Second,
 }
+
+// PDParams is the pd scenario: long prompts with long answers, the shape
+// disaggregation is for — a 2,000-token context shared by each group's
+// users and a 6,000-token document of each request's own, 256 tokens of
+// answer, 6 req/s: prefill is about half the engines' work.
+var PDParams = workload.TenantsParams{
+	Groups: 16, UsersPerGroup: 40, ContextTokens: 2000, QuestionTokens: 6000, OutputTokens: 256,
+	RateStart: 6, RateEnd: 6,
+}
+
+// PDShortParams is pd-short: chat-like prompts (300 tokens of shared
+// system prompt, 200 of question) with 128-token answers at 12 req/s,
+// where splitting only adds a hop.
+var PDShortParams = workload.TenantsParams{
+	Groups: 8, UsersPerGroup: 100, ContextTokens: 300, QuestionTokens: 200, OutputTokens: 128,
+	RateStart: 12, RateEnd: 12,
+}
+
+// pdRoles are the pd scenarios' pools: 3 prefill and 5 decode replicas.
+var pdRoles = []string{"prefill", "prefill", "prefill", "decode", "decode", "decode", "decode", "decode"}
 
 // NoCacheParams is the nocache scenario: unique summarization-like prompts.
 var NoCacheParams = workload.NoCacheParams{Rate: 40, InputMedian: 2000, OutputMedian: 64, MaxInput: 8000, MaxOutput: 256}
@@ -216,6 +240,24 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies: []string{"kvaware", "kvaware+noheader"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("dp", DPParams, seed, d)
+			},
+		},
+		"pd": {
+			Name: "pd", About: "prefill/decode disaggregation: 3 prefill + 5 decode replicas (+aggregated: the same 8 serving whole requests), 2,000-token group contexts + 6,000-token documents, 256-token answers, 6 req/s; +always / +never: --split always / never",
+			Replicas: 8, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 4096,
+			EngineArgs: []string{"--max-model-len", "16384"}, KVRoles: pdRoles,
+			Policies: []string{"kvaware+aggregated", "kvaware"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("pd", PDParams, seed, d)
+			},
+		},
+		"pd-short": {
+			Name: "pd-short", About: "the pd pools on short chats (300-token system prompts, 200-token questions, 128-token answers, 12 req/s): auto splitting against aggregated and always-split",
+			Replicas: 8, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
+			EngineArgs: []string{"--max-model-len", "8192"}, KVRoles: pdRoles,
+			Policies: []string{"kvaware+aggregated", "kvaware", "kvaware+always"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("pd-short", PDShortParams, seed, d)
 			},
 		},
 		"nocache": {

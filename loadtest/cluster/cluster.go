@@ -43,8 +43,12 @@ type Config struct {
 	GossipKey        string // base64; a fresh random key when empty
 	// Extra flags appended per binary (e.g. a cost profile).
 	EngineArgs, SidecarArgs, RouterArgs []string
-	ReadyTimeout                        time.Duration // default 60 s
-	Grace                               time.Duration // SIGTERM → SIGKILL; default 5 s
+	// KVRoles names, by server, the side of prefill/decode disaggregation
+	// its engine and sidecars play (--kv-role); a server past its end, or
+	// named "", plays both.
+	KVRoles      []string
+	ReadyTimeout time.Duration // default 60 s
+	Grace        time.Duration // SIGTERM → SIGKILL; default 5 s
 }
 
 // Cluster is a running fleet.
@@ -139,6 +143,9 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		if ranks > 1 {
 			args = append(args, "--data-parallel-size", strconv.Itoa(ranks))
 		}
+		if role := cfg.role(i); role != "" {
+			args = append(args, "--kv-role", role)
+		}
 		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", append(args, cfg.EngineArgs...)); err != nil {
 			return nil, err
 		}
@@ -218,6 +225,9 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		}
 		if ranks > 1 {
 			args = append(args, "--data-parallel-rank", strconv.Itoa(rank))
+		}
+		if role := cfg.role(i); role != "" {
+			args = append(args, "--kv-role", role)
 		}
 		if err := c.start(proc, "sidecar", append(args, cfg.SidecarArgs...)); err != nil {
 			return nil, err
@@ -485,4 +495,12 @@ func listenRange() (lo, hi int) {
 		}
 	}
 	return lo, hi
+}
+
+// role is server i's --kv-role, "" for both.
+func (c Config) role(i int) string {
+	if i < len(c.KVRoles) {
+		return c.KVRoles[i]
+	}
+	return ""
 }

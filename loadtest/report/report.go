@@ -49,6 +49,14 @@ type Record struct {
 	QueueMs      float64
 	RejectReason string
 	RetryAfter   bool
+	// PrefillCached is X-Kvmesh-Prefill-Cached-Tokens (-1 when absent):
+	// a split request's prompt tokens its prefill engine found cached,
+	// which ActualCached then holds too (the decode's usage counts the
+	// transferred prompt as cached).
+	PrefillCached int
+	// Gaps are the wall times between consecutive content chunks of a
+	// stream (inter-token latency); not in the JSON report.
+	Gaps []time.Duration `json:"-"`
 }
 
 // Rejected reports whether the router turned r away as overload asks it
@@ -137,8 +145,13 @@ type Summary struct {
 	HitRateActual    float64     `json:"hit_rate_actual"`
 	Degradations     int         `json:"degradations"`
 
-	Requests  int            `json:"requests"`
-	E2E       Percentiles    `json:"e2e_ms"`
+	Requests int         `json:"requests"`
+	E2E      Percentiles `json:"e2e_ms"`
+	// ITL is over every gap between two content chunks of every served
+	// stream (vLLM's benchmark ITL), TPOT over requests: (E2E − TTFT) /
+	// (output tokens − 1) for those with two or more.
+	ITL       Percentiles    `json:"itl_ms"`
+	TPOT      Percentiles    `json:"tpot_ms"`
 	Replicas  map[string]int `json:"replicas"` // requests served per replica
 	Modes     map[string]int `json:"modes"`    // requests per X-Kvmesh-Mode
 	ErrorKind map[string]int `json:"error_kinds,omitempty"`
@@ -206,7 +219,7 @@ func SimMillis(d time.Duration, timeScale float64) float64 {
 func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 	s := Summary{Requests: len(recs), Degradations: degradations,
 		Replicas: map[string]int{}, Modes: map[string]int{}}
-	var ttft, e2e []float64
+	var ttft, e2e, itl, tpot []float64
 	var first, last time.Duration = -1, 0
 	prompt, predicted, actual, output := 0, 0, 0, 0
 	exact, exactTokenized := 0, 0
@@ -231,6 +244,12 @@ func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 		last = max(last, r.Start+r.E2E)
 		ttft = append(ttft, SimMillis(r.TTFT, timeScale))
 		e2e = append(e2e, SimMillis(r.E2E, timeScale))
+		for _, g := range r.Gaps {
+			itl = append(itl, SimMillis(g, timeScale))
+		}
+		if r.OutputTokens > 1 && r.E2E > r.TTFT {
+			tpot = append(tpot, SimMillis(r.E2E-r.TTFT, timeScale)/float64(r.OutputTokens-1))
+		}
 		prompt += r.PromptTokens
 		predicted += max(r.PredictedCached, 0)
 		actual += r.ActualCached
@@ -255,7 +274,7 @@ func Summarize(recs []Record, timeScale float64, degradations int) Summary {
 	if s.Tokenized > 0 {
 		s.PredictedExactTokenized = float64(exactTokenized) / float64(s.Tokenized)
 	}
-	s.TTFT, s.E2E = percentiles(ttft), percentiles(e2e)
+	s.TTFT, s.E2E, s.ITL, s.TPOT = percentiles(ttft), percentiles(e2e), percentiles(itl), percentiles(tpot)
 	if span := SimMillis(last-first, timeScale) / 1000; len(ttft) > 0 && span > 0 {
 		s.ThroughputRPS = float64(len(ttft)) / span
 		s.OutputTokensPerS = float64(output) / span
@@ -294,6 +313,9 @@ type Report struct {
 	// Order lists the policies as run; Policies holds their summaries.
 	Order    []string           `json:"policy_order"`
 	Policies map[string]Summary `json:"policies"`
+	// Decode shows the decode table (writeDecode) whatever the modes: a
+	// scenario of prefill and decode pools.
+	Decode bool `json:"-"`
 }
 
 // Units is the note every report carries about its time figures.
@@ -330,6 +352,9 @@ func (r Report) WriteTable(w io.Writer) error {
 	if err := r.writePredictions(w); err != nil {
 		return err
 	}
+	if err := r.writeDecode(w); err != nil {
+		return err
+	}
 	return r.writeGroups(w)
 }
 
@@ -350,6 +375,28 @@ func (r Report) writePredictions(w io.Writer) error {
 		s := r.Policies[name]
 		fmt.Fprintf(tw, "%s\t%d\t%.1f%%\t%d\t%.1f%%\t%d\t%d\t\n", name, s.Served, 100*s.PredictedExact,
 			s.Tokenized, 100*s.PredictedExactTokenized, s.FollowUps, s.FollowUpsMissing)
+	}
+	return tw.Flush()
+}
+
+// writeDecode prints, for scenarios that split requests (a policy served
+// some in mode split, or Decode is set), one line per policy on decoding:
+// inter-token latency, time per output token, output tokens per second per
+// replica, and the share of requests split.
+func (r Report) writeDecode(w io.Writer) error {
+	show := r.Decode
+	for _, name := range r.Order {
+		show = show || r.Policies[name].Modes["split"] > 0
+	}
+	if !show {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy	itl p50	itl p90	itl p99	tpot p50	tpot p90	out tok/s/replica	split	")
+	for _, name := range r.Order {
+		s := r.Policies[name]
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f%%\t\n", name, s.ITL.P50, s.ITL.P90, s.ITL.P99, s.TPOT.P50, s.TPOT.P90,
+			s.OutputTokensPerS/float64(max(r.Replicas, 1)), 100*float64(s.Modes["split"])/float64(max(s.Served, 1)))
 	}
 	return tw.Flush()
 }

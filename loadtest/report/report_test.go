@@ -38,7 +38,8 @@ func TestPercentileNearestRank(t *testing.T) {
 func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
 	ms := time.Millisecond
 	recs := []Record{
-		{Replica: "r0", Mode: "prefix", Start: 0, TTFT: 10 * ms, E2E: 100 * ms, PredictedCached: 80, ActualCached: 96, RouterPromptTokens: 100, PromptTokens: 100, OutputTokens: 10, Status: 200},
+		{Replica: "r0", Mode: "prefix", Start: 0, TTFT: 10 * ms, E2E: 100 * ms, PredictedCached: 80, ActualCached: 96, RouterPromptTokens: 100, PromptTokens: 100, OutputTokens: 10, Status: 200,
+			Gaps: []time.Duration{5 * ms, 15 * ms}},
 		{Replica: "r1", Mode: "cold", Start: 500 * ms, TTFT: 30 * ms, E2E: 500 * ms, PredictedCached: 0, ActualCached: 0, PromptTokens: 100, OutputTokens: 30, Status: 200},
 		{Replica: "r0", Mode: "prefix", Start: 100 * ms, Status: 503, Err: "", FollowUp: true},
 		{Start: 200 * ms, Err: "timeout before first token", FollowUp: true, StoredMissing: true},
@@ -46,8 +47,12 @@ func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
 	s := Summarize(recs, 0.1, 2)
 	// Two successes over wall [0, 1000 ms] = 10 simulated seconds.
 	want := Summary{
-		TTFT:             Percentiles{P50: 100, P90: 300, P99: 300, Mean: 200},
-		E2E:              Percentiles{P50: 1000, P90: 5000, P99: 5000, Mean: 3000},
+		TTFT: Percentiles{P50: 100, P90: 300, P99: 300, Mean: 200},
+		E2E:  Percentiles{P50: 1000, P90: 5000, P99: 5000, Mean: 3000},
+		// Gaps of 5 and 15 wall ms; (E2E − TTFT) / (outputs − 1) of 90 ms
+		// over 9 and 470 ms over 29.
+		ITL:              Percentiles{P50: 50, P90: 150, P99: 150, Mean: 100},
+		TPOT:             Percentiles{P50: 100, P90: 4700.0 / 29, P99: 4700.0 / 29, Mean: (100 + 4700.0/29) / 2},
 		ThroughputRPS:    0.2,
 		OutputTokensPerS: 4,
 		Errors:           2,
@@ -64,10 +69,11 @@ func TestSummarizeConvertsToSimulatedTime(t *testing.T) {
 		FollowUps: 2, FollowUpsMissing: 1,
 	}
 	approx := func(a, b float64) bool { return a-b < 1e-9 && b-a < 1e-9 }
-	if !approx(s.ThroughputRPS, want.ThroughputRPS) || !approx(s.OutputTokensPerS, want.OutputTokensPerS) || !approx(s.TTFT.P50, 100) || !approx(s.TTFT.Mean, 200) || !approx(s.E2E.P90, 5000) {
+	if !approx(s.ThroughputRPS, want.ThroughputRPS) || !approx(s.OutputTokensPerS, want.OutputTokensPerS) || !approx(s.TTFT.P50, 100) || !approx(s.TTFT.Mean, 200) || !approx(s.E2E.P90, 5000) ||
+		!approx(s.ITL.P90, 150) || !approx(s.ITL.Mean, 100) || !approx(s.TPOT.P50, 100) || !approx(s.TPOT.P90, want.TPOT.P90) || !approx(s.TPOT.Mean, want.TPOT.Mean) {
 		t.Fatalf("got %+v\nwant %+v", s, want)
 	}
-	s.ThroughputRPS, s.OutputTokensPerS, s.TTFT, s.E2E = want.ThroughputRPS, want.OutputTokensPerS, want.TTFT, want.E2E
+	s.ThroughputRPS, s.OutputTokensPerS, s.TTFT, s.E2E, s.ITL, s.TPOT = want.ThroughputRPS, want.OutputTokensPerS, want.TTFT, want.E2E, want.ITL, want.TPOT
 	if !reflect.DeepEqual(s, want) {
 		t.Fatalf("got %+v\nwant %+v", s, want)
 	}
