@@ -433,7 +433,7 @@
     tr.classList.toggle('unselected', !r.selected);
     tr.classList.toggle('offline', !r.online);
     // A data-parallel rank shares its server's URL with the other ranks.
-    c.url.textContent = (r.url || '') + (r.data_parallel_rank != null ? ' · DP rank ' + r.data_parallel_rank : '');
+    c.url.textContent = (r.url || '') + (r.data_parallel_rank != null ? ' · DP rank ' + r.data_parallel_rank : '') + (r.kv_role && r.kv_role !== 'both' ? ' · ' + r.kv_role : '');
     const models = r.models && r.models.length ? r.models : r.model ? [r.model] : [];
     c.model.textContent = models.length ? models[0] + (models.length > 1 ? ' +' + (models.length - 1) : '') : '–';
     c.model.title = models.join(', ');
