@@ -143,6 +143,7 @@ func (c *Client) post(ctx context.Context, url string, raw []byte, r workload.Re
 	rec.PredictedCached = headerInt(resp.Header, "X-Kvmesh-Cached-Tokens")
 	rec.RouterPromptTokens = headerInt(resp.Header, "X-Kvmesh-Prompt-Tokens")
 	rec.PrefillCached = headerInt(resp.Header, "X-Kvmesh-Prefill-Cached-Tokens")
+	rec.PrefillReplica = resp.Header.Get("X-Kvmesh-Prefill-Replica")
 	if v := resp.Header.Get("X-Kvmesh-Queue-Ms"); v != "" {
 		if ms, err := strconv.ParseFloat(v, 64); err == nil {
 			rec.QueueMs = ms

@@ -121,7 +121,20 @@ var PDShortParams = workload.TenantsParams{
 }
 
 // pdRoles are the pd scenarios' pools: 3 prefill and 5 decode replicas.
-var pdRoles = []string{"prefill", "prefill", "prefill", "decode", "decode", "decode", "decode", "decode"}
+var pdRoles = Pools(3, 8)
+
+// Pools are the KV roles of replicas replicas, the first prefill of them
+// prefill, the rest decode.
+func Pools(prefill, replicas int) []string {
+	roles := make([]string, replicas)
+	for i := range roles {
+		roles[i] = "decode"
+		if i < prefill {
+			roles[i] = "prefill"
+		}
+	}
+	return roles
+}
 
 // NoCacheParams is the nocache scenario: unique summarization-like prompts.
 var NoCacheParams = workload.NoCacheParams{Rate: 40, InputMedian: 2000, OutputMedian: 64, MaxInput: 8000, MaxOutput: 256}

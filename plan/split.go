@@ -8,6 +8,9 @@ import (
 	"github.com/kvmesh/kvmesh/routing"
 )
 
+// prefillPool qualifies a model's name for its prefill pool's decisions.
+const prefillPool = "\x00prefill"
+
 // kvHeadroom is the KV usage past which a decode replica is chosen only
 // when every other is as full: a decode holds its sequence's KV for the
 // whole answer, and a full cache preempts running sequences.
@@ -53,7 +56,13 @@ func (p *Plan) decideSplit(in *Input) error {
 	whole := p.Decision
 	whole.Order = append(p.wholeOrder[:0], whole.Order...)
 	p.wholeOrder = whole.Order
-	if !p.routeOver(in, fleet.KVRole.Prefills, &p.Decision) || p.Decision.Pick == whole.Pick {
+	// The prefill pool is a fleet of its own to the policy: kvaware judges
+	// imbalance per model, and the decode pool's must not flip it.
+	model := p.Request.Model
+	p.Request.Model = model + prefillPool
+	routed := p.routeOver(in, fleet.KVRole.Prefills, &p.Decision)
+	p.Request.Model = model
+	if !routed || p.Decision.Pick == whole.Pick {
 		// No prefill replica, or the best one is the best decode replica
 		// too (a both-role engine): a split there would only add a hop.
 		p.Decision = whole

@@ -34,7 +34,7 @@ func main() {
 type options struct {
 	scenario, policies, bin, out, trace, jsonPath, plotPath, costProfile string
 	engineArgs, sidecarArgs, routerArgs                                  string
-	replicas, routers, maxRequests                                       int
+	replicas, routers, maxRequests, prefillReplicas                      int
 	timeScale                                                            float64
 	duration, drain, traceStart                                          time.Duration
 	seed                                                                 uint64
@@ -68,6 +68,7 @@ func run(args []string) error {
 	fs.StringVar(&o.engineArgs, "engine-args", "", "extra enginesim flags, space-separated")
 	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "extra sidecar flags, space-separated")
 	fs.StringVar(&o.routerArgs, "router-args", "", "extra router flags, space-separated (e.g. --config tune.yaml to try thresholds)")
+	fs.IntVar(&o.prefillReplicas, "prefill-replicas", 0, "for scenarios of prefill and decode pools (pd, pd-short): this many prefill replicas, the rest decode (default: the scenario's, 3 of 8)")
 	fs.BoolVar(&o.smoke, "smoke", false, "tiny run for tests: 2 replicas, 2 routers, ≤80 requests, round-robin and kvaware; fails on any error")
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
@@ -130,6 +131,9 @@ func run(args []string) error {
 	begin := time.Now()
 	failed := false
 	for _, sc := range scenarios {
+		if o.prefillReplicas > 0 && len(sc.KVRoles) > 0 {
+			sc.KVRoles = loadtest.Pools(o.prefillReplicas, max(o.replicas, sc.Replicas))
+		}
 		res, err := loadtest.Bench(ctx, loadtest.Config{
 			Scenario: sc, Policies: policies, Replicas: o.replicas, Routers: o.routers, TimeScale: o.timeScale,
 			Duration: o.duration, Seed: o.seed, MaxRequests: o.maxRequests, BinDir: o.bin, OutDir: o.out,

@@ -54,6 +54,9 @@ type Record struct {
 	// which ActualCached then holds too (the decode's usage counts the
 	// transferred prompt as cached).
 	PrefillCached int
+	// PrefillReplica is X-Kvmesh-Prefill-Replica: where a split request
+	// was prefilled.
+	PrefillReplica string
 	// Gaps are the wall times between consecutive content chunks of a
 	// stream (inter-token latency); not in the JSON report.
 	Gaps []time.Duration `json:"-"`
