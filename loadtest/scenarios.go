@@ -106,7 +106,7 @@ var AgentParams = workload.AgentParams{
 // PDParams is the pd scenario: long prompts with long answers, the shape
 // disaggregation is for — a 2,000-token context shared by each group's
 // users and a 6,000-token document of each request's own, 256 tokens of
-// answer, 6 req/s: prefill is about half the engines' work.
+// answer, 6 req/s.
 var PDParams = workload.TenantsParams{
 	Groups: 16, UsersPerGroup: 40, ContextTokens: 2000, QuestionTokens: 6000, OutputTokens: 256,
 	RateStart: 6, RateEnd: 6,
