@@ -339,3 +339,26 @@ func TestEnginePriorityCarriesTheBand(t *testing.T) {
 		}
 	}
 }
+
+// TestQuotaChargesWhatTheEngineCounted: a tenant's tokens are the engine's
+// prompt and completion counts, not the max_tokens it asked for.
+func TestQuotaChargesWhatTheEngineCounted(t *testing.T) {
+	d, err := tenant.New(tenant.Spec{
+		Default: tenant.Tenant{MaxPriority: flowcontrol.Standard, Quota: quota.Limits{TokensPerMinute: 100_000}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url, _ := recordingEngine(t) // prompt 5, completion 1
+	r := newRouter(t, Settings{Tenants: d}, 1<<20)
+	r.table.AddStatic("a", url, []string{testModel})
+	body := `{"model":"sim","max_tokens":500,"messages":[{"role":"user","content":"hello there"}]}`
+	for range 2 {
+		if rep := r.post(t, "/v1/chat/completions", body); rep.status != 200 {
+			t.Fatalf("%d %s", rep.status, rep.body)
+		}
+	}
+	if m := scrape(t, r, "kvmesh_router_tenant_tokens_total"); !strings.Contains(m, `tenant="default"} 12`) {
+		t.Fatalf("charged %s; want 2 × (5 prompt + 1 completion)", m)
+	}
+}

@@ -238,7 +238,13 @@ func (l *ledger) End(r proxy.Result) {
 	if r.PromptTokens >= 0 {
 		tokens = int64(r.PromptTokens)
 	}
-	tokens += int64(l.req.MaxTokensAsked())
+	// What the engine generated, or, when it did not say (an error, a
+	// dialect without output counts), what the request could have.
+	if r.CompletionTokens > 0 {
+		tokens += int64(r.CompletionTokens)
+	} else {
+		tokens += int64(l.req.MaxTokensAsked())
+	}
 	g.flow.correctQuota(l, tokens)
 	l.learn(t, r)
 	served := r.Err == nil && r.Status > 0 && r.Status < 500 && r.Status != 429 || r.ClientGone

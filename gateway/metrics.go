@@ -89,7 +89,7 @@ func newMetrics(g *Gateway) *metrics {
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 16),
 	}, []string{"priority"})
 	m.rejected = f.counterVec("kvmesh_router_rejected_total", "Requests turned away for overload, by reason: saturated, over_share, evicted, queue_full (503/429 from the router's queue), quota (429), slo (503, sheddable work no replica could serve within its X-Kvmesh-TTFT-SLO-Ms), client_left (the client hung up while held; nothing answered).", "reason")
-	m.tenantTokens = f.counterVec("kvmesh_router_tenant_tokens_total", "Tokens of served requests by tenant, as quotas count them: prompt tokens (the engine's count when it reported one) plus the max_tokens asked.", "tenant")
+	m.tenantTokens = f.counterVec("kvmesh_router_tenant_tokens_total", "Tokens of served requests by tenant, as quotas count them: prompt plus completion tokens, the engine's counts when it reported them (the max_tokens asked for an answer without a completion count).", "tenant")
 	m.quotaIsolated = f.counter("kvmesh_router_quota_isolated_total", "Quota decisions this router took cut off from every other router it knew: it enforced its own share of the limit alone.")
 	m.reg.MustRegister(m.ttft, m.upstreamLatency, m.queueDepth, m.queueWait,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{

@@ -25,6 +25,17 @@ type Dialect interface {
 	StreamError(msg string) []byte
 }
 
+// OutputCounter is a Dialect that also reads how many tokens an answer
+// generated (its usage's output tokens), which quotas charge.
+type OutputCounter interface {
+	// BodyOutput reads a non-streamed answer's output tokens, -1 when it
+	// does not say.
+	BodyOutput(body []byte) int
+	// EventOutput reads them from one stream event's data; ok is false
+	// for an event without usage.
+	EventOutput(payload []byte) (n int, ok bool)
+}
+
 // dialected is a stream's Dialect with what relaying it needs: the target
 // answering, and the call telling of its first token, made once.
 type dialected struct {
@@ -38,6 +49,11 @@ type dialected struct {
 func (x *dialected) note(payload []byte, res *Result) []byte {
 	if p, c, ok := x.d.EventUsage(payload); ok {
 		res.PromptTokens, res.CachedTokens = p, c
+		if oc, isCounter := x.d.(OutputCounter); isCounter {
+			if n, ok := oc.EventOutput(payload); ok {
+				res.CompletionTokens = max(n, 0)
+			}
+		}
 	}
 	if x.first != nil && x.d.Output(payload) {
 		x.first()

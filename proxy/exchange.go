@@ -36,6 +36,7 @@ func (f *Forwarder) Exchange(up *Upstream, req *Request) (Answer, error) {
 	}
 	defer fasthttp.ReleaseResponse(resp)
 	a := Answer{Status: resp.StatusCode(), Body: bytes.Clone(resp.Body()), Elapsed: time.Since(start)}
-	a.PromptTokens, a.CachedTokens = usageFromBody(a.Body)
+	u := usageFromBody(a.Body)
+	a.PromptTokens, a.CachedTokens = u.prompt, u.cached
 	return a, nil
 }

@@ -113,9 +113,11 @@ type Result struct {
 	// unreachable, and the attempt was not retried.
 	Overran bool
 	// PromptTokens and CachedTokens come from the engine's usage report;
-	// -1 when the response carried none.
-	PromptTokens int
-	CachedTokens int
+	// -1 when the response carried none. CompletionTokens too, 0 when it
+	// carried none (with a Dialect, only if it is an OutputCounter).
+	PromptTokens     int
+	CachedTokens     int
+	CompletionTokens int
 	// Elapsed runs from dispatch to the end of the response body.
 	Elapsed time.Duration
 	// Events counts SSE events relayed to the client.
@@ -430,7 +432,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 		res := Result{Status: resp.StatusCode(), PromptTokens: -1, CachedTokens: -1}
 		if resp.BodyStream() == nil { // read whole by the client already
 			ctx.Response.SetBody(resp.Body())
-			res.PromptTokens, res.CachedTokens = req.bodyUsage(i, &ctx.Response)
+			req.bodyUsage(i, &ctx.Response, &res)
 			fasthttp.ReleaseResponse(resp)
 			res.Elapsed = time.Since(start)
 			return res, false
@@ -453,7 +455,7 @@ func (f *Forwarder) relay(ctx *fasthttp.RequestCtx, req *Request, targets []*Ups
 			WriteError(ctx, fasthttp.StatusBadGateway, "upstream_error", "reading upstream response: "+err.Error())
 		} else {
 			_ = resp.CloseBodyStream()
-			res.PromptTokens, res.CachedTokens = req.bodyUsage(i, &ctx.Response)
+			req.bodyUsage(i, &ctx.Response, &res)
 		}
 		fasthttp.ReleaseResponse(resp)
 		res.Elapsed = time.Since(start)
@@ -798,7 +800,7 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 			} else {
 				if bytes.Contains(payload, usageKey) {
 					if u, usageOnly, ok := parseUsageChunk(payload); ok {
-						res.PromptTokens, res.CachedTokens = u.prompt, u.cached
+						res.PromptTokens, res.CachedTokens, res.CompletionTokens = u.prompt, u.cached, u.completion
 						keep = !(strip && usageOnly)
 					}
 				}
@@ -847,17 +849,21 @@ func (req *Request) dialected(i int, first func()) *dialected {
 	return &dialected{d: req.Dialect, target: i, first: first}
 }
 
-// bodyUsage reads the usage of target i's non-streamed answer in resp and,
-// with a dialect, rewrites it as the client gets it.
-func (req *Request) bodyUsage(i int, resp *fasthttp.Response) (prompt, cached int) {
+// bodyUsage reads the usage of target i's non-streamed answer in resp into
+// res and, with a dialect, rewrites the answer as the client gets it.
+func (req *Request) bodyUsage(i int, resp *fasthttp.Response, res *Result) {
 	if req.Dialect == nil {
-		return usageFromBody(resp.Body())
+		u := usageFromBody(resp.Body())
+		res.PromptTokens, res.CachedTokens, res.CompletionTokens = u.prompt, u.cached, u.completion
+		return
 	}
-	prompt, cached = req.Dialect.BodyUsage(resp.Body())
+	res.PromptTokens, res.CachedTokens = req.Dialect.BodyUsage(resp.Body())
+	if oc, ok := req.Dialect.(OutputCounter); ok {
+		res.CompletionTokens = max(oc.BodyOutput(resp.Body()), 0)
+	}
 	if out := req.Dialect.Rewrite(i, resp.Body()); out != nil {
 		resp.SetBody(out)
 	}
-	return prompt, cached
 }
 
 var (

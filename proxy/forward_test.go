@@ -407,9 +407,9 @@ func TestUsageFromBody(t *testing.T) {
 		`not json`: {-1, -1},
 	}
 	for body, want := range cases {
-		p, c := usageFromBody([]byte(body))
-		if p != want[0] || c != want[1] {
-			t.Errorf("%s: got %d,%d want %v", body, p, c, want)
+		u := usageFromBody([]byte(body))
+		if u.prompt != want[0] || u.cached != want[1] {
+			t.Errorf("%s: got %+v want %v", body, u, want)
 		}
 	}
 }

@@ -36,13 +36,12 @@ func FuzzWriteEvents(f *testing.F) {
 // FuzzUsageFromBody: any body is safe, and a body ending in a usage object
 // yields exactly its numbers.
 func FuzzUsageFromBody(f *testing.F) {
-	f.Add([]byte(`{"choices":[{"text":"\"usage\":{"}]}`), uint16(12), uint16(7))
-	f.Fuzz(func(t *testing.T, prefix []byte, prompt, cached uint16) {
+	f.Add([]byte(`{"choices":[{"text":"\"usage\":{"}]}`), uint16(12), uint16(7), uint16(3))
+	f.Fuzz(func(t *testing.T, prefix []byte, prompt, cached, completion uint16) {
 		usageFromBody(prefix)
-		body := fmt.Sprintf(`{"x":%q,"usage":{"prompt_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`, prefix, prompt, cached)
-		p, c := usageFromBody([]byte(body))
-		if p != int(prompt) || c != int(cached) {
-			t.Fatalf("%s: got %d,%d", body, p, c)
+		body := fmt.Sprintf(`{"x":%q,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`, prefix, prompt, completion, cached)
+		if u := usageFromBody([]byte(body)); u != (usage{prompt: int(prompt), cached: int(cached), completion: int(completion)}) {
+			t.Fatalf("%s: got %+v", body, u)
 		}
 	})
 }

@@ -8,10 +8,14 @@ import (
 // usage is the part of an engine's usage report the router counts.
 type usage struct {
 	prompt, cached int
+	// completion is 0 when the report gave none (an answer has one token
+	// at least).
+	completion int
 }
 
 type usageJSON struct {
 	PromptTokens        *int `json:"prompt_tokens"`
+	CompletionTokens    *int `json:"completion_tokens"`
 	PromptTokensDetails *struct {
 		CachedTokens *int `json:"cached_tokens"`
 	} `json:"prompt_tokens_details"`
@@ -25,33 +29,40 @@ func (u *usageJSON) values() usage {
 	if u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
 		out.cached = *u.PromptTokensDetails.CachedTokens
 	}
+	if u.CompletionTokens != nil && *u.CompletionTokens > 0 {
+		out.completion = *u.CompletionTokens
+	}
 	return out
 }
 
 // usageFromBody reads usage from a non-streamed completion without decoding
 // the whole body: engines put usage last, so it finds the last "usage" key
-// and reads the two numbers from that object. Returns -1 for what is absent.
-func usageFromBody(body []byte) (prompt, cached int) {
+// and reads its numbers from that object: -1 for a prompt or cached count
+// that is absent, 0 for an absent completion count.
+func usageFromBody(body []byte) usage {
+	none := usage{prompt: -1, cached: -1}
 	i := bytes.LastIndex(body, usageKey)
 	if i < 0 {
-		return -1, -1
+		return none
 	}
 	rest := trimSpace(body[i+len(usageKey):])
 	if len(rest) == 0 || rest[0] != ':' {
-		return -1, -1
+		return none
 	}
 	rest = trimSpace(rest[1:])
 	end := objectEnd(rest)
 	if end < 0 {
-		return -1, -1
+		return none
 	}
 	obj := rest[:end]
-	return intField(obj, promptTokensKey), intField(obj, cachedTokensKey)
+	return usage{prompt: intField(obj, promptTokensKey), cached: intField(obj, cachedTokensKey),
+		completion: max(intField(obj, completionTokensKey), 0)}
 }
 
 var (
-	promptTokensKey = []byte(`"prompt_tokens"`)
-	cachedTokensKey = []byte(`"cached_tokens"`)
+	promptTokensKey     = []byte(`"prompt_tokens"`)
+	cachedTokensKey     = []byte(`"cached_tokens"`)
+	completionTokensKey = []byte(`"completion_tokens"`)
 )
 
 // objectEnd returns the length of the JSON object b starts with, or -1.
