@@ -428,3 +428,20 @@ func TestRouterTableCarriesTheDataParallelRank(t *testing.T) {
 		}
 	}
 }
+
+// TestRouterTableCarriesTheKVRole: a sidecar's KV role reaches its replica
+// in the table, and a metadata update without one makes it both again.
+func TestRouterTableCarriesTheKVRole(t *testing.T) {
+	f := newFeedRouter(t)
+	prefill := sidecarA
+	prefill.KVRole = uint8(fleet.KVPrefill)
+	for _, c := range []struct {
+		meta Meta
+		want fleet.KVRole
+	}{{prefill, fleet.KVPrefill}, {sidecarA, fleet.KVBoth}} {
+		f.member(c.meta)
+		if r := f.tb.Snapshot().Replicas[0]; r.KVRole != c.want {
+			t.Fatalf("replica %s: role %v, want %v", r.Name, r.KVRole, c.want)
+		}
+	}
+}
