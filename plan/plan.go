@@ -173,7 +173,8 @@ var (
 	ErrNoTokenizer = errors.New("no tokenizer for this model")
 	ErrLoadOnly    = errors.New("endpoint routed by load only")
 	// ErrStoredState: the engine prepends a stored response to the prompt,
-	// which the router never sees.
+	// which the router could not rebuild (Input.Continued nil, or keyed
+	// by another block size than the replica's).
 	ErrStoredState = errors.New("the prompt continues a stored response")
 )
 
