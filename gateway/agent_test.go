@@ -67,9 +67,9 @@ func (s *residentSink) filter() (*bloom.Filter, int) {
 
 // agentFleet is a router over n enginesims whose stored blocks reach its
 // table as a sidecar's filters would.
-func agentFleet(t *testing.T, n int) (*testRouter, []*residentSink, func()) {
+func agentFleet(t *testing.T, n int, s Settings) (*testRouter, []*residentSink, func()) {
 	t.Helper()
-	r := newRouter(t, Settings{}, 1<<20)
+	r := newRouter(t, s, 1<<20)
 	sinks := make([]*residentSink, n)
 	now := time.Now()
 	for i := range sinks {
@@ -105,7 +105,7 @@ func agentFleet(t *testing.T, n int) (*testRouter, []*residentSink, func()) {
 // own stored blocks, exactly the cached tokens the engine then reports,
 // streamed or not, and the request goes where its prefix is.
 func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
-	r, _, sync := agentFleet(t, 3)
+	r, _, sync := agentFleet(t, 3, Settings{})
 	system := strings.Repeat("You are a careful coding agent working in a large repository. ", 12)
 	responses := func(history []string, stream bool) string {
 		items := make([]string, 0, len(history))
@@ -313,8 +313,8 @@ func TestBrokenAgentStreamsEndInTheirAPIsErrorEvent(t *testing.T) {
 // was given carries and the stored output it reads back, exactly the
 // cached tokens the engine reports, streamed or not.
 func TestStoredFollowUpsPredictWhatTheEngineCaches(t *testing.T) {
-	first, sinks, sync := agentFleet(t, 2)
-	second := newRouter(t, Settings{}, 1<<20)
+	first, sinks, sync := agentFleet(t, 2, Settings{CarryStoredState: true})
+	second := newRouter(t, Settings{CarryStoredState: true}, 1<<20)
 	now := time.Now()
 	for _, name := range []string{"a", "b"} {
 		rep := first.table.Snapshot().Replicas[first.table.Snapshot().Find(name)]
@@ -376,4 +376,20 @@ func TestStoredFollowUpsPredictWhatTheEngineCaches(t *testing.T) {
 		t.Fatalf("a plain id's follow-up: %d %v %s", res.status, res.header, res.body)
 	}
 	t.Logf("%d follow-ups predicted exactly", exact)
+	// Without --carry-stored-state (routers of the release before may be
+	// about), ids name their replica alone, and one that carries state is
+	// still read: its follow-up is predicted, its answer's id plain.
+	plainRouter := newRouter(t, Settings{}, 1<<20)
+	for _, name := range []string{"a", "b"} {
+		rep := first.table.Snapshot().Replicas[first.table.Snapshot().Find(name)]
+		plainRouter.table.Upsert(fleet.Info{Name: name, Models: []string{testModel}, URL: rep.URL, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+		plainRouter.table.SetLoad(name, fleet.Load{}, true, now)
+		f, keys := sinks[int(name[0]-'a')].filter()
+		plainRouter.table.SetFilter(name, f, 1, keys, time.Now())
+	}
+	res = plainRouter.post(t, "/v1/responses", fmt.Sprintf(`{"model":"sim","instructions":%q,"input":"One more.","max_output_tokens":2,"previous_response_id":%q}`, system, prev))
+	predicted, _ := strconv.Atoi(res.header["x-kvmesh-cached-tokens"])
+	if id := responseID(t, res.body, false); res.status != 200 || predicted != engineCached(t, res.body, false) || predicted == 0 || !strings.HasPrefix(id, "resp_kvm") {
+		t.Fatalf("without --carry-stored-state: %d, predicted %d, id %q: %s", res.status, predicted, id, res.body)
+	}
 }

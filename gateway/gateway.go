@@ -99,6 +99,12 @@ type Settings struct {
 	// IgnoreTiers matches only the blocks replicas hold on a GPU, blind to
 	// their offload tiers (--ignore-tiers, plan.Settings.IgnoreTiers).
 	IgnoreTiers bool
+	// CarryStoredState has the ids of stored responses carry what the
+	// router needs to predict their follow-ups (--carry-stored-state,
+	// package storedchain). Off, ids name their replica alone: routers of
+	// the release before read no other form, so it waits until all run
+	// this one. Ids that carry it are read either way.
+	CarryStoredState bool
 	// ResumeStreams continues a stream that breaks after reaching the
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.

@@ -61,12 +61,15 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 		l.previous, l.previousClient = st.engineID, p.PreviousResponseID
 		l.continued, l.chain = g.continuation(s, snap, p, st.replica, st.engineID, st.state)
 	}
+	if !s.CarryStoredState {
+		l.chain = nil
+	}
 	if err := l.decide(snap, p); err != nil {
 		g.release(l)
 		g.fail(ctx, err)
 		return
 	}
-	if l.pin == "" {
+	if l.pin == "" && s.CarryStoredState {
 		l.chain = l.beginChain()
 	}
 	if err := g.admit(ctx, l, slo); err != nil {

@@ -34,9 +34,9 @@ type Scenario struct {
 	// MinKVBlocks keeps room for the running sequences' own blocks; it
 	// must be at least enginesim's max model length (32,768) / block size.
 	MinKVBlocks int
-	// EngineArgs and SidecarArgs are extra enginesim and sidecar flags the
-	// scenario needs.
-	EngineArgs, SidecarArgs []string
+	// EngineArgs, SidecarArgs and RouterArgs are extra enginesim, sidecar
+	// and router flags the scenario needs.
+	EngineArgs, SidecarArgs, RouterArgs []string
 	// RouterConfig, when set, is the routers' YAML config (--config): the
 	// multi-tenant scenarios name their tenants there.
 	RouterConfig string
@@ -210,7 +210,8 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		"agent": {
 			Name: "agent", About: "tool-using agent conversations of 3–10 turns through /v1/responses (30 % chained by previous_response_id on stored responses) and, +chat, the same turns as chat completions",
 			Replicas: 4, Routers: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
-			Policies: []string{"kvaware", "kvaware+chat"},
+			RouterArgs: []string{"--carry-stored-state"},
+			Policies:   []string{"kvaware", "kvaware+chat"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Agent(AgentParams, seed, d)
 			},

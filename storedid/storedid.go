@@ -16,11 +16,12 @@
 // the router never sees (package storedchain reads and writes them):
 // "resp_kvs<name>_<state>_<rest>", the state in the same base32 and at most
 // MaxState bytes: at most 309 characters more than the plain form, about
-// 110 for 16-token blocks (storedchain's state is 19 bytes and the
-// tokens after the last full block). Routers that read the carrying form read the plain one as well; a
-// router of the release before it reads neither the state nor the replica
-// of a carrying id, and answers its follow-up with the 404 of an id it did
-// not issue, so routers are upgraded before any of them issues one.
+// 110 for 16-token blocks (storedchain's state is 19 bytes and the tokens
+// after the last full block). Routers that read the carrying form read the
+// plain one as well; a router of the release before reads neither the
+// state nor the replica of a carrying id, and routes its follow-up by load
+// to an engine that does not know it, so every router is upgraded before
+// any issues one (the router's --carry-stored-state).
 package storedid
 
 import (
