@@ -84,3 +84,34 @@ func FuzzUsage(f *testing.F) {
 		check("MessagesEventUsage", p, c)
 	})
 }
+
+// FuzzStoredOutputs: any stored answer is read without panicking, and
+// the texts read are the output messages' parts, in order.
+func FuzzStoredOutputs(f *testing.F) {
+	f.Add([]byte(`{"output":[{"type":"message","content":[{"type":"output_text","text":"a"},{"text":"b"}]},{"type":"function_call"}]}`))
+	f.Add([]byte(`{"output":[{"type":"message","content":[{"type":"refusal"}]}]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		texts, err := StoredOutputs(b)
+		if err != nil {
+			return
+		}
+		n := 0
+		var r struct {
+			Output []struct {
+				Type    string
+				Content []json.RawMessage
+			}
+		}
+		if json.Unmarshal(b, &r) != nil {
+			t.Fatalf("%s read, but is no answer", b)
+		}
+		for _, item := range r.Output {
+			if item.Type == "message" {
+				n += len(item.Content)
+			}
+		}
+		if n != len(texts) {
+			t.Fatalf("%s: %d texts of %d parts", b, len(texts), n)
+		}
+	})
+}

@@ -3,6 +3,7 @@ package chatconv
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 )
 
 // The usage readers give the prompt tokens an engine counted and how many of
@@ -141,4 +142,35 @@ func MessagesEventUsage(payload []byte) (prompt, cached int, ok bool) {
 	}
 	prompt, cached = u.values()
 	return prompt, cached, true
+}
+
+// StoredOutputs returns the text parts of the output messages of a stored
+// Responses answer (the body of GET /v1/responses/{id}), in order: vLLM
+// continues a stored response with one assistant message for each
+// (construct_input_messages), leaving its reasoning and function calls out.
+func StoredOutputs(body []byte) ([]string, error) {
+	var r struct {
+		Output []struct {
+			Type    string `json:"type"`
+			Content []struct {
+				Text *string `json:"text"`
+			} `json:"content"`
+		} `json:"output"`
+	}
+	if err := json.Unmarshal(body, &r); err != nil {
+		return nil, err
+	}
+	var texts []string
+	for _, item := range r.Output {
+		if item.Type != "message" {
+			continue
+		}
+		for _, c := range item.Content {
+			if c.Text == nil {
+				return nil, errors.New("chatconv: an output message part without text")
+			}
+			texts = append(texts, *c.Text)
+		}
+	}
+	return texts, nil
 }

@@ -1,6 +1,9 @@
 package chatconv
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 // The answers below are shaped as vLLM writes them (ResponsesResponse,
 // ResponseCompletedEvent, AnthropicMessagesResponse, AnthropicStreamEvent).
@@ -53,5 +56,22 @@ func body(f func([]byte) (int, int)) func([]byte) (int, int, bool) {
 	return func(b []byte) (int, int, bool) {
 		p, c := f(b)
 		return p, c, true
+	}
+}
+
+// TestStoredOutputs: the text parts of a stored answer's output messages,
+// in order, reasoning and function calls left out, as vLLM continues it.
+func TestStoredOutputs(t *testing.T) {
+	body := []byte(`{"id":"resp_1","output":[{"type":"reasoning","content":[{"type":"reasoning_text","text":"hm"}]},` +
+		`{"type":"message","role":"assistant","content":[{"type":"output_text","text":"One."},{"type":"output_text","text":"Two."}]},` +
+		`{"type":"function_call","name":"f","arguments":"{}","call_id":"c"},{"type":"message","content":[{"type":"output_text","text":""}]}]}`)
+	got, err := StoredOutputs(body)
+	if err != nil || strings.Join(got, "|") != "One.|Two.|" {
+		t.Fatalf("StoredOutputs = %q, %v", got, err)
+	}
+	for _, bad := range []string{`{"output":[{"type":"message","content":[{"type":"refusal","refusal":"no"}]}]}`, `{"output":3}`, `[`} {
+		if _, err := StoredOutputs([]byte(bad)); err == nil {
+			t.Errorf("StoredOutputs(%s) read it", bad)
+		}
 	}
 }

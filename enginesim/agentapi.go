@@ -16,7 +16,8 @@ import (
 
 // The Responses (/v1/responses) and Messages (/v1/messages) endpoints, as
 // vLLM serves them on its chat path (vllm/entrypoints/openai/responses/
-// serving.py and vllm/entrypoints/anthropic/serving.py at 0001948b): the
+// serving.py and vllm/entrypoints/anthropic/serving.py at 0001948b, with
+// responses/utils.py's construct_input_messages at 01ca842d): the
 // body becomes the chat messages vLLM derives (package chatconv, which
 // follows the same code), generated like a chat, answered in the API's own
 // shape with usage and cached tokens. Responses with store (true unless
@@ -110,14 +111,22 @@ func (s *Server) agentGenerate(ctx *fasthttp.RequestCtx, api agentAPI) {
 			responseNotFound(ctx, c.PreviousResponseID)
 			return
 		}
-		// construct_input_messages: instructions, the stored messages, the
-		// stored output, then the new input.
+		// construct_input_messages (01ca842d): this request's
+		// instructions, the stored messages less their system messages
+		// (instructions do not carry over), the stored output, then the
+		// new input.
 		var lead []json.RawMessage
-		if len(msgs) > 0 && strings.HasPrefix(string(msgs[0]), `{"role":"system"`) && hasInstructions(body) {
+		if len(msgs) > 0 && isSystem(msgs[0]) && hasInstructions(body) {
 			lead, msgs = msgs[:1], msgs[1:]
 		}
+		all := append([]json.RawMessage{}, lead...)
+		for _, m := range prev.messages {
+			if !isSystem(m) {
+				all = append(all, m)
+			}
+		}
 		out, _ := json.Marshal(map[string]string{"role": "assistant", "content": prev.output})
-		msgs = append(append(append(append([]json.RawMessage{}, lead...), prev.messages...), out), msgs...)
+		msgs = append(append(all, out), msgs...)
 		if c.Messages, err = json.Marshal(msgs); err != nil {
 			badRequest(ctx, err.Error())
 			return
@@ -146,6 +155,14 @@ func (s *Server) agentGenerate(ctx *fasthttp.RequestCtx, api agentAPI) {
 		a.id = "msg_" + s.idPrefix + strconv.FormatUint(next, 16)
 	}
 	s.run(ctx, &response{s: s, chat: true, agent: a}, engine.Request{Prompt: ids, MaxTokens: n}, nil, c.Stream)
+}
+
+// isSystem reports a system message.
+func isSystem(m json.RawMessage) bool {
+	var v struct {
+		Role string `json:"role"`
+	}
+	return json.Unmarshal(m, &v) == nil && v.Role == "system"
 }
 
 // hasInstructions reports a Responses body with non-empty instructions,

@@ -19,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/enginesim"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/kvevents"
+	"github.com/kvmesh/kvmesh/storedid"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -66,9 +67,9 @@ func (s *residentSink) filter() (*bloom.Filter, int) {
 
 // agentFleet is a router over n enginesims whose stored blocks reach its
 // table as a sidecar's filters would.
-func agentFleet(t *testing.T, n int) (*testRouter, []*residentSink, func()) {
+func agentFleet(t *testing.T, n int, s Settings) (*testRouter, []*residentSink, func()) {
 	t.Helper()
-	r := newRouter(t, Settings{}, 1<<20)
+	r := newRouter(t, s, 1<<20)
 	sinks := make([]*residentSink, n)
 	now := time.Now()
 	for i := range sinks {
@@ -104,7 +105,7 @@ func agentFleet(t *testing.T, n int) (*testRouter, []*residentSink, func()) {
 // own stored blocks, exactly the cached tokens the engine then reports,
 // streamed or not, and the request goes where its prefix is.
 func TestAgentAPIsPredictWhatTheEngineCaches(t *testing.T) {
-	r, _, sync := agentFleet(t, 3)
+	r, _, sync := agentFleet(t, 3, Settings{})
 	system := strings.Repeat("You are a careful coding agent working in a large repository. ", 12)
 	responses := func(history []string, stream bool) string {
 		items := make([]string, 0, len(history))
@@ -302,5 +303,93 @@ func TestBrokenAgentStreamsEndInTheirAPIsErrorEvent(t *testing.T) {
 		if res.status != 200 || !strings.HasPrefix(res.body, "event: message_start\n") || !strings.Contains(res.body, want) || strings.Contains(res.body, "[DONE]") {
 			t.Errorf("%s: %d %q, want it to end with %q", path, res.status, res.body, want)
 		}
+	}
+}
+
+// TestStoredFollowUpsPredictWhatTheEngineCaches: a stored conversation
+// chained by previous_response_id through two routers, the instructions
+// resent each turn as they do not carry over: every follow-up's history is
+// on its replica only, yet each router predicts, from the state the id it
+// was given carries and the stored output it reads back, exactly the
+// cached tokens the engine reports, streamed or not.
+func TestStoredFollowUpsPredictWhatTheEngineCaches(t *testing.T) {
+	first, sinks, sync := agentFleet(t, 2, Settings{CarryStoredState: true})
+	second := newRouter(t, Settings{CarryStoredState: true}, 1<<20)
+	now := time.Now()
+	for _, name := range []string{"a", "b"} {
+		rep := first.table.Snapshot().Replicas[first.table.Snapshot().Find(name)]
+		second.table.Upsert(fleet.Info{Name: name, Models: []string{testModel}, URL: rep.URL, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+		second.table.SetLoad(name, fleet.Load{}, true, now)
+	}
+	syncBoth := func() {
+		sync()
+		for i, s := range sinks {
+			f, keys := s.filter()
+			second.table.SetFilter(string(rune('a'+i)), f, uint64(100+i)+uint64(time.Now().UnixNano()%1000000), keys, time.Now())
+		}
+	}
+	syncBoth()
+	system := strings.Repeat("You are a careful coding agent working in a large repository. ", 12)
+	inputs := []string{
+		`"Read main.go and tell me what it does."`,
+		`[{"type":"function_call_output","call_id":"call_1","output":"package main\n\nfunc main() { println(\"hi\") }\n"}]`,
+		`[{"type":"message","role":"user","content":[{"type":"input_text","text":"Now add a flag for the greeting."}]}]`,
+		`"And a test for it, please."`,
+	}
+	prev := ""
+	exact := 0
+	for turn, input := range inputs {
+		r := []*testRouter{first, second}[turn%2]
+		stream := turn%2 == 1
+		body := fmt.Sprintf(`{"model":"sim","instructions":%q,"input":%s,"max_output_tokens":20,"stream":%v`, system, input, stream)
+		if prev != "" {
+			body += fmt.Sprintf(`,"previous_response_id":%q`, prev)
+		}
+		res := r.post(t, "/v1/responses", body+"}")
+		if res.status != 200 {
+			t.Fatalf("turn %d: %d %s", turn, res.status, res.body)
+		}
+		cached := engineCached(t, res.body, stream)
+		predicted, _ := strconv.Atoi(res.header["x-kvmesh-cached-tokens"])
+		prompt, _ := strconv.Atoi(res.header["x-kvmesh-prompt-tokens"])
+		t.Logf("turn %d (stream %v): predicted %d of %d, the engine cached %d", turn, stream, predicted, prompt, cached)
+		if turn > 0 {
+			if predicted != cached || predicted < 150 {
+				t.Fatalf("turn %d (stream %v): predicted %d cached tokens, the engine reports %d", turn, stream, predicted, cached)
+			}
+			exact++
+		}
+		prev = responseID(t, res.body, stream)
+		if _, _, state, ok := storedid.DecodeState(prev); !ok || state == nil || len(prev) > 330 {
+			t.Fatalf("turn %d: the id %q carries no state", turn, prev)
+		}
+		time.Sleep(20 * time.Millisecond) // the stream's last events reach the engine's sink
+		syncBoth()
+	}
+	// An id of the plain form, as a router of the release before issued
+	// it, is followed to its replica all the same, unpredicted.
+	replica, engineID, _ := storedid.Decode(prev)
+	plain, _ := storedid.Encode(replica, engineID)
+	res := first.post(t, "/v1/responses", fmt.Sprintf(`{"model":"sim","instructions":%q,"input":"Done?","max_output_tokens":2,"previous_response_id":%q}`, system, plain))
+	if res.status != 200 || res.header["x-kvmesh-replica"] != replica || res.header["x-kvmesh-cached-tokens"] != "0" ||
+		!strings.Contains(res.body, `"previous_response_id":"`+plain+`"`) {
+		t.Fatalf("a plain id's follow-up: %d %v %s", res.status, res.header, res.body)
+	}
+	t.Logf("%d follow-ups predicted exactly", exact)
+	// Without --carry-stored-state (routers of the release before may be
+	// about), ids name their replica alone, and one that carries state is
+	// still read: its follow-up is predicted, its answer's id plain.
+	plainRouter := newRouter(t, Settings{}, 1<<20)
+	for _, name := range []string{"a", "b"} {
+		rep := first.table.Snapshot().Replicas[first.table.Snapshot().Find(name)]
+		plainRouter.table.Upsert(fleet.Info{Name: name, Models: []string{testModel}, URL: rep.URL, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, now)
+		plainRouter.table.SetLoad(name, fleet.Load{}, true, now)
+		f, keys := sinks[int(name[0]-'a')].filter()
+		plainRouter.table.SetFilter(name, f, 1, keys, time.Now())
+	}
+	res = plainRouter.post(t, "/v1/responses", fmt.Sprintf(`{"model":"sim","instructions":%q,"input":"One more.","max_output_tokens":2,"previous_response_id":%q}`, system, prev))
+	predicted, _ := strconv.Atoi(res.header["x-kvmesh-cached-tokens"])
+	if id := responseID(t, res.body, false); res.status != 200 || predicted != engineCached(t, res.body, false) || predicted == 0 || !strings.HasPrefix(id, "resp_kvm") {
+		t.Fatalf("without --carry-stored-state: %d, predicted %d, id %q: %s", res.status, predicted, id, res.body)
 	}
 }

@@ -23,6 +23,9 @@ import (
 type dialect struct {
 	kind    request.Kind
 	replica func(i int) string
+	// naming is how ids are named beside their replica: the state they
+	// carry, the predecessor as the client knows it.
+	naming storedid.Naming
 }
 
 // BodyUsage implements proxy.Dialect.
@@ -59,11 +62,11 @@ func (d *dialect) Rewrite(i int, b []byte) []byte {
 	if d.kind != request.Responses {
 		return nil
 	}
-	name := d.replica(i)
-	if name == "" {
+	n := d.naming
+	if n.Replica = d.replica(i); n.Replica == "" {
 		return nil
 	}
-	return storedid.Rewrite(b, name)
+	return storedid.RewriteAs(b, n)
 }
 
 // StreamError is the error event each API ends a broken stream with:
@@ -86,25 +89,34 @@ func (l *ledger) dialectOf(k request.Kind) proxy.Dialect {
 			return t.Name
 		}
 		return ""
-	}}
+	}, naming: storedid.Naming{State: l.chain, Previous: l.previous, PreviousClient: l.previousClient}}
 }
 
-// storedResponse reads the stored response a Responses body continues:
-// the replica named in its previous_response_id and the body with the
-// engine's own id put back. ok is false for a body continuing none, or an
-// id no router issued (routed as any other request).
-func storedResponse(body []byte, p *request.Request) (replica string, engineBody []byte, ok bool) {
+// continues is the stored response a Responses body continues.
+type continues struct {
+	// replica stores it as engineID; state is what its id carried (nil
+	// for none).
+	replica, engineID string
+	state             []byte
+	// engineBody is the body with the engine's own id put back.
+	engineBody []byte
+}
+
+// storedResponse reads the stored response a Responses body continues
+// from its previous_response_id. ok is false for a body continuing none,
+// or an id no router issued (routed as any other request).
+func storedResponse(body []byte, p *request.Request) (c continues, ok bool) {
 	if p.Kind != request.Responses || p.PreviousResponseID == "" {
-		return "", nil, false
+		return c, false
 	}
-	replica, engineID, ok := storedid.Decode(p.PreviousResponseID)
+	c.replica, c.engineID, c.state, ok = storedid.DecodeState(p.PreviousResponseID)
 	if !ok {
-		return "", nil, false
+		return c, false
 	}
 	// Decode takes only ids made of bytes JSON never escapes: the body
 	// spells this one as it is.
-	engineBody = bytes.ReplaceAll(body, []byte(`"`+p.PreviousResponseID+`"`), []byte(`"`+engineID+`"`))
-	return replica, engineBody, true
+	c.engineBody = bytes.ReplaceAll(body, []byte(`"`+p.PreviousResponseID+`"`), []byte(`"`+c.engineID+`"`))
+	return c, true
 }
 
 // responsesPrefix starts the stored-response routes vLLM serves:
@@ -133,7 +145,7 @@ func (g *Gateway) serveStored(ctx *fasthttp.RequestCtx, path []byte) {
 		noRoute(ctx)
 		return
 	}
-	replica, engineID, ok := storedid.Decode(id)
+	replica, engineID, state, ok := storedid.DecodeState(id)
 	if !ok {
 		g.fail(ctx, &request.Error{Status: 404, Type: "invalid_request_error", Message: fmt.Sprintf(
 			"Response with id '%s' not found: this router did not issue it, so it cannot tell which replica stores it", id)})
@@ -165,7 +177,7 @@ func (g *Gateway) serveStored(ctx *fasthttp.RequestCtx, path []byte) {
 	req := proxy.Request{
 		ID: bytes.Clone(rid), Path: upath, Header: &ctx.Request.Header, Body: ctx.PostBody(),
 		DropAuthorization: s.Tenants.RequiresKey(), Stream: stream, Method: method,
-		Dialect: &dialect{kind: request.Responses, replica: func(int) string { return replica }},
+		Dialect: &dialect{kind: request.Responses, replica: func(int) string { return replica }, naming: storedid.Naming{State: state}},
 	}
 	g.fwd.Forward(ctx, &req, []*proxy.Upstream{up}, storedObserver{name: replica})
 }

@@ -7,7 +7,12 @@
 // teaches the policy, counts the metrics and logs the request. Responses
 // and Messages requests take the chat's path, converted to the chat vLLM
 // renders (dialect.go reads their answers, and sends follow-ups of a stored
-// response where it lives). The other engine endpoints it knows
+// response where it lives). A follow-up's prompt starts with a history only
+// its replica holds: chain.go rebuilds it from the state the id carries
+// (package storedchain) and the stored output read back from the replica,
+// so its cached tokens are predicted as a chat's are; one whose
+// instructions, tools or template arguments changed, or whose state or
+// output cannot be read, is served unpredicted. The other engine endpoints it knows
 // (embeddings, audio...: enginePaths) take the same path by model and load
 // only; any other path is its own 404.
 //
@@ -98,6 +103,12 @@ type Settings struct {
 	// prefill and decode pools is split (plan.Settings).
 	Split            plan.Split
 	SplitMinUncached int
+	// CarryStoredState has the ids of stored responses carry what the
+	// router needs to predict their follow-ups (--carry-stored-state,
+	// package storedchain). Off, ids name their replica alone: routers of
+	// the release before read no other form, so it waits until all run
+	// this one. Ids that carry it are read either way.
+	CarryStoredState bool
 	// ResumeStreams continues a stream that breaks after reaching the
 	// client at the next replica tried, from the text already sent
 	// (proxy.Request.Resume), instead of ending it with an error event.

@@ -18,6 +18,7 @@ import (
 	"github.com/kvmesh/kvmesh/proxy"
 	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/storedchain"
 	"github.com/kvmesh/kvmesh/tenant"
 )
 
@@ -82,6 +83,13 @@ type ledger struct {
 	pin, pinWhat string
 	// session is the session the client named ("" for none).
 	session string
+	// continued is the prompt of a follow-up as the router rebuilt it
+	// (nil when it could not); chain is the state its answer's ids carry
+	// (storedchain.State), nil for none; previous and previousClient name
+	// the response it continues, as the engine and as the client know it.
+	continued                *storedchain.Continued
+	chain                    []byte
+	previous, previousClient string
 }
 
 // newLedger opens a ledger for a request decided under s.
@@ -92,6 +100,7 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.targets = l.targets[:0]
 	l.prefills, l.prefilled, l.prefillCached = l.prefills[:0], -1, -1
 	l.pin, l.pinWhat, l.session = "", "", ""
+	l.continued, l.chain, l.previous, l.previousClient = nil, nil, "", ""
 	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
 	return l
 }

@@ -55,14 +55,22 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	l.requestID = append(l.requestID[:0], id...)
 	l.tenant, l.priority, l.req = tn, prio, p
 	l.session = s.sessionOf(&ctx.Request.Header)
-	if replica, engineBody, stored := storedResponse(body, p); stored {
+	if st, stored := storedResponse(body, p); stored {
 		// A follow-up goes where its stored response lives, and nowhere else.
-		l.pin, l.pinWhat, body = replica, fmt.Sprintf("Response with id '%s'", p.PreviousResponseID), engineBody
+		l.pin, l.pinWhat, body = st.replica, fmt.Sprintf("Response with id '%s'", p.PreviousResponseID), st.engineBody
+		l.previous, l.previousClient = st.engineID, p.PreviousResponseID
+		l.continued, l.chain = g.continuation(s, snap, p, st.replica, st.engineID, st.state)
+	}
+	if !s.CarryStoredState {
+		l.chain = nil
 	}
 	if err := l.decide(snap, p); err != nil {
 		g.release(l)
 		g.fail(ctx, err)
 		return
+	}
+	if l.pin == "" && s.CarryStoredState {
+		l.chain = l.beginChain()
 	}
 	if err := g.admit(ctx, l, slo); err != nil {
 		g.release(l)
@@ -209,7 +217,7 @@ func (l *ledger) decide(snap *fleet.Snapshot, p *request.Request) error {
 	in := plan.Input{
 		Snapshot: snap, Loads: l.planLoads, Request: p, Model: l.model,
 		Settings: s.plan, ModelSettings: s.planModel(l.model, ms), Now: now,
-		Replica: l.pin, StoredBy: l.pinWhat, Session: l.session,
+		Replica: l.pin, StoredBy: l.pinWhat, Session: l.session, Continued: l.continued,
 	}
 	if p.Kind != request.Chat && p.Kind != request.Completion {
 		// vLLM's disaggregated protocol is spoken on chat and completions

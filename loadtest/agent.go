@@ -36,8 +36,9 @@ type agentRequest struct {
 
 // buildTurn lays out turn t of a conversation whose previous turn left
 // prev (nil on turn 0). A stored conversation's later turns name the
-// previous response and send only their new input, and the engine renders
-// its stored messages, the stored answer, then that input
+// previous response and send their instructions and new input only, and
+// the engine renders the instructions, its stored messages less their
+// system message, the stored answer, then that input
 // (construct_input_messages); as that layout is not what the whole history
 // converts to (a function call after an answer joins that answer's
 // message), the chat sent for the same turn follows the engine's layout,
@@ -50,8 +51,11 @@ func buildTurn(model string, t *workload.AgentTurn, maxTokens int, prev *convers
 		a.items = t.Input
 		body["instructions"] = t.Instructions
 	case t.Stored:
+		// Instructions do not carry over a previous_response_id (OpenAI's
+		// spec; vLLM since 01ca842d): an agent sends its own every turn.
 		a.items, a.followUp = t.Input, true
 		body["previous_response_id"] = prev.id
+		body["instructions"] = t.Instructions
 	default:
 		answer, err := json.Marshal(map[string]any{"type": "message", "role": "assistant",
 			"content": []map[string]string{{"type": "output_text", "text": prev.answer}}})
@@ -76,11 +80,19 @@ func buildTurn(model string, t *workload.AgentTurn, maxTokens int, prev *convers
 		return a, err
 	}
 	if a.followUp {
+		// This turn's instructions, the stored history less its system
+		// message, the stored answer, then this turn's input.
 		answer, err := json.Marshal(map[string]string{"role": "assistant", "content": prev.answer})
 		if err != nil {
 			return a, err
 		}
-		a.messages = append(append(append([]json.RawMessage(nil), prev.chat...), answer), a.messages...)
+		msgs := append([]json.RawMessage(nil), a.messages[:1]...)
+		for _, m := range prev.chat {
+			if !bytes.HasPrefix(m, []byte(`{"role":"system"`)) {
+				msgs = append(msgs, m)
+			}
+		}
+		a.messages = append(append(msgs, answer), a.messages[1:]...)
 	}
 	chat := map[string]any{"model": model, "messages": a.messages, "max_tokens": maxTokens, "stream": true,
 		"stream_options": map[string]bool{"include_usage": true}, "temperature": 0}

@@ -37,10 +37,11 @@ func TestBuildTurnLaysOutWhatTheEngineRenders(t *testing.T) {
 		followUp            bool
 		wantChatToolsPrefix string
 	}{
-		// A follow-up sends only the new items, names the stored response
-		// and no instructions; the engine renders the stored messages, the
-		// stored answer, then the new input on its own.
-		{true, `{"input":[` + string(call) + `,` + string(out) + `],"max_output_tokens":8,"model":"sim","previous_response_id":"resp_kvmX_1","store":true,"stream":true,"tools":` + string(tools) + `}`,
+		// A follow-up sends only its instructions and the new items, and
+		// names the stored response; the engine renders the instructions,
+		// the stored messages less their system message, the stored
+		// answer, then the new input on its own.
+		{true, `{"input":[` + string(call) + `,` + string(out) + `],"instructions":"be brief","max_output_tokens":8,"model":"sim","previous_response_id":"resp_kvmX_1","store":true,"stream":true,"tools":` + string(tools) + `}`,
 			`[` + system + ` ` + user + ` {"content":"calling","role":"assistant"} {"role":"assistant","tool_calls":[{"id":"c1","function":{"name":"read_file","arguments":"{}"},"type":"function"}]} {"role":"tool","content":"file text","tool_call_id":"c1"}]`,
 			true, `[{"type":"function","function":{`},
 		// The whole history: the answer as an output message, which the

@@ -175,7 +175,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 	dir := filepath.Join(cfg.OutDir, cfg.Scenario.Name, policy)
 	log := cfg.Log.With().Str("scenario", cfg.Scenario.Name).Str("policy", policy).Logger()
 	started := time.Now()
-	routerArgs := append(slices.Clone(run.routerArgs), cfg.RouterArgs...)
+	routerArgs := append(append(slices.Clone(run.routerArgs), cfg.Scenario.RouterArgs...), cfg.RouterArgs...)
 	if cfg.Scenario.RouterConfig != "" {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return report.Summary{}, nil, err

@@ -34,9 +34,9 @@ type Scenario struct {
 	// MinKVBlocks keeps room for the running sequences' own blocks; it
 	// must be at least enginesim's max model length (32,768) / block size.
 	MinKVBlocks int
-	// EngineArgs and SidecarArgs are extra enginesim and sidecar flags the
-	// scenario needs.
-	EngineArgs, SidecarArgs []string
+	// EngineArgs, SidecarArgs and RouterArgs are extra enginesim, sidecar
+	// and router flags the scenario needs.
+	EngineArgs, SidecarArgs, RouterArgs []string
 	// KVRoles, when set, splits the replicas into prefill and decode pools
 	// (cluster.Config.KVRoles); the +aggregated variant runs the same
 	// replicas with every one serving whole requests.
@@ -187,7 +187,12 @@ const DefaultTrace = "../shared/traces/mooncake_conversation_trace.jsonl"
 // set is 4× the fleet's GPU KV cache (FleetFill 4), with a host tier on
 // every engine (vLLM's OffloadingConnector, CPU backend) large enough to
 // hold all of it, so that most prefixes are a load from host memory away.
-var TiersParams = workload.TenantsParams{Groups: 24, UsersPerGroup: 6, ContextTokens: 3000, QuestionTokens: 600, OutputTokens: 32, RateStart: 8, RateEnd: 24}
+// Many contexts with short questions keep both true at once: each
+// replica's GPU cache still holds eight or so requests, as a real one holds
+// many (with few contexts it would hold two, and its P90 would be the wait
+// for KV space, whatever the routing), and the first request of each
+// context, which no router can help, stays under a tenth of the run.
+var TiersParams = workload.TenantsParams{Groups: 128, UsersPerGroup: 4, ContextTokens: 3000, QuestionTokens: 200, OutputTokens: 32, RateStart: 12, RateEnd: 36}
 
 // tiersHostBlocks is the host tier of each engine in the tiers scenario,
 // and what its sidecar follows: room for the whole working set.
@@ -222,8 +227,8 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			},
 		},
 		"tiers": {
-			Name: "tiers", About: "24 groups × 3,000-token context, 6 users each asking 600-token questions, 8→24 req/s; working set 4× the GPU KV cache, all of it in each engine's CPU tier",
-			Replicas: 4, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 4, MinKVBlocks: 512,
+			Name: "tiers", About: "128 groups × 3,000-token context, 4 users each asking 200-token questions, 12→36 req/s; working set 4× the GPU KV cache, all of it in each engine's CPU tier",
+			Replicas: 4, TimeScale: 1, Duration: 80 * time.Second, FleetFill: 4, MinKVBlocks: 512,
 			EngineArgs:  []string{"--max-model-len", "8192", "--cpu-offload-blocks", tiersHostBlocks},
 			SidecarArgs: []string{"--offload-capacity", tiersHostBlocks},
 			Policies:    []string{"kvaware", "kvaware+blind", "least-loaded"},
@@ -242,7 +247,8 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		"agent": {
 			Name: "agent", About: "tool-using agent conversations of 3–10 turns through /v1/responses (30 % chained by previous_response_id on stored responses) and, +chat, the same turns as chat completions",
 			Replicas: 4, Routers: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
-			Policies: []string{"kvaware", "kvaware+chat"},
+			RouterArgs: []string{"--carry-stored-state"},
+			Policies:   []string{"kvaware", "kvaware+chat"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Agent(AgentParams, seed, d)
 			},

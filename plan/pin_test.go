@@ -5,8 +5,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/storedchain"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -130,5 +132,50 @@ func TestSessionHint(t *testing.T) {
 		if c.home && len(homes) != 1 {
 			t.Errorf("session %q went to %v, want one home", c.session, homes)
 		}
+	}
+}
+
+// TestContinuedFollowUp: a follow-up whose prompt the router rebuilt
+// (Input.Continued: the history's last block key, then the ids after it)
+// is predicted from the pinned replica's filter as any prompt: all its
+// history's blocks and those after it the filter holds, none when the
+// history's last block is gone, none for another block size.
+func TestContinuedFollowUp(t *testing.T) {
+	ids, _ := tokenize.Builtin{}.Encode(longPrompt, true)
+	keys := blockkey.Append(nil, blockkey.Seed("", ""), ids, 16)
+	const history = 5 // blocks the stored conversation holds
+	if len(keys) < history+3 {
+		t.Fatalf("%d blocks", len(keys))
+	}
+	follow, err := request.Parse([]byte(`{"model":"sim","input":"And?","previous_response_id":"resp_1"}`), request.Responses)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name       string
+		holds, bs  int
+		wantCached int
+	}{
+		{"history and two blocks after it", history + 2, 16, (history + 2) * 16},
+		{"the history alone", history, 16, history * 16},
+		{"its last block evicted", history - 1, 16, 0},
+		{"keyed by another block size", history + 2, 32, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			snap := fleetOf(t, []replica{{name: "a", filter: true, holds: c.holds}}, keys)
+			policy, _ := routing.New("kvaware", routing.Config{})
+			in := Input{Snapshot: snap, Loads: make([]Load, 1), Request: follow, Model: model, Now: t0,
+				ModelSettings: Model{Tokenizer: tokenize.Builtin{}},
+				Settings:      Settings{Policy: policy, MaxPrefixTokens: 1024, MaxPrefixBytes: 1 << 20, MaxAttempts: 3},
+				Replica:       "a", StoredBy: "Response with id 'resp_x'",
+				Continued: &storedchain.Continued{BlockSize: c.bs, Blocks: history, Last: keys[history-1], IDs: ids[history*16:]}}
+			var p Plan
+			if err := p.Decide(&in); err != nil {
+				t.Fatal(err)
+			}
+			if got := p.Targets[0].PredictedCached; got != c.wantCached || p.Prompt.Tokens != in.Continued.Tokens() || p.Request.Keys != nil {
+				t.Fatalf("predicted %d of %d tokens (keys %d), want %d of %d", got, p.Prompt.Tokens, len(p.Request.Keys), c.wantCached, in.Continued.Tokens())
+			}
+		})
 	}
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/request"
 	"github.com/kvmesh/kvmesh/routing"
+	"github.com/kvmesh/kvmesh/storedchain"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -151,6 +152,10 @@ type Input struct {
 	// fallback is tried. StoredBy names what that state is, for the 404
 	// when the replica is gone.
 	Replica, StoredBy string
+	// Continued, for a request that continues a stored response, is its
+	// prompt as far as the router could rebuild it (package storedchain):
+	// nil routes it, and predicts it, as a prompt of unknown tokens.
+	Continued *storedchain.Continued
 }
 
 // Target is one place to send the request, with what the proxy's observer
@@ -218,7 +223,8 @@ var (
 	ErrNoTokenizer = errors.New("no tokenizer for this model")
 	ErrLoadOnly    = errors.New("endpoint routed by load only")
 	// ErrStoredState: the engine prepends a stored response to the prompt,
-	// which the router never sees.
+	// which the router could not rebuild (Input.Continued nil, or keyed
+	// by another block size than the replica's).
 	ErrStoredState = errors.New("the prompt continues a stored response")
 )
 
@@ -258,6 +264,7 @@ type Plan struct {
 	wholeOrder []int
 	matchAll   []int
 	keys       []uint64
+	keyOffset  int // blocks before keys[0] (a continued prompt's history)
 	sizeKeys   []uint64
 	idsBuf     []uint32
 	promptBuf  []byte
@@ -425,7 +432,11 @@ func (p *Plan) decidePinned(in *Input) error {
 	p.tokens(in)
 	p.Request.PromptTokens = p.Prompt.Tokens
 	p.match(in)
-	p.Request.Keys = p.keys
+	if p.keyOffset == 0 {
+		// A continued prompt's keys start past its first block: the
+		// policy's records, which index keys by block, do not apply.
+		p.Request.Keys = p.keys
+	}
 	in.Settings.Policy.Route(&p.Request, p.Candidates, &p.Decision)
 	if p.Prompt.Err != nil && p.Decision.Mode == routing.ModeCold {
 		p.Decision.Mode = routing.ModeBalance
@@ -533,6 +544,8 @@ func (p *Plan) encode(in *Input) (pre tokenize.Prefixed, media bool, err error) 
 		err = ErrLoadOnly
 	case req.Unconvertible != nil:
 		err = req.Unconvertible
+	case req.PreviousResponseID != "" && in.Continued != nil:
+		pre = tokenize.Prefixed{IDs: in.Continued.IDs, Total: in.Continued.Tokens()}
 	case req.PreviousResponseID != "":
 		err = ErrStoredState
 	case req.Kind == request.Completion && req.PromptIDs != nil:
@@ -585,8 +598,23 @@ func (p *Plan) match(in *Input) {
 	if keyBS == 0 {
 		keyBS = defaultBlockSize
 	}
-	p.keys = p.keys[:0]
-	if p.Prompt.Err == nil {
+	p.keys, p.keyOffset = p.keys[:0], 0
+	switch c := in.Continued; {
+	case p.Prompt.Err != nil:
+	case c != nil && in.Request.PreviousResponseID != "":
+		// The stored history's blocks are known by the last one's key: the
+		// keys start there, and a match of any counts the blocks before.
+		if c.BlockSize != bs {
+			p.Prompt.Err = ErrStoredState
+			break
+		}
+		parent := p.seed
+		if c.Blocks > 0 {
+			parent, p.keyOffset = c.Last, c.Blocks-1
+			p.keys = append(p.keys, c.Last)
+		}
+		p.keys = blockkey.Append(p.keys, parent, ids, keyBS)
+	default:
 		p.keys = blockkey.Append(p.keys, p.seed, ids, keyBS)
 		if n := min(len(p.keys), affinityBlocks); n > 0 {
 			p.Request.AffinityKey = p.keys[n-1]
@@ -666,18 +694,27 @@ func (p *Plan) matchOtherSizes(snap *fleet.Snapshot, ids []uint32, done int, tie
 func (p *Plan) setMatch(snap *fleet.Snapshot, i int, keys []uint64, gpu, bs int, tiers bool) {
 	c := &p.Candidates[i]
 	si := p.snapIdx[i]
-	c.MatchedTokens, c.OffloadedTokens, c.OffloadMedium = p.cacheable(gpu, bs), 0, ""
+	c.MatchedTokens, c.OffloadedTokens, c.OffloadMedium = p.cacheable(p.blocks(gpu), bs), 0, ""
 	if !tiers || gpu >= len(keys) || c.MatchedTokens >= p.Request.MaxCachedTokens(bs) {
 		return
 	}
 	for _, m := range snap.Replicas[si].OffloadMedia {
 		if n := snap.MatchTier(si, keys, gpu, blockkey.TierSalt(m)); n > 0 {
-			total := p.cacheable(gpu+n, bs)
+			total := p.cacheable(p.blocks(gpu+n), bs)
 			c.OffloadedTokens, c.OffloadMedium = total-c.MatchedTokens, m
 			c.MatchedTokens = total
 			return
 		}
 	}
+}
+
+// blocks is the prompt's leading blocks held where the first n of p.keys
+// are: a continued prompt's keys start at its history's last block.
+func (p *Plan) blocks(n int) int {
+	if n == 0 {
+		return 0
+	}
+	return p.keyOffset + n
 }
 
 // SessionKey is the routing.Request.Session of a session id: the same on

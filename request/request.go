@@ -97,6 +97,9 @@ type Request struct {
 	// continues: only the replica that stored it can serve it, and its
 	// prompt starts with what that replica holds, not with Messages.
 	PreviousResponseID string
+	// Store is whether a Responses request asks the engine to keep its
+	// response for follow-ups.
+	Store bool
 }
 
 // fields are the top-level fields of a body that routing reads, as
@@ -235,7 +238,7 @@ func (r *Request) convert(body []byte) error {
 	if c.MaxOutputTokens >= 0 {
 		r.MaxTokens = strconv.AppendInt(nil, int64(c.MaxOutputTokens), 10)
 	}
-	r.PreviousResponseID = c.PreviousResponseID
+	r.PreviousResponseID, r.Store = c.PreviousResponseID, c.Store
 	if r.Kind == Messages {
 		// vLLM's Anthropic handler builds its chat request without the
 		// body's cache_salt (_build_base_request, 0001948b): the engine

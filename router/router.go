@@ -58,8 +58,11 @@ type Config struct {
 	// data-parallel ranks (gateway.Settings.NoDataParallelHeader).
 	NoDataParallelHeader bool
 	// IgnoreTiers matches GPU blocks only (gateway.Settings.IgnoreTiers).
-	IgnoreTiers  bool
-	MaxBodyBytes int
+	IgnoreTiers bool
+	// CarryStoredState has stored responses' ids carry their follow-ups'
+	// prediction (gateway.Settings.CarryStoredState).
+	CarryStoredState bool
+	MaxBodyBytes     int
 	// PprofListen serves Go profiles ("": off).
 	PprofListen string
 	// TLSCert and TLSKey, both or neither, serve HTTPS; renewed files are
@@ -105,7 +108,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	table := fleet.NewTable(fleet.TableConfig{ForgetOrphanAfter: cfg.OrphanForget})
 	builder := &routerconfig.Builder{Table: table, AdminToken: cfg.AdminToken, AdminOpen: cfg.AdminOpen, EngineAPIKey: cfg.EngineAPIKey,
-		NoDataParallelHeader: cfg.NoDataParallelHeader, IgnoreTiers: cfg.IgnoreTiers, Log: log}
+		NoDataParallelHeader: cfg.NoDataParallelHeader, IgnoreTiers: cfg.IgnoreTiers, CarryStoredState: cfg.CarryStoredState, Log: log}
 	rc := base
 	if cfg.ConfigPath != "" {
 		file, err := routerconfig.Load(cfg.ConfigPath, cfg.ConfigMaxBytes, cfg.ConfigSettle)

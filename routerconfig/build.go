@@ -36,6 +36,9 @@ type Builder struct {
 	NoDataParallelHeader bool
 	// IgnoreTiers is --ignore-tiers (gateway.Settings.IgnoreTiers).
 	IgnoreTiers bool
+	// CarryStoredState is --carry-stored-state
+	// (gateway.Settings.CarryStoredState).
+	CarryStoredState bool
 	// Log gets a line per tokenizer loaded (the zero Logger: none).
 	Log zerolog.Logger
 
@@ -77,6 +80,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 
 		NoDataParallelHeader: b.NoDataParallelHeader,
 		IgnoreTiers:          b.IgnoreTiers,
+		CarryStoredState:     b.CarryStoredState,
 		SessionHeaders:       sessionHeaders(c.SessionHeaders),
 		AdminToken:           b.AdminToken,
 		AdminOpen:            b.AdminOpen,

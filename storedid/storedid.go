@@ -10,6 +10,18 @@
 // An engine id "resp_<rest>" becomes "resp_kvm<name>_<rest>", the name in
 // lower-case base32 (RFC 4648's extended hex alphabet, no padding), so the
 // id stays in the alphabet and shape clients expect of one.
+//
+// The id may also carry a few bytes of state the router needs to predict
+// the follow-up's prompt, which the engine builds from the stored history
+// the router never sees (package storedchain reads and writes them):
+// "resp_kvs<name>_<state>_<rest>", the state in the same base32 and at most
+// MaxState bytes: at most 309 characters more than the plain form, about
+// 110 for 16-token blocks (storedchain's state is 19 bytes and the tokens
+// after the last full block). Routers that read the carrying form read the
+// plain one as well; a router of the release before reads neither the
+// state nor the replica of a carrying id, and routes its follow-up by load
+// to an engine that does not know it, so every router is upgraded before
+// any issues one (the router's --carry-stored-state).
 package storedid
 
 import (
@@ -21,7 +33,12 @@ import (
 const (
 	enginePrefix = "resp_"
 	marker       = "resp_kvm"
+	// carrying starts an id that carries state as well.
+	carrying = "resp_kvs"
 )
+
+// MaxState bounds the state an id carries; Encode leaves out a longer one.
+const MaxState = 192
 
 var enc = base32.NewEncoding("0123456789abcdefghijklmnopqrstuv").WithPadding(base32.NoPadding)
 
@@ -29,30 +46,76 @@ var enc = base32.NewEncoding("0123456789abcdefghijklmnopqrstuv").WithPadding(bas
 // by replica; ok is false for an id not in vLLM's "resp_" form or one that
 // names a replica already, which are left as they are.
 func Encode(replica, engineID string) (string, bool) {
+	return EncodeState(replica, engineID, nil)
+}
+
+// EncodeState is Encode with state carried in the id as well; state nil
+// or over MaxState bytes is left out.
+func EncodeState(replica, engineID string, state []byte) (string, bool) {
 	rest, isEngine := strings.CutPrefix(engineID, enginePrefix)
-	if !isEngine || replica == "" || strings.HasPrefix(engineID, marker) {
+	if !isEngine || replica == "" || ours(engineID) {
 		return engineID, false
 	}
-	return marker + enc.EncodeToString([]byte(replica)) + "_" + rest, true
+	if len(state) == 0 || len(state) > MaxState {
+		return marker + enc.EncodeToString([]byte(replica)) + "_" + rest, true
+	}
+	return carrying + enc.EncodeToString([]byte(replica)) + "_" + enc.EncodeToString(state) + "_" + rest, true
 }
+
+// ours reports an id in one of the forms Encode gives.
+func ours(id string) bool { return strings.HasPrefix(id, marker) || strings.HasPrefix(id, carrying) }
 
 // Decode returns the replica an id from Encode names and the engine's own
 // id; ok is false for any other id, and for one with a byte no engine id
 // has (such an id is then spelled the same in any JSON that carries it).
 func Decode(id string) (replica, engineID string, ok bool) {
-	rest, mine := strings.CutPrefix(id, marker)
-	if !mine || strings.IndexFunc(rest, func(r rune) bool { return r > 0x7f || !idByte(byte(r)) }) >= 0 {
-		return "", "", false
+	replica, engineID, _, ok = DecodeState(id)
+	return replica, engineID, ok
+}
+
+// DecodeState is Decode that also returns the state the id carries, nil
+// for none.
+func DecodeState(id string) (replica, engineID string, state []byte, ok bool) {
+	rest, plain := strings.CutPrefix(id, marker)
+	if !plain {
+		var carries bool
+		if rest, carries = strings.CutPrefix(id, carrying); !carries {
+			return "", "", nil, false
+		}
+	}
+	if strings.IndexFunc(rest, func(r rune) bool { return r > 0x7f || !idByte(byte(r)) }) >= 0 {
+		return "", "", nil, false
 	}
 	name, tail, found := strings.Cut(rest, "_")
 	if !found || name == "" {
-		return "", "", false
+		return "", "", nil, false
+	}
+	if !plain {
+		var st string
+		if st, tail, found = strings.Cut(tail, "_"); !found || st == "" {
+			return "", "", nil, false
+		}
+		var err error
+		if state, err = enc.DecodeString(st); err != nil || len(state) == 0 || len(state) > MaxState {
+			return "", "", nil, false
+		}
 	}
 	raw, err := enc.DecodeString(name)
-	if err != nil || len(raw) == 0 || strings.HasPrefix(enginePrefix+tail, marker) {
-		return "", "", false
+	if err != nil || len(raw) == 0 || ours(enginePrefix+tail) {
+		return "", "", nil, false
 	}
-	return string(raw), enginePrefix + tail, true
+	return string(raw), enginePrefix + tail, state, true
+}
+
+// Naming is how Rewrite names the response ids of one answer.
+type Naming struct {
+	// Replica made the answer; State is what its ids carry (EncodeState).
+	Replica string
+	State   []byte
+	// Previous is the engine's id of the response the request continued,
+	// and PreviousClient the id the client sent for it: the answer names
+	// its predecessor as the client knows it.
+	Previous, PreviousClient string
 }
 
 // Rewrite returns b, a JSON answer of replica (a body or one stream event's
@@ -61,7 +124,10 @@ func Decode(id string) (replica, engineID string, ok bool) {
 // "previous_response_id" or "response_id" key that starts with "resp_":
 // text the model wrote is a string under other keys, and any quote within
 // it is escaped, so it is never taken for one.
-func Rewrite(b []byte, replica string) []byte {
+func Rewrite(b []byte, replica string) []byte { return RewriteAs(b, Naming{Replica: replica}) }
+
+// RewriteAs is Rewrite naming the ids as n says.
+func RewriteAs(b []byte, n Naming) []byte {
 	var out []byte
 	last := 0
 	for i := 0; i < len(b); {
@@ -82,7 +148,11 @@ func Rewrite(b []byte, replica string) []byte {
 			i = end
 			continue
 		}
-		id, ok := Encode(replica, string(b[start:end]))
+		engineID := string(b[start:end])
+		id, ok := EncodeState(n.Replica, engineID, n.State)
+		if n.Previous != "" && engineID == n.Previous && n.PreviousClient != "" {
+			id, ok = n.PreviousClient, true
+		}
 		if ok {
 			out = append(out, b[last:start]...)
 			out = append(out, id...)

@@ -54,20 +54,63 @@ func TestRewrite(t *testing.T) {
 	}
 }
 
+// TestCarriedState: an id that carries state decodes to the same replica,
+// engine id and state; an answer names its own id with the state and its
+// predecessor as the client sent it; a state too long is left out.
+func TestCarriedState(t *testing.T) {
+	state := []byte{1, 2, 3, 0xff, 0}
+	id, ok := EncodeState("sim-1", "resp_9f86d0", state)
+	if !ok || !strings.HasPrefix(id, "resp_kvs") || strings.ContainsAny(id, "=.:") {
+		t.Fatalf("EncodeState = %q %v", id, ok)
+	}
+	r, eid, st, ok := DecodeState(id)
+	if !ok || r != "sim-1" || eid != "resp_9f86d0" || string(st) != string(state) {
+		t.Fatalf("DecodeState(%q) = %q %q %x %v", id, r, eid, st, ok)
+	}
+	if r, eid, ok := Decode(id); !ok || r != "sim-1" || eid != "resp_9f86d0" {
+		t.Errorf("Decode(%q) = %q %q %v", id, r, eid, ok)
+	}
+	if again, ok := EncodeState("b", id, state); ok || again != id {
+		t.Errorf("an id naming a replica was named again: %q", again)
+	}
+	plain, _ := Encode("sim-1", "resp_9f86d0")
+	if _, _, st, ok := DecodeState(plain); !ok || st != nil {
+		t.Errorf("a plain id carries %x", st)
+	}
+	if long, _ := EncodeState("a", "resp_1", make([]byte, MaxState+1)); !strings.HasPrefix(long, marker) {
+		t.Errorf("a state over MaxState was carried: %q", long)
+	}
+	got := string(RewriteAs([]byte(`{"id":"resp_2","previous_response_id":"resp_1"}`), Naming{Replica: "sim-1", State: state, Previous: "resp_1", PreviousClient: id}))
+	mine, _ := EncodeState("sim-1", "resp_2", state)
+	if want := `{"id":"` + mine + `","previous_response_id":"` + id + `"}`; got != want {
+		t.Errorf("RewriteAs =\n %s\nwant\n %s", got, want)
+	}
+	for _, bad := range []string{"resp_kvs", "resp_kvsc4_", "resp_kvsc4__1", "resp_kvsc4_zz_1", "resp_kvs_04_1"} {
+		if _, _, _, ok := DecodeState(bad); ok {
+			t.Errorf("DecodeState(%q) took it for one of ours", bad)
+		}
+	}
+}
+
 func FuzzDecode(f *testing.F) {
 	id, _ := Encode("replica-1", "resp_abc")
 	f.Add(id)
 	f.Add("resp_kvm00_")
+	carried, _ := EncodeState("replica-1", "resp_abc", []byte{1, 2, 3})
+	f.Add(carried)
 	f.Fuzz(func(t *testing.T, s string) {
-		r, eid, ok := Decode(s)
+		r, eid, st, ok := DecodeState(s)
 		if !ok {
 			return
 		}
+		if len(st) > MaxState {
+			t.Fatalf("%q carries %d bytes", s, len(st))
+		}
 		// Base32 without padding admits a few spellings of one name: the
-		// canonical one must decode to the same pair.
-		again, encoded := Encode(r, eid)
-		if r2, e2, ok2 := Decode(again); !encoded || !ok2 || r2 != r || e2 != eid {
-			t.Fatalf("%q → %q %q → %q", s, r, eid, again)
+		// canonical one must decode to the same triple.
+		again, encoded := EncodeState(r, eid, st)
+		if r2, e2, st2, ok2 := DecodeState(again); !encoded || !ok2 || r2 != r || e2 != eid || string(st2) != string(st) {
+			t.Fatalf("%q → %q %q %x → %q", s, r, eid, st, again)
 		}
 		_ = Rewrite([]byte(`{"id":"`+s+`"}`), r)
 	})
