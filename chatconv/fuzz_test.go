@@ -82,6 +82,11 @@ func FuzzUsage(f *testing.F) {
 		check("ResponsesEventUsage", p, c)
 		p, c, _ = MessagesEventUsage(b)
 		check("MessagesEventUsage", p, c)
+		n, ok := EventOutputTokens(b)
+		check("EventOutputTokens", OutputTokens(b), n)
+		if ok != (n >= 0) {
+			t.Fatalf("EventOutputTokens: %d, %v", n, ok)
+		}
 	})
 }
 

@@ -174,3 +174,69 @@ func StoredOutputs(body []byte) ([]string, error) {
 	}
 	return texts, nil
 }
+
+// outputUsage is the output count both APIs put in their usage.
+type outputUsage struct {
+	OutputTokens *int `json:"output_tokens"`
+}
+
+// OutputTokens reads the tokens generated that a non-streamed Responses
+// or Messages answer reports (usage.output_tokens), -1 when it does not.
+func OutputTokens(body []byte) int {
+	var a struct {
+		Usage *outputUsage `json:"usage"`
+	}
+	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &a) != nil || a.Usage == nil {
+		return -1
+	}
+	return count(a.Usage.OutputTokens)
+}
+
+// EventOutputTokens reads them from a stream event's data: a Responses
+// stream's ending event (its response's usage), a Messages stream's
+// message_delta (the final count, at its top) or message_start (its
+// message's). ok is false for an event without them.
+func EventOutputTokens(payload []byte) (n int, ok bool) {
+	if !bytes.Contains(payload, usageKey) {
+		return -1, false
+	}
+	var ev struct {
+		Usage    *outputUsage `json:"usage"`
+		Response *struct {
+			Usage *outputUsage `json:"usage"`
+		} `json:"response"`
+		Message *struct {
+			Usage *outputUsage `json:"usage"`
+		} `json:"message"`
+	}
+	if json.Unmarshal(payload, &ev) != nil {
+		return -1, false
+	}
+	for _, u := range []*outputUsage{ev.Usage, responseUsage(ev.Response), messageUsage(ev.Message)} {
+		if u == nil {
+			continue
+		}
+		if n := count(u.OutputTokens); n >= 0 {
+			return n, true
+		}
+	}
+	return -1, false
+}
+
+func responseUsage(r *struct {
+	Usage *outputUsage `json:"usage"`
+}) *outputUsage {
+	if r == nil {
+		return nil
+	}
+	return r.Usage
+}
+
+func messageUsage(m *struct {
+	Usage *outputUsage `json:"usage"`
+}) *outputUsage {
+	if m == nil {
+		return nil
+	}
+	return m.Usage
+}

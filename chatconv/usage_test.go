@@ -75,3 +75,22 @@ func TestStoredOutputs(t *testing.T) {
 		}
 	}
 }
+
+func TestOutputTokens(t *testing.T) {
+	if n := OutputTokens([]byte(`{"id":"resp_1","usage":{"input_tokens":40,"output_tokens":7,"total_tokens":47}}`)); n != 7 {
+		t.Fatalf("body: %d", n)
+	}
+	if n := OutputTokens([]byte(`{"usage":{"input_tokens":40}}`)); n != -1 {
+		t.Fatalf("body without output tokens: %d", n)
+	}
+	for payload, want := range map[string]int{
+		`{"type":"response.completed","response":{"id":"r","usage":{"input_tokens":9,"output_tokens":5}}}`: 5,
+		`{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":12}}`:         12,
+		`{"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,"output_tokens":1}}}`:       1,
+		`{"type":"response.output_text.delta","delta":"usage"}`:                                            -1,
+	} {
+		if n, ok := EventOutputTokens([]byte(payload)); n != want || ok != (want >= 0) {
+			t.Errorf("%s: %d %v, want %d", payload, n, ok, want)
+		}
+	}
+}

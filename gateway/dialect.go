@@ -44,6 +44,13 @@ func (d *dialect) EventUsage(payload []byte) (prompt, cached int, ok bool) {
 	return chatconv.ResponsesEventUsage(payload)
 }
 
+// BodyOutput implements proxy.OutputCounter: both APIs count what they
+// generated in usage.output_tokens.
+func (d *dialect) BodyOutput(body []byte) int { return chatconv.OutputTokens(body) }
+
+// EventOutput implements proxy.OutputCounter.
+func (d *dialect) EventOutput(payload []byte) (int, bool) { return chatconv.EventOutputTokens(payload) }
+
 // Output implements proxy.Dialect: vLLM opens a Responses stream with response.created and
 // response.in_progress before prefill; the events after them come with
 // output. A Messages stream starts (message_start) with the first chunk
@@ -194,3 +201,5 @@ func (o storedObserver) End(proxy.Result)             {}
 func (o storedObserver) Header(_ int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrReplica, []byte(o.name))
 }
+
+var _ proxy.OutputCounter = (*dialect)(nil)
