@@ -373,6 +373,18 @@ func (q *Queue[T]) Remove(t *Ticket[T]) bool {
 	return true
 }
 
+// UnderShare reports whether t's flow holds less than its weighted share
+// of its band's queued tokens while other flows hold some too: a tenant
+// sending within its share, held behind the band's heavy users.
+func (q *Queue[T]) UnderShare(t *Ticket[T]) bool {
+	f := t.flow
+	if f == nil || f.band.active.Len() < 2 {
+		return false
+	}
+	// f.cost/b.cost < f.weight/b.weights, without dividing.
+	return float64(f.cost)*f.band.weights < f.weight*float64(f.band.cost)
+}
+
 // NextDeadline is the earliest deadline held, for the caller's timer; zero
 // when nothing is held.
 func (q *Queue[T]) NextDeadline() time.Time {

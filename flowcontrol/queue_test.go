@@ -379,3 +379,26 @@ func BenchmarkPushPop(b *testing.B) {
 		}
 	}
 }
+
+// TestUnderShare: a flow holding less than its weighted share of its
+// band's queued tokens is under its share; alone, or at or over it, not.
+func TestUnderShare(t *testing.T) {
+	q := New[int](roomy())
+	now := time.Unix(0, 0)
+	alone := push(t, q, "noisy", Standard, 3000, 1, now)
+	if q.UnderShare(alone) {
+		t.Fatal("a flow alone in its band is under its share")
+	}
+	for i := range 5 {
+		push(t, q, "noisy", Standard, 3000, i+2, now)
+	}
+	chat := push(t, q, "chat", Standard, 100, 1, now)
+	other := push(t, q, "batch", Sheddable, 100, 1, now)
+	if !q.UnderShare(chat) || q.UnderShare(alone) || q.UnderShare(other) {
+		t.Fatalf("chat %v, noisy %v, batch alone in its band %v", q.UnderShare(chat), q.UnderShare(alone), q.UnderShare(other))
+	}
+	q.Remove(chat)
+	if q.UnderShare(chat) {
+		t.Fatal("a ticket no longer held is under its share")
+	}
+}

@@ -247,7 +247,7 @@ func (f *flowGate) freed() {
 // requests of its priority or a higher one are held already (it must not
 // overtake them).
 func (f *flowGate) mustWait(l *ledger) bool {
-	if f.saturated(l) {
+	if f.saturated(l, false) {
 		return true
 	}
 	if !f.running.Load() {
@@ -269,13 +269,21 @@ func (f *flowGate) mustWait(l *ledger) bool {
 
 // saturated reports whether l's plan finds no room: see the file's doc. A
 // plan whose first target is a fallback endpoint is never held: the
-// fallback exists to take what the fleet cannot.
-func (f *flowGate) saturated(l *ledger) bool {
+// fallback exists to take what the fleet cannot. A held request of a
+// tenant under its fair share (underShare) finds room at twice the bound:
+// the heavy users of its band keep the engines' queues at the bound, so it
+// leaves as soon as it is the next to, on any router, rather than waiting
+// for a queue other routers refill before this one sees it drain.
+func (f *flowGate) saturated(l *ledger, underShare bool) bool {
 	pl, fc := &l.plan, &l.s.Flow
 	if len(pl.Targets) == 0 || pl.Targets[0].Replica < 0 {
 		return false
 	}
-	if pl.Decision.Queue > bandBound(fc.MaxEngineQueue, l.priority) {
+	bound := bandBound(fc.MaxEngineQueue, l.priority)
+	if underShare {
+		bound *= 2
+	}
+	if pl.Decision.Queue > bound {
 		return true
 	}
 	if fc.MaxInflightPerReplica <= 0 || len(pl.Candidates) == 0 {
@@ -420,7 +428,7 @@ func (f *flowGate) dispatch(kicked bool) bool {
 		clear(f.expired)
 		for look {
 			t := q.Peek()
-			if t == nil || !f.room(t.Value) {
+			if t == nil || !f.room(q, t.Value) {
 				break
 			}
 			q.Pop()
@@ -441,14 +449,14 @@ func (f *flowGate) dispatch(kicked bool) bool {
 // first target's in-flight entry counts it at once (the reservation
 // Attempt takes over), so the next one planned sees it. A plan that fails
 // goes too, to be answered.
-func (f *flowGate) room(w *waiter) bool {
+func (f *flowGate) room(q *flowcontrol.Queue[*waiter], w *waiter) bool {
 	l := w.l
 	l.targets = l.targets[:0]
 	if err := l.decide(f.g.table.Snapshot(), l.req); err != nil {
 		w.err = err
 		return true
 	}
-	if f.saturated(l) {
+	if f.saturated(l, q.UnderShare(&w.ticket)) {
 		return false
 	}
 	if rl := l.load(0); rl != nil && len(l.targets) > 0 {
