@@ -19,6 +19,7 @@ import (
 	"github.com/kvmesh/kvmesh/enginesim"
 	"github.com/kvmesh/kvmesh/fleet"
 	"github.com/kvmesh/kvmesh/gateway"
+	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/tokenize"
 )
 
@@ -481,5 +482,29 @@ func TestOffloadPerTokenParses(t *testing.T) {
 	rc := c.Routing.Config()
 	if rc.OffloadPerToken != 3*time.Microsecond || len(rc.OffloadPerTokenBy) != 1 || rc.OffloadPerTokenBy["DISK"] != 20*time.Microsecond {
 		t.Fatalf("routing config %+v", rc)
+	}
+}
+
+func TestDisaggregation(t *testing.T) {
+	c, err := Parse([]byte("disaggregation: {split: always, min_prefill: 30ms}\nrouting: {prefill_per_token: 60us}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Builder{Table: fleet.NewTable(fleet.TableConfig{})}
+	s, err := b.Build(c)
+	if err != nil || s.Split != plan.SplitAlways || s.SplitMinUncached != 500 {
+		t.Fatalf("split %v, threshold %d tokens, %v", s.Split, s.SplitMinUncached, err)
+	}
+	if c, err = Parse([]byte("{}\n")); err == nil {
+		if s, err = b.Build(c); err != nil || s.Split != plan.SplitAuto || s.SplitMinUncached != 500 {
+			t.Fatalf("defaults: split %v, threshold %d tokens (15 ms at 30 µs), %v", s.Split, s.SplitMinUncached, err)
+		}
+	}
+	for _, bad := range []string{"disaggregation: {split: sometimes}\n", "disaggregation: {min_prefill: -1ms}\n"} {
+		if c, err := Parse([]byte(bad)); err == nil {
+			if _, err := b.Build(c); err == nil {
+				t.Errorf("%q accepted", bad)
+			}
+		}
 	}
 }
