@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -37,7 +38,7 @@ func main() {
 
 type options struct {
 	scenario, policies, trace, jsonPath, plotPath, costProfile string
-	routerConfig                                               string
+	routerConfig, cpuProfile                                   string
 	replicas, routers, kvBlocks, maxRequests, traceLimit       int
 	loadScale, loss, traceSpeedup                              float64
 	duration, deltaInterval, loadInterval, delay, jitter       time.Duration
@@ -75,6 +76,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&o.routerConfig, "config", "", "router config YAML (the router's --config): its routing section tunes every router's policy")
 	fs.StringVar(&o.jsonPath, "json", "", "write the report JSON here")
 	fs.StringVar(&o.plotPath, "plot", "", "write the TTFT CDF plot (PNG) here")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the simulation (pprof format) here")
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		return err
@@ -119,6 +121,17 @@ func run(args []string, stdout, stderr io.Writer) error {
 		Policies: map[string]report.Summary{},
 	}
 	ttft := map[string][]float64{}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	fmt.Fprintf(stderr, "fleetsim: %s, %d requests over %v simulated, %d replicas × %d KV blocks, %d router(s)\n",
 		sc.Name, len(w.Requests), w.Span().Round(time.Millisecond), o.replicas, kv, o.routers)
 	for _, policy := range splitList(o.policies) {
