@@ -89,6 +89,10 @@ type Result struct {
 	Rebuilds int
 	// Sim is the simulated time the run covered.
 	Sim time.Duration
+	// Gossip is the filter stream into router-0 while requests arrived;
+	// RouterMemory what router-0 holds for the replicas at the end.
+	Gossip       Gossip
+	RouterMemory RouterMemory
 }
 
 const model = "sim"
@@ -161,6 +165,7 @@ type sim struct {
 	prompts promptCache
 	done    int
 	res     Result
+	wire    []byte // countGossip's encoding buffer
 }
 
 // reqState is what the simulator follows of one request.
@@ -204,6 +209,8 @@ func Run(cfg Config, w *workload.Workload) (Result, error) {
 		s.handle(ev)
 	}
 	s.res.Sim = s.now
+	s.res.Gossip.Window = w.Span()
+	s.res.RouterMemory = s.routerMemory()
 	for _, r := range s.routers {
 		if d, ok := r.policy.(routing.Degrader); ok {
 			s.res.Degradations += int(d.Degradations())
@@ -402,6 +409,9 @@ func (s *sim) deliver(l link, stream bool, k kind, to int, msg filterstream.Mess
 func (s *sim) deliverShared(l link, stream bool, k kind, to int, msg *filterstream.Message) {
 	if at, ok := s.net.arrival(s.now, l, stream); ok {
 		s.q.at(at, k, to, msg)
+		if k == evToRouter && to == 0 {
+			s.countGossip(msg)
+		}
 	}
 }
 

@@ -9,8 +9,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/kvmesh/kvmesh/loadtest/report"
 )
 
 // The same flags give the same report bytes, in loadtest's JSON shape, and
@@ -32,14 +30,14 @@ func TestSameFlagsSameReport(t *testing.T) {
 			t.Fatal(err)
 		}
 		reports[i] = b
-		if !strings.Contains(stderr.String(), "µs per request") || !strings.Contains(stdout.String(), "oracle") {
+		if !strings.Contains(stderr.String(), "µs per request") || !strings.Contains(stderr.String(), "into router-0") || !strings.Contains(stdout.String(), "oracle") {
 			t.Fatalf("no per-policy line or table:\n%s\n%s", stderr.String(), stdout.String())
 		}
 	}
 	if !bytes.Equal(reports[0], reports[1]) {
 		t.Fatalf("reports differ:\n%s\n%s", reports[0], reports[1])
 	}
-	var rep report.Report
+	var rep fleetReport
 	if err := json.Unmarshal(reports[0], &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -49,6 +47,9 @@ func TestSameFlagsSameReport(t *testing.T) {
 	for _, p := range rep.Order {
 		if s := rep.Policies[p]; s.Errors != 0 || s.Requests != 150 || s.TTFT.P50 <= 0 {
 			t.Fatalf("%s: %+v", p, s)
+		}
+		if f := rep.Fleet[p]; f.Kinds["load"].Messages == 0 || f.BytesPerS <= 0 || f.RouterMemory.Sidecars != 4 || f.RouterBytesPerReplica <= f.FilterBytesPerReplica {
+			t.Fatalf("%s: fleet figures %+v", p, f)
 		}
 	}
 	if fi, err := os.Stat(filepath.Join(dir, "r.png")); err != nil || fi.Size() == 0 {
