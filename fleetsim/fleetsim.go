@@ -453,6 +453,9 @@ func (s *sim) arrive(k int) {
 	}
 	r := s.replicas[i]
 	err = r.eng.Add(engine.Request{ID: uint64(k), Prompt: ids, MaxTokens: wr.MaxTokens, OutputSeed: s.cfg.Seed + uint64(k)})
+	if s.oracle != nil {
+		s.oracle.changed(i)
+	}
 	if err != nil {
 		s.fail(k, err.Error())
 		return
@@ -479,6 +482,9 @@ func (s *sim) fail(k int, msg string) {
 func (s *sim) step(i int) {
 	r := s.replicas[i]
 	res := r.eng.Step(s.now.Seconds())
+	if s.oracle != nil {
+		s.oracle.changed(i)
+	}
 	r.outputs = append(r.outputs[:0], res.Outputs...)
 	r.events = r.events[:0]
 	if res.Events != nil {
