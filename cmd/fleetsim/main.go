@@ -158,6 +158,10 @@ func run(args []string, stdout, stderr io.Writer) error {
 			policy, len(res.Records), wall.Seconds(), float64(wall.Microseconds())/float64(max(1, len(res.Records))),
 			res.Sim.Seconds(), res.Events, res.Steps, res.Rebuilds)
 		st := fleetStatsOf(res)
+		if hit, n := followUpHit(res.Records); n > 0 {
+			st.FollowUps, st.FollowUpHit = n, hit
+			fmt.Fprintf(stderr, "fleetsim: %s: follow-up turns %d, hit rate %.1f %%\n", policy, n, 100*hit)
+		}
 		fmt.Fprintf(stderr, "fleetsim: %s: into router-0 %.0f messages/s, %.0f kB/s (deltas %.0f, load %.0f, snapshots %.0f kB/s; memberlist framing +%d B per datagram, +%d B per stream); router-0 holds %.0f kB per replica (filter %.0f kB)\n",
 			policy, st.MessagesPerS, st.BytesPerS/1e3, st.Kinds["delta"].BytesPerS/1e3, st.Kinds["load"].BytesPerS/1e3, st.Kinds["snapshot"].BytesPerS/1e3,
 			fleetsim.DatagramOverhead, fleetsim.StreamOverhead, st.RouterBytesPerReplica/1e3, st.FilterBytesPerReplica/1e3)
@@ -311,6 +315,31 @@ type fleetStats struct {
 	RouterBytesPerReplica float64              `json:"router_bytes_per_replica"`
 	FilterBytesPerReplica float64              `json:"router_filter_bytes_per_replica"`
 	RouterMemory          routerMemory         `json:"router_memory"`
+	// FollowUps counts a conversation's turns after its first (multiturn
+	// keys "cN/tM" with M > 0), FollowUpHit their cached / prompt tokens.
+	FollowUps   int     `json:"follow_ups,omitempty"`
+	FollowUpHit float64 `json:"follow_up_hit,omitempty"`
+}
+
+// followUpHit is the hit rate (actual cached / prompt tokens) of the
+// served requests that continue a conversation, and how many there are.
+func followUpHit(recs []report.Record) (float64, int) {
+	var cached, prompt, n int
+	for i := range recs {
+		r := &recs[i]
+		_, turn, ok := strings.Cut(r.Key, "/t")
+		if !ok || turn == "0" || !r.OK() || !strings.HasPrefix(r.Key, "c") {
+			continue
+		}
+		if _, err := strconv.Atoi(turn); err != nil {
+			continue
+		}
+		cached, prompt, n = cached+r.ActualCached, prompt+r.PromptTokens, n+1
+	}
+	if prompt == 0 {
+		return 0, n
+	}
+	return float64(cached) / float64(prompt), n
 }
 
 type kindStats struct {

@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvmesh/kvmesh/loadtest/report"
 )
 
 // The same flags give the same report bytes, in loadtest's JSON shape, and
@@ -78,5 +80,18 @@ func TestBadFlags(t *testing.T) {
 	var out bytes.Buffer
 	if err := run([]string{"-h"}, &out, &out); !errors.Is(err, flag.ErrHelp) || !strings.Contains(out.String(), "KVMESH_DELTA_INTERVAL") {
 		t.Fatalf("-h: %v\n%s", err, out.String())
+	}
+}
+
+func TestFollowUpHitCountsLaterTurnsOnly(t *testing.T) {
+	recs := []report.Record{
+		{Key: "c1/t0", Status: 200, PromptTokens: 100, ActualCached: 0},
+		{Key: "c1/t1", Status: 200, PromptTokens: 200, ActualCached: 96},
+		{Key: "c2/t3", Status: 200, PromptTokens: 300, ActualCached: 288},
+		{Key: "c2/t4", Err: "unfinished", PromptTokens: 400},
+		{Key: "g1/u2", Status: 200, PromptTokens: 500, ActualCached: 500},
+	}
+	if hit, n := followUpHit(recs); n != 2 || hit != float64(96+288)/500 {
+		t.Fatalf("follow-ups %d, hit %v", n, hit)
 	}
 }
