@@ -194,13 +194,29 @@ func Run(cfg Config, w *workload.Workload) (Result, error) {
 	}
 	s.prompts = newPromptCache(w)
 	s.reqs = make([]reqState, len(w.Requests))
-	for k := range w.Requests {
-		s.q.at(cfg.Warmup+w.Requests[k].At, evArrival, k, nil)
-	}
-	deadline := cfg.Warmup + w.Span() + cfg.Drain
+	// Arrivals are not queued but taken in workload order (sorted by
+	// time), each when it is earlier than the queue's head; they carry the
+	// sequence numbers they would have had, queued here all at once, so
+	// events of one instant run in the same order, with a heap a
+	// workload's size smaller.
 	total := len(w.Requests)
-	for s.done < total && s.q.Len() > 0 {
-		ev := s.q.next()
+	arrivalSeq := s.q.seq
+	s.q.seq += uint64(total)
+	nextArrival := 0
+	deadline := cfg.Warmup + w.Span() + cfg.Drain
+	for s.done < total {
+		var ev event
+		if nextArrival < total {
+			ev = event{at: cfg.Warmup + w.Requests[nextArrival].At, seq: arrivalSeq + uint64(nextArrival) + 1, kind: evArrival, a: nextArrival}
+		}
+		switch {
+		case nextArrival < total && (s.q.Len() == 0 || before(&ev, s.q.peek())):
+			nextArrival++
+		case s.q.Len() > 0:
+			ev = s.q.next()
+		default:
+			ev.at = deadline + 1 // nothing left to happen
+		}
 		if ev.at > deadline {
 			break
 		}
