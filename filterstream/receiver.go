@@ -3,6 +3,7 @@ package filterstream
 import (
 	"slices"
 	"time"
+	"unsafe"
 
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
@@ -116,6 +117,36 @@ func NewReceiver(cfg ReceiverConfig, table *fleet.Table) *Receiver {
 
 // Routers counts the other routers it tells of route clears.
 func (r *Receiver) Routers() int { return len(r.routers) }
+
+// Footprint is the memory a Receiver holds for its sidecars: the bits of
+// their mirrored filters, the deltas it buffers ahead of a snapshot, and
+// the rest of its per-sidecar state (sequences, backoffs, metadata), not
+// counting map overhead.
+type Footprint struct {
+	Sidecars     int
+	FilterBytes  int
+	PendingBytes int
+	StateBytes   int
+}
+
+// Footprint measures what the receiver holds now.
+func (r *Receiver) Footprint() Footprint {
+	var fp Footprint
+	for _, p := range r.sidecars {
+		fp.Sidecars++
+		if f := p.mirror.Filter(); f != nil {
+			fp.FilterBytes += 8 * len(f.Words())
+		}
+		for _, d := range p.pending {
+			fp.PendingBytes += int(unsafe.Sizeof(d)) + 8*len(d.Keys)
+		}
+		fp.StateBytes += int(unsafe.Sizeof(*p)) + len(p.member) + len(p.meta.Name) + len(p.meta.EngineURL) + len(p.meta.Protocol)
+		for _, m := range p.meta.Models {
+			fp.StateBytes += int(unsafe.Sizeof(m)) + len(m)
+		}
+	}
+	return fp
+}
 
 // SetInflight sets the work this router has dispatched to replica and not
 // yet seen finish: requests, and their uncached prompt tokens. Tick reports

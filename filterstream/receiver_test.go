@@ -3,6 +3,7 @@ package filterstream
 import (
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvmesh/kvmesh/blockkey"
 	"github.com/kvmesh/kvmesh/bloom"
@@ -443,5 +444,24 @@ func TestRouterTableCarriesTheKVRole(t *testing.T) {
 		if r := f.tb.Snapshot().Replicas[0]; r.KVRole != c.want {
 			t.Fatalf("replica %s: role %v, want %v", r.Name, r.KVRole, c.want)
 		}
+	}
+}
+
+func TestFootprintCountsFiltersAndBufferedDeltas(t *testing.T) {
+	f := newFeedRouter(t)
+	empty := f.r.Footprint()
+	if empty.Sidecars != 1 || empty.FilterBytes != 0 || empty.PendingBytes != 0 || empty.StateBytes <= len("sidecar/a") {
+		t.Fatalf("before any snapshot: %+v", empty)
+	}
+	f.snapshot(7, 1, 0, 1, 2, 3)
+	words := len(bloom.NewFilter(1024, 0.001).Words())
+	f.delta(7, 2, 1, 21, 22) // ahead of generation 2's snapshot: buffered
+	fp := f.r.Footprint()
+	if fp.FilterBytes != 8*words || fp.PendingBytes != int(unsafe.Sizeof(bloom.Delta{}))+16 || fp.StateBytes != empty.StateBytes {
+		t.Fatalf("one %d-word filter and a 2-key delta buffered: %+v", words, fp)
+	}
+	f.snapshot(7, 2, 0, 20)
+	if fp := f.r.Footprint(); fp.FilterBytes != 8*words || fp.PendingBytes != 0 {
+		t.Fatalf("after the snapshot the delta was waiting for: %+v", fp)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,8 +72,11 @@ type Info struct {
 type Table struct {
 	cfg TableConfig
 
-	mu        sync.Mutex
-	entries   map[string]*entry
+	mu      sync.Mutex
+	entries map[string]*entry
+	// sorted is entries by name, nil after a replica came or went: a
+	// rebuild (one per load record on a busy router) then does not sort.
+	sorted    []*entry
 	selection map[string]bool // nil: every replica is selected
 	dirty     atomic.Bool
 	snap      atomic.Pointer[Snapshot]
@@ -114,19 +118,21 @@ func (t *Table) Snapshot() *Snapshot {
 func (t *Table) changedLocked() { t.dirty.Store(true) }
 
 func (t *Table) rebuildLocked() {
+	if t.sorted == nil {
+		t.sorted = make([]*entry, 0, len(t.entries))
+		for _, e := range t.entries {
+			t.sorted = append(t.sorted, e)
+		}
+		slices.SortFunc(t.sorted, func(a, b *entry) int { return strings.Compare(a.r.Name, b.r.Name) })
+	}
 	s := &Snapshot{
-		Replicas: make([]Replica, 0, len(t.entries)),
+		Replicas: make([]Replica, 0, len(t.sorted)),
 	}
-	names := make([]string, 0, len(t.entries))
-	for n := range t.entries {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		e := t.entries[n]
+	for _, e := range t.sorted {
+		// Models is shared, not copied: an entry's Models is replaced
+		// whole, never written into, and snapshots are read-only.
 		r := e.r
-		r.Models = slices.Clone(r.Models)
-		r.Selected = t.selection == nil || t.selection[n]
+		r.Selected = t.selection == nil || t.selection[r.Name]
 		s.Replicas = append(s.Replicas, r)
 	}
 	s.filters = make([]*bloom.Filter, len(s.Replicas))
@@ -151,6 +157,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 		e.r.Name = info.Name
 		e.r.UpdatedAt = now
 		t.entries[info.Name] = e
+		t.sorted = nil
 	}
 	e.static = false
 	e.r.Models = slices.Clone(info.Models)
@@ -186,6 +193,7 @@ func (t *Table) AddStatic(name, url string, models []string) {
 	if e := t.entries[name]; e != nil && e.static && e.r.ModelsLearned && e.r.URL == url && len(models) == 0 {
 		return
 	}
+	t.sorted = nil
 	t.entries[name] = &entry{
 		static:        true,
 		engineHealthy: true,
@@ -226,6 +234,7 @@ func (t *Table) Remove(name string) bool {
 		return false
 	}
 	delete(t.entries, name)
+	t.sorted = nil
 	t.changedLocked()
 	return true
 }
@@ -237,6 +246,7 @@ func (t *Table) RemoveStatic(keep map[string]bool) {
 	for n, e := range t.entries {
 		if e.static && !keep[n] {
 			delete(t.entries, n)
+			t.sorted = nil
 			t.changedLocked()
 		}
 	}
@@ -327,6 +337,7 @@ func (t *Table) OrphanProbed(name string, ok bool, now time.Time) bool {
 		e.answered = now
 	} else if now.Sub(e.answered) >= t.cfg.ForgetOrphanAfter {
 		delete(t.entries, name)
+		t.sorted = nil
 		t.changedLocked()
 		return false
 	}

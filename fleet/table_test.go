@@ -2,6 +2,7 @@ package fleet
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -331,5 +332,62 @@ func TestLearnStaticIgnoresUpstreamsReloadedAway(t *testing.T) {
 	s := tb.Snapshot()
 	if len(s.Replicas) != 2 || s.Find("gone") >= 0 || len(s.Replicas[s.Find("moved")].Models) != 0 || fmt.Sprint(s.Replicas[s.Find("a")].Models) != "[m]" {
 		t.Fatalf("%+v", s.Replicas)
+	}
+}
+
+// BenchmarkSnapshotAfterLoad1024 is a busy router's table: every load
+// record changes it, and the next request's Snapshot rebuilds it.
+func BenchmarkSnapshotAfterLoad1024(b *testing.B) {
+	tb := NewTable(TableConfig{})
+	for i := range 1024 {
+		tb.Upsert(sidecar(fmt.Sprint("replica-", i)), t0)
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		tb.SetLoad(fmt.Sprint("replica-", i%1024), Load{Running: i}, true, t0)
+		if len(tb.Snapshot().Replicas) != 1024 {
+			b.Fatal("lost a replica")
+		}
+		i++
+	}
+}
+
+// TestSnapshotOrderFollowsMembership: replicas coming and going between
+// rebuilds keep every snapshot sorted by name with exactly the members.
+func TestSnapshotOrderFollowsMembership(t *testing.T) {
+	tb := NewTable(TableConfig{})
+	names := func() string {
+		var out []string
+		for _, r := range tb.Snapshot().Replicas {
+			out = append(out, r.Name)
+		}
+		return strings.Join(out, ",")
+	}
+	tb.Upsert(sidecar("c"), t0)
+	tb.Upsert(sidecar("a"), t0)
+	if got := names(); got != "a,c" {
+		t.Fatalf("after two joins: %s", got)
+	}
+	tb.SetLoad("c", Load{Running: 1}, true, t0)
+	tb.Upsert(sidecar("b"), t0)
+	tb.AddStatic("s", "http://s", nil)
+	if got := names(); got != "a,b,c,s" {
+		t.Fatalf("after a join and a static: %s", got)
+	}
+	tb.Remove("a")
+	tb.RemoveStatic(nil)
+	if got := names(); got != "b,c" {
+		t.Fatalf("after a leave and a reload without statics: %s", got)
+	}
+	tb.AddStatic("b", "http://b", []string{"m"}) // replaces the sidecar's entry
+	tb.SetLoad("b", Load{Running: 2}, true, t0)  // refused: b is static now
+	if r := tb.Snapshot().Replicas[0]; r.Name != "b" || r.Protocol != ProtocolStatic || names() != "b,c" {
+		t.Fatalf("after b turned static: %+v, %s", r, names())
+	}
+	tb.Orphan("c", t0)
+	tb.OrphanProbed("c", false, t0.Add(2*time.Minute))
+	if got := names(); got != "b" {
+		t.Fatalf("after c's orphan was forgotten: %s", got)
 	}
 }

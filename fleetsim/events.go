@@ -1,7 +1,6 @@
 package fleetsim
 
 import (
-	"container/heap"
 	"time"
 
 	"github.com/kvmesh/kvmesh/filterstream"
@@ -33,34 +32,62 @@ type event struct {
 	msg  *filterstream.Message
 }
 
-// queue is the simulator's event heap, earliest first.
+// queue is the simulator's event heap, earliest first: a binary heap of
+// event values (container/heap would box every event in an interface).
 type queue struct {
 	items []event
 	seq   uint64
 }
 
 func (q *queue) Len() int { return len(q.items) }
-func (q *queue) Less(i, j int) bool {
-	a, b := &q.items[i], &q.items[j]
+
+func (q *queue) less(i, j int) bool { return before(&q.items[i], &q.items[j]) }
+
+func before(a, b *event) bool {
 	if a.at != b.at {
 		return a.at < b.at
 	}
 	return a.seq < b.seq
 }
-func (q *queue) Swap(i, j int) { q.items[i], q.items[j] = q.items[j], q.items[i] }
-func (q *queue) Push(x any)    { q.items = append(q.items, x.(event)) }
-func (q *queue) Pop() any {
-	n := len(q.items) - 1
-	e := q.items[n]
-	q.items[n] = event{}
-	q.items = q.items[:n]
-	return e
-}
 
 // at schedules e at time t.
 func (q *queue) at(t time.Duration, k kind, a int, msg *filterstream.Message) {
 	q.seq++
-	heap.Push(q, event{at: t, seq: q.seq, kind: k, a: a, msg: msg})
+	q.items = append(q.items, event{at: t, seq: q.seq, kind: k, a: a, msg: msg})
+	for i := len(q.items) - 1; i > 0; {
+		p := (i - 1) / 2
+		if !q.less(i, p) {
+			break
+		}
+		q.items[i], q.items[p] = q.items[p], q.items[i]
+		i = p
+	}
 }
 
-func (q *queue) next() event { return heap.Pop(q).(event) }
+// peek returns the earliest event; the queue must not be empty.
+func (q *queue) peek() *event { return &q.items[0] }
+
+// next removes and returns the earliest event.
+func (q *queue) next() event {
+	e := q.items[0]
+	n := len(q.items) - 1
+	q.items[0] = q.items[n]
+	q.items[n] = event{}
+	q.items = q.items[:n]
+	for i := 0; ; {
+		l := 2*i + 1
+		if l >= n {
+			break
+		}
+		c := l
+		if r := l + 1; r < n && q.less(r, l) {
+			c = r
+		}
+		if !q.less(c, i) {
+			break
+		}
+		q.items[i], q.items[c] = q.items[c], q.items[i]
+		i = c
+	}
+	return e
+}

@@ -89,6 +89,10 @@ type Result struct {
 	Rebuilds int
 	// Sim is the simulated time the run covered.
 	Sim time.Duration
+	// Gossip is the filter stream into router-0 while requests arrived;
+	// RouterMemory what router-0 holds for the replicas at the end.
+	Gossip       Gossip
+	RouterMemory RouterMemory
 }
 
 const model = "sim"
@@ -161,6 +165,7 @@ type sim struct {
 	prompts promptCache
 	done    int
 	res     Result
+	wire    []byte // countGossip's encoding buffer
 }
 
 // reqState is what the simulator follows of one request.
@@ -189,13 +194,29 @@ func Run(cfg Config, w *workload.Workload) (Result, error) {
 	}
 	s.prompts = newPromptCache(w)
 	s.reqs = make([]reqState, len(w.Requests))
-	for k := range w.Requests {
-		s.q.at(cfg.Warmup+w.Requests[k].At, evArrival, k, nil)
-	}
-	deadline := cfg.Warmup + w.Span() + cfg.Drain
+	// Arrivals are not queued but taken in workload order (sorted by
+	// time), each when it is earlier than the queue's head; they carry the
+	// sequence numbers they would have had, queued here all at once, so
+	// events of one instant run in the same order, with a heap a
+	// workload's size smaller.
 	total := len(w.Requests)
-	for s.done < total && s.q.Len() > 0 {
-		ev := s.q.next()
+	arrivalSeq := s.q.seq
+	s.q.seq += uint64(total)
+	nextArrival := 0
+	deadline := cfg.Warmup + w.Span() + cfg.Drain
+	for s.done < total {
+		var ev event
+		if nextArrival < total {
+			ev = event{at: cfg.Warmup + w.Requests[nextArrival].At, seq: arrivalSeq + uint64(nextArrival) + 1, kind: evArrival, a: nextArrival}
+		}
+		switch {
+		case nextArrival < total && (s.q.Len() == 0 || before(&ev, s.q.peek())):
+			nextArrival++
+		case s.q.Len() > 0:
+			ev = s.q.next()
+		default:
+			ev.at = deadline + 1 // nothing left to happen
+		}
 		if ev.at > deadline {
 			break
 		}
@@ -204,6 +225,8 @@ func Run(cfg Config, w *workload.Workload) (Result, error) {
 		s.handle(ev)
 	}
 	s.res.Sim = s.now
+	s.res.Gossip.Window = w.Span()
+	s.res.RouterMemory = s.routerMemory()
 	for _, r := range s.routers {
 		if d, ok := r.policy.(routing.Degrader); ok {
 			s.res.Degradations += int(d.Degradations())
@@ -402,6 +425,9 @@ func (s *sim) deliver(l link, stream bool, k kind, to int, msg filterstream.Mess
 func (s *sim) deliverShared(l link, stream bool, k kind, to int, msg *filterstream.Message) {
 	if at, ok := s.net.arrival(s.now, l, stream); ok {
 		s.q.at(at, k, to, msg)
+		if k == evToRouter && to == 0 {
+			s.countGossip(msg)
+		}
 	}
 }
 
@@ -443,6 +469,9 @@ func (s *sim) arrive(k int) {
 	}
 	r := s.replicas[i]
 	err = r.eng.Add(engine.Request{ID: uint64(k), Prompt: ids, MaxTokens: wr.MaxTokens, OutputSeed: s.cfg.Seed + uint64(k)})
+	if s.oracle != nil {
+		s.oracle.changed(i)
+	}
 	if err != nil {
 		s.fail(k, err.Error())
 		return
@@ -469,6 +498,9 @@ func (s *sim) fail(k int, msg string) {
 func (s *sim) step(i int) {
 	r := s.replicas[i]
 	res := r.eng.Step(s.now.Seconds())
+	if s.oracle != nil {
+		s.oracle.changed(i)
+	}
 	r.outputs = append(r.outputs[:0], res.Outputs...)
 	r.events = r.events[:0]
 	if res.Events != nil {

@@ -5,7 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmesh/kvmesh/bloom"
 	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/loadtest"
 	"github.com/kvmesh/kvmesh/loadtest/report"
 	"github.com/kvmesh/kvmesh/loadtest/workload"
@@ -124,5 +126,39 @@ func TestLossyNetworkStillRoutesByPrefix(t *testing.T) {
 func TestRandomPolicyIsRefused(t *testing.T) {
 	if _, err := Run(Config{Replicas: 1, Routers: 1, Policy: "random"}, oneRequest(t)); err == nil {
 		t.Fatal("random accepted: its draws are not seeded")
+	}
+}
+
+// Router-0's gossip figures are the messages it was sent while requests
+// arrived: every sidecar's load record once per load interval, deltas
+// carrying the filters' growth, bytes as the encoder writes them; its
+// memory holds one mirrored filter per sidecar.
+func TestGossipIntoRouterAndItsMemory(t *testing.T) {
+	w := tenants(t)
+	cfg := Config{Replicas: 4, Routers: 2, Policy: "kvaware", Seed: 3, Engine: engineFor(w)}
+	res, err := Run(cfg, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &res.Gossip
+	if g.Window != w.Span() {
+		t.Fatalf("window %v, arrivals span %v", g.Window, w.Span())
+	}
+	loads := g.Messages[filterstream.KindLoad]
+	want := int64(cfg.Replicas) * int64(g.Window/(100*time.Millisecond))
+	if loads < want-int64(cfg.Replicas) || loads > want+int64(cfg.Replicas) {
+		t.Fatalf("%d load records into router-0 over %v from %d sidecars, want %d ± %d", loads, g.Window, cfg.Replicas, want, cfg.Replicas)
+	}
+	lm := filterstream.Message{Kind: filterstream.KindLoad, From: "sidecar-0", Load: filterstream.Load{Healthy: true}}
+	if min := int64(len(lm.Append(nil))); g.Bytes[filterstream.KindLoad] < loads*min {
+		t.Fatalf("%d load records in %d bytes, each at least %d", loads, g.Bytes[filterstream.KindLoad], min)
+	}
+	if g.Messages[filterstream.KindDelta] == 0 || g.Bytes[filterstream.KindDelta] <= 8*g.Messages[filterstream.KindDelta] {
+		t.Fatalf("deltas: %d messages, %d bytes", g.Messages[filterstream.KindDelta], g.Bytes[filterstream.KindDelta])
+	}
+	m := res.RouterMemory
+	words := len(bloom.NewFilter(1<<16, 0.01).Words())
+	if m.Sidecars != cfg.Replicas || m.FilterBytes != cfg.Replicas*8*words || m.TableBytes <= 0 || m.PerReplica() <= float64(8*words) {
+		t.Fatalf("router memory %+v, want %d sidecars with %d-word filters", m, cfg.Replicas, words)
 	}
 }

@@ -32,18 +32,35 @@ type oracle struct {
 	// stepEnds is when each engine's step under way ends: a new request
 	// waits for it, and the engine's state already shows its work done.
 	stepEnds []time.Time
-	hashes   []uint64
-	ttft     []time.Duration
+	// backlogs caches each engine's Backlog, which walks its queues: an
+	// engine changes only when a request is added or a step starts, and
+	// the simulator marks it stale then (backlogOK false).
+	backlogs  []engine.Backlog
+	backlogOK []bool
+	hashes    []uint64
+	ttft      []time.Duration
+	scores    []uint64
 }
 
 func newOracle(engines []*engine.Engine, names []string) *oracle {
 	o := &oracle{engines: engines, byName: map[string]int{}, queued: make([]map[uint64]int32, len(engines)),
-		stepEnds: make([]time.Time, len(engines))}
+		stepEnds: make([]time.Time, len(engines)), backlogs: make([]engine.Backlog, len(engines)), backlogOK: make([]bool, len(engines))}
 	for i, n := range names {
 		o.byName[n] = i
 		o.queued[i] = map[uint64]int32{}
 	}
 	return o
+}
+
+// changed notes that engine i's state changed (a request added, a step
+// started).
+func (o *oracle) changed(i int) { o.backlogOK[i] = false }
+
+func (o *oracle) backlog(i int) engine.Backlog {
+	if !o.backlogOK[i] {
+		o.backlogs[i], o.backlogOK[i] = o.engines[i].Backlog(), true
+	}
+	return o.backlogs[i]
 }
 
 // sent records that a request with block hashes went to engine i; done
@@ -69,7 +86,7 @@ func (o *oracle) Name() string { return OracleName }
 // exact state, with the engine's own cost profile, and orders them by it.
 func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routing.Decision) {
 	d.Order = d.Order[:0]
-	o.ttft = o.ttft[:0]
+	o.ttft, o.scores = o.ttft[:0], o.scores[:0]
 	matched := make([]int, len(cands))
 	for i := range cands {
 		k := o.byName[cands[i].Name]
@@ -83,20 +100,19 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 			hit++
 		}
 		matched[i] = hit * cfg.BlockSize
-		o.ttft = append(o.ttft, max(o.stepEnds[k].Sub(req.Now), 0)+predictTTFT(e, req.PromptTokens, matched[i]))
+		o.ttft = append(o.ttft, max(o.stepEnds[k].Sub(req.Now), 0)+predictTTFT(cfg, o.backlog(k), req.PromptTokens, matched[i]))
+		// Equal predictions (idle, cold replicas) go by rendezvous hashing
+		// on the prompt's leading blocks, as kvaware places cold prefixes,
+		// so new prefixes spread over the fleet instead of piling on its
+		// first names.
+		o.scores = append(o.scores, blockkey.Remix(req.AffinityKey^blockkey.Remix(uint64(k)+1)))
 		d.Order = append(d.Order, i)
-	}
-	// Equal predictions (idle, cold replicas) go by rendezvous hashing on
-	// the prompt's leading blocks, as kvaware places cold prefixes, so new
-	// prefixes spread over the fleet instead of piling on its first names.
-	score := func(i int) uint64 {
-		return blockkey.Remix(req.AffinityKey ^ blockkey.Remix(uint64(o.byName[cands[i].Name])+1))
 	}
 	slices.SortStableFunc(d.Order, func(a, b int) int {
 		if c := cmp.Compare(o.ttft[a], o.ttft[b]); c != 0 {
 			return c
 		}
-		return cmp.Compare(score(b), score(a))
+		return cmp.Compare(o.scores[b], o.scores[a])
 	})
 	d.Pick, d.Mode, d.Reason, d.Degraded = -1, routing.ModeBalance, "oracle: no candidate", false
 	if len(d.Order) == 0 {
@@ -111,13 +127,12 @@ func (o *oracle) Route(req *routing.Request, cands []routing.Candidate, d *routi
 	}
 }
 
-// predictTTFT prices, with e's cost profile, the prefill ahead of a new
-// request plus its own uncached tokens, chunked at the step token budget,
-// each step also decoding the sequences running there over their context.
-func predictTTFT(e *engine.Engine, prompt, cached int) time.Duration {
-	cfg := e.Config()
+// predictTTFT prices, with an engine's cost profile, the prefill ahead of a
+// new request (its backlog b) plus its own uncached tokens, chunked at the
+// step token budget, each step also decoding the sequences running there
+// over their context.
+func predictTTFT(cfg engine.Config, b engine.Backlog, prompt, cached int) time.Duration {
 	c := cfg.Cost
-	b := e.Backlog()
 	own := max(prompt-cached, 1)
 	tokens := b.PrefillTokens + own
 	steps := (tokens + cfg.MaxNumBatchedTokens - 1) / cfg.MaxNumBatchedTokens

@@ -7,12 +7,13 @@ import "github.com/kvmesh/kvmesh/loadtest/workload"
 // the prompts in use, not the whole workload.
 type promptCache struct {
 	w    *workload.Workload
+	tok  *workload.Tokenizer
 	left map[string]int
 	ids  map[string][]uint32
 }
 
 func newPromptCache(w *workload.Workload) promptCache {
-	c := promptCache{w: w, left: map[string]int{}, ids: map[string][]uint32{}}
+	c := promptCache{w: w, tok: workload.NewTokenizer(w.Requests), left: map[string]int{}, ids: map[string][]uint32{}}
 	for i := range w.Requests {
 		c.left[w.Requests[i].Key]++
 	}
@@ -26,7 +27,7 @@ func (c *promptCache) get(k int) ([]uint32, error) {
 	ids, ok := c.ids[r.Key]
 	if !ok {
 		var err error
-		if ids, err = workload.Tokenize(r.Messages); err != nil {
+		if ids, err = c.tok.Tokenize(r.Messages); err != nil {
 			return nil, err
 		}
 	}

@@ -5,16 +5,19 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/kvmesh/kvmesh/engine"
+	"github.com/kvmesh/kvmesh/filterstream"
 	"github.com/kvmesh/kvmesh/flagenv"
 	"github.com/kvmesh/kvmesh/fleetsim"
 	"github.com/kvmesh/kvmesh/loadtest"
@@ -37,7 +40,7 @@ func main() {
 
 type options struct {
 	scenario, policies, trace, jsonPath, plotPath, costProfile string
-	routerConfig                                               string
+	routerConfig, cpuProfile                                   string
 	replicas, routers, kvBlocks, maxRequests, traceLimit       int
 	loadScale, loss, traceSpeedup                              float64
 	duration, deltaInterval, loadInterval, delay, jitter       time.Duration
@@ -75,6 +78,7 @@ func run(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&o.routerConfig, "config", "", "router config YAML (the router's --config): its routing section tunes every router's policy")
 	fs.StringVar(&o.jsonPath, "json", "", "write the report JSON here")
 	fs.StringVar(&o.plotPath, "plot", "", "write the TTFT CDF plot (PNG) here")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the simulation (pprof format) here")
 	o.log.Register(fs)
 	if err := flagenv.Parse(fs, args); err != nil {
 		return err
@@ -113,12 +117,23 @@ func run(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	rep := report.Report{
+	rep := fleetReport{Report: report.Report{
 		Scenario: sc.Name, Replicas: o.replicas, Routers: o.routers, TimeScale: 1, Seed: o.seed,
 		Requests: len(w.Requests), KVBlocks: kv, DemandBlocks: w.DemandBlocks, Units: report.Units,
 		Policies: map[string]report.Summary{},
-	}
+	}, Fleet: map[string]fleetStats{}}
 	ttft := map[string][]float64{}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	fmt.Fprintf(stderr, "fleetsim: %s, %d requests over %v simulated, %d replicas × %d KV blocks, %d router(s)\n",
 		sc.Name, len(w.Requests), w.Span().Round(time.Millisecond), o.replicas, kv, o.routers)
 	for _, policy := range splitList(o.policies) {
@@ -142,8 +157,17 @@ func run(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stderr, "fleetsim: %s: %d requests in %.1f s wall (%.0f µs per request), %.1f s simulated, %d events, %d engine steps, %d filter rebuilds\n",
 			policy, len(res.Records), wall.Seconds(), float64(wall.Microseconds())/float64(max(1, len(res.Records))),
 			res.Sim.Seconds(), res.Events, res.Steps, res.Rebuilds)
+		st := fleetStatsOf(res)
+		if hit, n := followUpHit(res.Records); n > 0 {
+			st.FollowUps, st.FollowUpHit = n, hit
+			fmt.Fprintf(stderr, "fleetsim: %s: follow-up turns %d, hit rate %.1f %%\n", policy, n, 100*hit)
+		}
+		fmt.Fprintf(stderr, "fleetsim: %s: into router-0 %.0f messages/s, %.0f kB/s (deltas %.0f, load %.0f, snapshots %.0f kB/s; memberlist framing +%d B per datagram, +%d B per stream); router-0 holds %.0f kB per replica (filter %.0f kB)\n",
+			policy, st.MessagesPerS, st.BytesPerS/1e3, st.Kinds["delta"].BytesPerS/1e3, st.Kinds["load"].BytesPerS/1e3, st.Kinds["snapshot"].BytesPerS/1e3,
+			fleetsim.DatagramOverhead, fleetsim.StreamOverhead, st.RouterBytesPerReplica/1e3, st.FilterBytesPerReplica/1e3)
 		rep.Order = append(rep.Order, policy)
 		rep.Policies[policy] = sum
+		rep.Fleet[policy] = st
 		for _, r := range res.Records {
 			if r.OK() {
 				ttft[policy] = append(ttft[policy], report.SimMillis(r.TTFT, 1))
@@ -267,13 +291,103 @@ func splitList(s string) []string {
 	return out
 }
 
-func writeOutputs(o options, rep report.Report, ttft map[string][]float64) error {
+// fleetReport is loadtest's report with what only a simulation can
+// measure, by policy.
+type fleetReport struct {
+	report.Report
+	Fleet map[string]fleetStats `json:"fleet"`
+}
+
+// fleetStats is one policy's run: the filter stream into router-0 while
+// requests arrived (each message's own encoding; memberlist's framing is
+// DatagramOverhead or StreamOverhead more per message) and the memory
+// router-0 holds per replica at the end.
+type fleetStats struct {
+	Events                uint64               `json:"events"`
+	EngineSteps           uint64               `json:"engine_steps"`
+	FilterRebuilds        int                  `json:"filter_rebuilds"`
+	GossipWindowS         float64              `json:"gossip_window_s"`
+	MessagesPerS          float64              `json:"gossip_messages_per_s"`
+	BytesPerS             float64              `json:"gossip_bytes_per_s"`
+	Kinds                 map[string]kindStats `json:"gossip_by_kind"`
+	DatagramOverhead      int                  `json:"memberlist_datagram_overhead_bytes"`
+	StreamOverhead        int                  `json:"memberlist_stream_overhead_bytes"`
+	RouterBytesPerReplica float64              `json:"router_bytes_per_replica"`
+	FilterBytesPerReplica float64              `json:"router_filter_bytes_per_replica"`
+	RouterMemory          routerMemory         `json:"router_memory"`
+	// FollowUps counts a conversation's turns after its first (multiturn
+	// keys "cN/tM" with M > 0), FollowUpHit their cached / prompt tokens.
+	FollowUps   int     `json:"follow_ups,omitempty"`
+	FollowUpHit float64 `json:"follow_up_hit,omitempty"`
+}
+
+// followUpHit is the hit rate (actual cached / prompt tokens) of the
+// served requests that continue a conversation, and how many there are.
+func followUpHit(recs []report.Record) (float64, int) {
+	var cached, prompt, n int
+	for i := range recs {
+		r := &recs[i]
+		_, turn, ok := strings.Cut(r.Key, "/t")
+		if !ok || turn == "0" || !r.OK() || !strings.HasPrefix(r.Key, "c") {
+			continue
+		}
+		if _, err := strconv.Atoi(turn); err != nil {
+			continue
+		}
+		cached, prompt, n = cached+r.ActualCached, prompt+r.PromptTokens, n+1
+	}
+	if prompt == 0 {
+		return 0, n
+	}
+	return float64(cached) / float64(prompt), n
+}
+
+type kindStats struct {
+	Messages  int64   `json:"messages"`
+	Bytes     int64   `json:"bytes"`
+	BytesPerS float64 `json:"bytes_per_s"`
+}
+
+type routerMemory struct {
+	Sidecars     int `json:"sidecars"`
+	FilterBytes  int `json:"filter_bytes"`
+	PendingBytes int `json:"pending_delta_bytes"`
+	StateBytes   int `json:"receiver_state_bytes"`
+	TableBytes   int `json:"table_bytes"`
+}
+
+func fleetStatsOf(res fleetsim.Result) fleetStats {
+	g := &res.Gossip
+	msgs, bytes := g.Total()
+	m := res.RouterMemory
+	fs := fleetStats{
+		Events: res.Events, EngineSteps: res.Steps, FilterRebuilds: res.Rebuilds,
+		GossipWindowS: g.Window.Seconds(), MessagesPerS: g.PerSecond(msgs), BytesPerS: g.PerSecond(bytes),
+		Kinds:            map[string]kindStats{},
+		DatagramOverhead: fleetsim.DatagramOverhead, StreamOverhead: fleetsim.StreamOverhead,
+		RouterBytesPerReplica: m.PerReplica(),
+		RouterMemory:          routerMemory{m.Sidecars, m.FilterBytes, m.PendingBytes, m.StateBytes, m.TableBytes},
+	}
+	if m.Sidecars > 0 {
+		fs.FilterBytesPerReplica = float64(m.FilterBytes) / float64(m.Sidecars)
+	}
+	for k := range g.Messages {
+		if g.Messages[k] > 0 {
+			fs.Kinds[filterstream.Kind(k).String()] = kindStats{g.Messages[k], g.Bytes[k], g.PerSecond(g.Bytes[k])}
+		}
+	}
+	return fs
+}
+
+func writeOutputs(o options, rep fleetReport, ttft map[string][]float64) error {
 	if o.jsonPath != "" {
 		f, err := os.Create(o.jsonPath)
 		if err != nil {
 			return err
 		}
-		if err := rep.WriteJSON(f); err != nil {
+		enc := json.NewEncoder(f)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
 			f.Close()
 			return err
 		}

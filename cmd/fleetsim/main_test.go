@@ -32,14 +32,14 @@ func TestSameFlagsSameReport(t *testing.T) {
 			t.Fatal(err)
 		}
 		reports[i] = b
-		if !strings.Contains(stderr.String(), "µs per request") || !strings.Contains(stdout.String(), "oracle") {
+		if !strings.Contains(stderr.String(), "µs per request") || !strings.Contains(stderr.String(), "into router-0") || !strings.Contains(stdout.String(), "oracle") {
 			t.Fatalf("no per-policy line or table:\n%s\n%s", stderr.String(), stdout.String())
 		}
 	}
 	if !bytes.Equal(reports[0], reports[1]) {
 		t.Fatalf("reports differ:\n%s\n%s", reports[0], reports[1])
 	}
-	var rep report.Report
+	var rep fleetReport
 	if err := json.Unmarshal(reports[0], &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -49,6 +49,9 @@ func TestSameFlagsSameReport(t *testing.T) {
 	for _, p := range rep.Order {
 		if s := rep.Policies[p]; s.Errors != 0 || s.Requests != 150 || s.TTFT.P50 <= 0 {
 			t.Fatalf("%s: %+v", p, s)
+		}
+		if f := rep.Fleet[p]; f.Kinds["load"].Messages == 0 || f.BytesPerS <= 0 || f.RouterMemory.Sidecars != 4 || f.RouterBytesPerReplica <= f.FilterBytesPerReplica {
+			t.Fatalf("%s: fleet figures %+v", p, f)
 		}
 	}
 	if fi, err := os.Stat(filepath.Join(dir, "r.png")); err != nil || fi.Size() == 0 {
@@ -77,5 +80,18 @@ func TestBadFlags(t *testing.T) {
 	var out bytes.Buffer
 	if err := run([]string{"-h"}, &out, &out); !errors.Is(err, flag.ErrHelp) || !strings.Contains(out.String(), "KVMESH_DELTA_INTERVAL") {
 		t.Fatalf("-h: %v\n%s", err, out.String())
+	}
+}
+
+func TestFollowUpHitCountsLaterTurnsOnly(t *testing.T) {
+	recs := []report.Record{
+		{Key: "c1/t0", Status: 200, PromptTokens: 100, ActualCached: 0},
+		{Key: "c1/t1", Status: 200, PromptTokens: 200, ActualCached: 96},
+		{Key: "c2/t3", Status: 200, PromptTokens: 300, ActualCached: 288},
+		{Key: "c2/t4", Err: "unfinished", PromptTokens: 400},
+		{Key: "g1/u2", Status: 200, PromptTokens: 500, ActualCached: 500},
+	}
+	if hit, n := followUpHit(recs); n != 2 || hit != float64(96+288)/500 {
+		t.Fatalf("follow-ups %d, hit %v", n, hit)
 	}
 }

@@ -71,12 +71,84 @@ const BlockSize = 16
 // Tokenize renders msgs as a chat with the generation prompt and returns
 // the builtin token ids, exactly as router and enginesim compute them.
 func Tokenize(msgs []Message) ([]uint32, error) {
+	return encodeChat(msgs, true)
+}
+
+func encodeChat(msgs []Message, generationPrompt bool) ([]uint32, error) {
 	raw, err := json.Marshal(msgs)
 	if err != nil {
 		return nil, err
 	}
-	_, ids, err := tokenize.Builtin{}.EncodeChat(tokenize.Chat{Messages: raw, AddGenerationPrompt: true})
+	_, ids, err := tokenize.Builtin{}.EncodeChat(tokenize.Chat{Messages: raw, AddGenerationPrompt: generationPrompt})
 	return ids, err
+}
+
+// Tokenizer gives Tokenize's ids for a workload's prompts, tokenizing each
+// message that recurs across them (a tenant's shared prefix, a
+// conversation's history) once. That is exact because the builtin chat
+// template opens every message with "<|", and the builtin tokenizer always
+// ends a token before a '<' that follows the '\n' closing the previous
+// message: a prompt's ids are its messages' ids, one after another, then
+// the generation prompt's.
+type Tokenizer struct {
+	// left counts the prompts still to be tokenized that hold each message
+	// of more than one prompt; ids keeps a message's ids while any is left.
+	left map[Message]int
+	ids  map[Message][]uint32
+	gen  []uint32
+}
+
+// NewTokenizer returns a Tokenizer for reqs' prompts, each distinct Key to
+// be tokenized once.
+func NewTokenizer(reqs []Request) *Tokenizer {
+	t := &Tokenizer{left: map[Message]int{}, ids: map[Message][]uint32{}}
+	seen := make(map[string]bool, len(reqs))
+	for i := range reqs {
+		if seen[reqs[i].Key] {
+			continue
+		}
+		seen[reqs[i].Key] = true
+		for _, m := range reqs[i].Messages {
+			t.left[m]++
+		}
+	}
+	for m, n := range t.left {
+		if n < 2 {
+			delete(t.left, m)
+		}
+	}
+	return t
+}
+
+// Tokenize returns Tokenize(msgs).
+func (t *Tokenizer) Tokenize(msgs []Message) ([]uint32, error) {
+	if t.gen == nil {
+		gen, err := encodeChat([]Message{}, true)
+		if err != nil {
+			return nil, err
+		}
+		t.gen = gen
+	}
+	var out []uint32
+	for _, m := range msgs {
+		ids, ok := t.ids[m]
+		if !ok {
+			var err error
+			if ids, err = encodeChat([]Message{m}, false); err != nil {
+				return nil, err
+			}
+		}
+		out = append(out, ids...)
+		if n, shared := t.left[m]; shared {
+			if n <= 1 {
+				delete(t.left, m)
+				delete(t.ids, m)
+			} else {
+				t.left[m], t.ids[m] = n-1, ids
+			}
+		}
+	}
+	return append(out, t.gen...), nil
 }
 
 // finish sorts requests, counts prompt tokens and the distinct blocks they
@@ -87,12 +159,13 @@ func finish(name string, reqs []Request) (Workload, error) {
 	blocks := map[uint64]struct{}{}
 	seed := blockkey.Seed("", "")
 	var keys []uint64
+	tok := NewTokenizer(reqs)
 	for i := range reqs {
 		if n, ok := counted[reqs[i].Key]; ok {
 			reqs[i].PromptTokens = n
 			continue
 		}
-		ids, err := Tokenize(reqs[i].Messages)
+		ids, err := tok.Tokenize(reqs[i].Messages)
 		if err != nil {
 			return Workload{}, fmt.Errorf("workload %s: request %s: %w", name, reqs[i].Key, err)
 		}
