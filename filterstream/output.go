@@ -62,6 +62,10 @@ type Output struct {
 	// Usage is another router's per-tenant report, for the caller's quota
 	// ledger (Receiver).
 	Usage *UsageReport
+	// InflightChanged: a router's in-flight report changed what it has
+	// dispatched here (Sender), so the other routers' view of the replica's
+	// load is behind: the caller may send a load record before its interval.
+	InflightChanged bool
 }
 
 // UsageReport is one router's KindTenantUsage message.

@@ -120,7 +120,9 @@ func (s *Sender) Handle(m *Message, now time.Time) (out Output) {
 	case KindInflight:
 		if m.Epoch != rp.inflEpoch || m.Seq > rp.inflSeq {
 			rp.inflEpoch, rp.inflSeq = m.Epoch, m.Seq
-			rp.inflight = inflight{m.Requests, m.PrefillTokens}
+			cur := inflight{m.Requests, m.PrefillTokens}
+			out.InflightChanged = cur != rp.inflight
+			rp.inflight = cur
 			rp.inflAt = now
 		}
 	}

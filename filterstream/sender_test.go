@@ -57,3 +57,22 @@ func FuzzHandle(f *testing.F) {
 		s.Load(Load{Healthy: true}, g, false, now)
 	})
 }
+
+// TestSenderSaysWhenARoutersInflightChanged: a report that changes what a
+// router has dispatched here says so (the sidecar then sends a load record
+// early); the same figures again, or a stale report, do not.
+func TestSenderSaysWhenARoutersInflightChanged(t *testing.T) {
+	s := NewSender(SenderConfig{Self: "sidecar/a", Name: "a", Epoch: 5})
+	s.Member("router/r1", Meta{Role: RoleRouter, Name: "r1", Capabilities: CapInflightOthers}, true)
+	now := time.Unix(1_900_000_000, 0)
+	for _, c := range []struct {
+		seq      uint64
+		requests int
+		changed  bool
+	}{{1, 3, true}, {2, 3, false}, {3, 4, true}, {2, 9, false}, {4, 0, true}} {
+		out := s.Handle(&Message{Kind: KindInflight, From: "router/r1", Epoch: 9, Seq: c.seq, Requests: c.requests}, now)
+		if out.InflightChanged != c.changed {
+			t.Errorf("report %d (%d requests): changed %v, want %v", c.seq, c.requests, out.InflightChanged, c.changed)
+		}
+	}
+}

@@ -64,6 +64,9 @@ type SidecarNode struct {
 	filter atomic.Pointer[bloom.Generations]
 	engine atomic.Pointer[EngineLoad]
 	kick   chan struct{} // send a load record now
+	// inflightDirty: a router's in-flight report changed since the last
+	// load record; the next echo tick sends one early (loop only).
+	inflightDirty bool
 
 	mu     sync.Mutex
 	stream *filterstream.Sender
@@ -238,12 +241,21 @@ func (s *SidecarNode) stopLoops() bool {
 	return true
 }
 
+// inflightEcho is how soon after a router's in-flight report the other
+// routers hear of it in a load record, rather than at the next LoadInterval:
+// routers holding requests under flow control dispatch into the room they
+// see, and the sooner they see each other's dispatches the less they
+// overfill an engine together.
+const inflightEcho = 20 * time.Millisecond
+
 func (s *SidecarNode) loop() {
 	defer close(s.done)
 	loadTick := time.NewTicker(s.cfg.LoadInterval)
 	defer loadTick.Stop()
 	deltaTick := time.NewTicker(s.cfg.DeltaInterval)
 	defer deltaTick.Stop()
+	echoTick := time.NewTicker(inflightEcho)
+	defer echoTick.Stop()
 	for {
 		select {
 		case <-s.stop:
@@ -258,6 +270,12 @@ func (s *SidecarNode) loop() {
 		case <-loadTick.C:
 			s.flushFilter()
 			s.sendLoad(false)
+			s.inflightDirty = false
+		case <-echoTick.C:
+			if s.inflightDirty {
+				s.inflightDirty = false
+				s.sendLoad(false)
+			}
 		case <-s.kick:
 			s.flushFilter()
 			s.sendLoad(false)
@@ -320,7 +338,11 @@ func (l *routerLink) want() {
 }
 
 func (s *SidecarNode) handle(m *filterstream.Message) {
-	s.step(func() filterstream.Output { return s.stream.Handle(m, time.Now()) })
+	s.step(func() filterstream.Output {
+		out := s.stream.Handle(m, time.Now())
+		s.inflightDirty = s.inflightDirty || out.InflightChanged
+		return out
+	})
 }
 
 // flushFilter snapshots a new generation to every router and sends the

@@ -146,7 +146,7 @@ func Run(ctx context.Context, cfg Config) error {
 		if err := g.RegisterMetrics(gossip.Collector("kvmesh_router", node.Stats)); err != nil {
 			return err
 		}
-		go g.ReportInflight(100*time.Millisecond, drained)
+		go g.ReportInflight(20*time.Millisecond, drained)
 		go g.ReportTenantUsage(gateway.UsageReportEvery, drained)
 		go g.ProbeOrphans(cfg.OrphanProbe, min(cfg.OrphanProbe, 2*time.Second), stop)
 	}
