@@ -69,24 +69,17 @@ func FuzzUsage(f *testing.F) {
 	f.Add([]byte(`{"type":"response.completed","response":{"usage":{"input_tokens":3,"input_tokens_details":{"cached_tokens":2}}}}`))
 	f.Add([]byte(`{"type":"message_start","message":{"usage":{"input_tokens":1,"cache_read_input_tokens":2}}}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		check := func(name string, prompt, cached int) {
-			if prompt < -1 || cached < -1 {
-				t.Fatalf("%s: (%d, %d)", name, prompt, cached)
+		check := func(name string, u Usage) {
+			if u.Prompt < -1 || u.Cached < -1 || u.Output < -1 {
+				t.Fatalf("%s: %+v", name, u)
 			}
 		}
-		p, c := ResponsesUsage(b)
-		check("ResponsesUsage", p, c)
-		p, c = MessagesUsage(b)
-		check("MessagesUsage", p, c)
-		p, c, _ = ResponsesEventUsage(b)
-		check("ResponsesEventUsage", p, c)
-		p, c, _ = MessagesEventUsage(b)
-		check("MessagesEventUsage", p, c)
-		n, ok := EventOutputTokens(b)
-		check("EventOutputTokens", OutputTokens(b), n)
-		if ok != (n >= 0) {
-			t.Fatalf("EventOutputTokens: %d, %v", n, ok)
-		}
+		check("ResponsesUsage", ResponsesUsage(b))
+		check("MessagesUsage", MessagesUsage(b))
+		u, _ := ResponsesEventUsage(b)
+		check("ResponsesEventUsage", u)
+		u, _ = MessagesEventUsage(b)
+		check("MessagesEventUsage", u)
 	})
 }
 

@@ -6,9 +6,10 @@ import (
 	"errors"
 )
 
-// The usage readers give the prompt tokens an engine counted and how many of
-// them it found cached, -1 for what the answer does not say, as the proxy
-// reads a chat completion's usage.prompt_tokens_details.cached_tokens.
+// The usage readers give the prompt tokens an engine counted, how many of
+// them it found cached and how many it generated (output_tokens in both
+// APIs), -1 for what the answer does not say, as the proxy reads a chat
+// completion's usage.
 //
 // Responses (vLLM's ResponseUsage): input_tokens counts the whole prompt,
 // input_tokens_details.cached_tokens the cached part. Messages: Anthropic's
@@ -21,21 +22,28 @@ import (
 // responsesUsage is vLLM's ResponseUsage, the part read.
 type responsesUsage struct {
 	InputTokens        *int `json:"input_tokens"`
+	OutputTokens       *int `json:"output_tokens"`
 	InputTokensDetails *struct {
 		CachedTokens *int `json:"cached_tokens"`
 	} `json:"input_tokens_details"`
 }
 
-func (u *responsesUsage) values() (prompt, cached int) {
-	prompt, cached = -1, -1
+// Usage is what an answer's usage reports; -1 for what it does not say.
+type Usage struct {
+	Prompt, Cached, Output int
+}
+
+var noUsage = Usage{-1, -1, -1}
+
+func (u *responsesUsage) values() Usage {
 	if u == nil {
-		return
+		return noUsage
 	}
-	prompt = count(u.InputTokens)
+	out := Usage{Prompt: count(u.InputTokens), Cached: -1, Output: count(u.OutputTokens)}
 	if u.InputTokensDetails != nil {
-		cached = count(u.InputTokensDetails.CachedTokens)
+		out.Cached = count(u.InputTokensDetails.CachedTokens)
 	}
-	return
+	return out
 }
 
 // count is a reported count, -1 when absent or negative.
@@ -49,40 +57,40 @@ func count(n *int) int {
 // messagesUsage is AnthropicUsage.
 type messagesUsage struct {
 	InputTokens              *int `json:"input_tokens"`
+	OutputTokens             *int `json:"output_tokens"`
 	CacheReadInputTokens     *int `json:"cache_read_input_tokens"`
 	CacheCreationInputTokens *int `json:"cache_creation_input_tokens"`
 }
 
-func (u *messagesUsage) values() (prompt, cached int) {
-	prompt, cached = -1, -1
+func (u *messagesUsage) values() Usage {
 	if u == nil {
-		return
+		return noUsage
 	}
-	cached = count(u.CacheReadInputTokens)
-	if prompt = count(u.InputTokens); prompt >= 0 {
-		prompt += max(cached, 0) + max(count(u.CacheCreationInputTokens), 0)
+	out := Usage{Prompt: count(u.InputTokens), Cached: count(u.CacheReadInputTokens), Output: count(u.OutputTokens)}
+	if out.Prompt >= 0 {
+		out.Prompt += max(out.Cached, 0) + max(count(u.CacheCreationInputTokens), 0)
 	}
-	return
+	return out
 }
 
 var usageKey = []byte(`"usage"`)
 
 // usageReport is a usage object of either API.
-type usageReport interface{ values() (prompt, cached int) }
+type usageReport interface{ values() Usage }
 
 // bodyUsage decodes the top-level usage of an answer into u.
-func bodyUsage(body []byte, u usageReport) (prompt, cached int) {
+func bodyUsage(body []byte, u usageReport) Usage {
 	answer := struct {
 		Usage usageReport `json:"usage"`
 	}{u}
 	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &answer) != nil {
-		return -1, -1
+		return noUsage
 	}
 	return u.values()
 }
 
 // ResponsesUsage reads the usage of a non-streamed /v1/responses answer.
-func ResponsesUsage(body []byte) (prompt, cached int) {
+func ResponsesUsage(body []byte) Usage {
 	return bodyUsage(body, &responsesUsage{})
 }
 
@@ -90,9 +98,9 @@ func ResponsesUsage(body []byte) (prompt, cached int) {
 // its data payload: the response.completed event (or response.incomplete,
 // its ending when max_output_tokens cut the answer) carries the response
 // with its usage. ok is false for other events.
-func ResponsesEventUsage(payload []byte) (prompt, cached int, ok bool) {
+func ResponsesEventUsage(payload []byte) (Usage, bool) {
 	if !bytes.Contains(payload, usageKey) {
-		return -1, -1, false
+		return noUsage, false
 	}
 	var ev struct {
 		Type     string `json:"type"`
@@ -102,23 +110,22 @@ func ResponsesEventUsage(payload []byte) (prompt, cached int, ok bool) {
 	}
 	if json.Unmarshal(payload, &ev) != nil || ev.Response == nil || ev.Response.Usage == nil ||
 		(ev.Type != "response.completed" && ev.Type != "response.incomplete") {
-		return -1, -1, false
+		return noUsage, false
 	}
-	prompt, cached = ev.Response.Usage.values()
-	return prompt, cached, true
+	return ev.Response.Usage.values(), true
 }
 
 // MessagesUsage reads the usage of a non-streamed /v1/messages answer.
-func MessagesUsage(body []byte) (prompt, cached int) {
+func MessagesUsage(body []byte) Usage {
 	return bodyUsage(body, &messagesUsage{})
 }
 
 // MessagesEventUsage reads the usage of a /v1/messages stream event, given
 // its data payload: message_start carries it in its message, message_delta
 // (the last, with the final counts) at its top. ok is false for other events.
-func MessagesEventUsage(payload []byte) (prompt, cached int, ok bool) {
+func MessagesEventUsage(payload []byte) (Usage, bool) {
 	if !bytes.Contains(payload, usageKey) {
-		return -1, -1, false
+		return noUsage, false
 	}
 	var ev struct {
 		Type    string         `json:"type"`
@@ -128,7 +135,7 @@ func MessagesEventUsage(payload []byte) (prompt, cached int, ok bool) {
 		} `json:"message"`
 	}
 	if json.Unmarshal(payload, &ev) != nil {
-		return -1, -1, false
+		return noUsage, false
 	}
 	var u *messagesUsage
 	switch {
@@ -138,10 +145,9 @@ func MessagesEventUsage(payload []byte) (prompt, cached int, ok bool) {
 		u = ev.Message.Usage
 	}
 	if u == nil {
-		return -1, -1, false
+		return noUsage, false
 	}
-	prompt, cached = u.values()
-	return prompt, cached, true
+	return u.values(), true
 }
 
 // StoredOutputs returns the text parts of the output messages of a stored
@@ -173,70 +179,4 @@ func StoredOutputs(body []byte) ([]string, error) {
 		}
 	}
 	return texts, nil
-}
-
-// outputUsage is the output count both APIs put in their usage.
-type outputUsage struct {
-	OutputTokens *int `json:"output_tokens"`
-}
-
-// OutputTokens reads the tokens generated that a non-streamed Responses
-// or Messages answer reports (usage.output_tokens), -1 when it does not.
-func OutputTokens(body []byte) int {
-	var a struct {
-		Usage *outputUsage `json:"usage"`
-	}
-	if !bytes.Contains(body, usageKey) || json.Unmarshal(body, &a) != nil || a.Usage == nil {
-		return -1
-	}
-	return count(a.Usage.OutputTokens)
-}
-
-// EventOutputTokens reads them from a stream event's data: a Responses
-// stream's ending event (its response's usage), a Messages stream's
-// message_delta (the final count, at its top) or message_start (its
-// message's). ok is false for an event without them.
-func EventOutputTokens(payload []byte) (n int, ok bool) {
-	if !bytes.Contains(payload, usageKey) {
-		return -1, false
-	}
-	var ev struct {
-		Usage    *outputUsage `json:"usage"`
-		Response *struct {
-			Usage *outputUsage `json:"usage"`
-		} `json:"response"`
-		Message *struct {
-			Usage *outputUsage `json:"usage"`
-		} `json:"message"`
-	}
-	if json.Unmarshal(payload, &ev) != nil {
-		return -1, false
-	}
-	for _, u := range []*outputUsage{ev.Usage, responseUsage(ev.Response), messageUsage(ev.Message)} {
-		if u == nil {
-			continue
-		}
-		if n := count(u.OutputTokens); n >= 0 {
-			return n, true
-		}
-	}
-	return -1, false
-}
-
-func responseUsage(r *struct {
-	Usage *outputUsage `json:"usage"`
-}) *outputUsage {
-	if r == nil {
-		return nil
-	}
-	return r.Usage
-}
-
-func messageUsage(m *struct {
-	Usage *outputUsage `json:"usage"`
-}) *outputUsage {
-	if m == nil {
-		return nil
-	}
-	return m.Usage
 }

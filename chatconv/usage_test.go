@@ -10,7 +10,7 @@ import (
 func TestUsage(t *testing.T) {
 	cases := []struct {
 		name           string
-		read           func([]byte) (int, int, bool)
+		read           func([]byte) (Usage, bool)
 		in             string
 		prompt, cached int
 		ok             bool
@@ -45,18 +45,15 @@ func TestUsage(t *testing.T) {
 		{"ping", MessagesEventUsage, `{"type":"ping"}`, -1, -1, false},
 	}
 	for _, c := range cases {
-		prompt, cached, ok := c.read([]byte(c.in))
-		if prompt != c.prompt || cached != c.cached || ok != c.ok {
-			t.Errorf("%s: got (%d, %d, %v), want (%d, %d, %v)", c.name, prompt, cached, ok, c.prompt, c.cached, c.ok)
+		u, ok := c.read([]byte(c.in))
+		if u.Prompt != c.prompt || u.Cached != c.cached || ok != c.ok {
+			t.Errorf("%s: got (%d, %d, %v), want (%d, %d, %v)", c.name, u.Prompt, u.Cached, ok, c.prompt, c.cached, c.ok)
 		}
 	}
 }
 
-func body(f func([]byte) (int, int)) func([]byte) (int, int, bool) {
-	return func(b []byte) (int, int, bool) {
-		p, c := f(b)
-		return p, c, true
-	}
+func body(f func([]byte) Usage) func([]byte) (Usage, bool) {
+	return func(b []byte) (Usage, bool) { return f(b), true }
 }
 
 // TestStoredOutputs: the text parts of a stored answer's output messages,
@@ -77,20 +74,24 @@ func TestStoredOutputs(t *testing.T) {
 }
 
 func TestOutputTokens(t *testing.T) {
-	if n := OutputTokens([]byte(`{"id":"resp_1","usage":{"input_tokens":40,"output_tokens":7,"total_tokens":47}}`)); n != 7 {
+	if n := ResponsesUsage([]byte(`{"id":"resp_1","usage":{"input_tokens":40,"output_tokens":7,"total_tokens":47}}`)).Output; n != 7 {
 		t.Fatalf("body: %d", n)
 	}
-	if n := OutputTokens([]byte(`{"usage":{"input_tokens":40}}`)); n != -1 {
+	if n := MessagesUsage([]byte(`{"usage":{"input_tokens":40}}`)).Output; n != -1 {
 		t.Fatalf("body without output tokens: %d", n)
 	}
-	for payload, want := range map[string]int{
-		`{"type":"response.completed","response":{"id":"r","usage":{"input_tokens":9,"output_tokens":5}}}`: 5,
-		`{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":12}}`:         12,
-		`{"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,"output_tokens":1}}}`:       1,
-		`{"type":"response.output_text.delta","delta":"usage"}`:                                            -1,
+	for _, c := range []struct {
+		read    func([]byte) (Usage, bool)
+		payload string
+		want    int
+	}{
+		{ResponsesEventUsage, `{"type":"response.completed","response":{"id":"r","usage":{"input_tokens":9,"output_tokens":5}}}`, 5},
+		{MessagesEventUsage, `{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":12}}`, 12},
+		{MessagesEventUsage, `{"type":"message_start","message":{"id":"m","usage":{"input_tokens":3,"output_tokens":1}}}`, 1},
+		{ResponsesEventUsage, `{"type":"response.output_text.delta","delta":"usage"}`, -1},
 	} {
-		if n, ok := EventOutputTokens([]byte(payload)); n != want || ok != (want >= 0) {
-			t.Errorf("%s: %d %v, want %d", payload, n, ok, want)
+		if u, ok := c.read([]byte(c.payload)); u.Output != c.want || ok != (c.want >= 0) {
+			t.Errorf("%s: %d %v, want %d", c.payload, u.Output, ok, c.want)
 		}
 	}
 }

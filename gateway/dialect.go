@@ -29,27 +29,28 @@ type dialect struct {
 }
 
 // BodyUsage implements proxy.Dialect.
-func (d *dialect) BodyUsage(body []byte) (prompt, cached int) {
+func (d *dialect) BodyUsage(body []byte) proxy.Usage {
 	if d.kind == request.Messages {
-		return chatconv.MessagesUsage(body)
+		return proxyUsage(chatconv.MessagesUsage(body))
 	}
-	return chatconv.ResponsesUsage(body)
+	return proxyUsage(chatconv.ResponsesUsage(body))
 }
 
 // EventUsage implements proxy.Dialect.
-func (d *dialect) EventUsage(payload []byte) (prompt, cached int, ok bool) {
+func (d *dialect) EventUsage(payload []byte) (proxy.Usage, bool) {
+	read := chatconv.ResponsesEventUsage
 	if d.kind == request.Messages {
-		return chatconv.MessagesEventUsage(payload)
+		read = chatconv.MessagesEventUsage
 	}
-	return chatconv.ResponsesEventUsage(payload)
+	u, ok := read(payload)
+	return proxyUsage(u), ok
 }
 
-// BodyOutput implements proxy.OutputCounter: both APIs count what they
+// proxyUsage is u as the proxy counts it: both APIs count what they
 // generated in usage.output_tokens.
-func (d *dialect) BodyOutput(body []byte) int { return chatconv.OutputTokens(body) }
-
-// EventOutput implements proxy.OutputCounter.
-func (d *dialect) EventOutput(payload []byte) (int, bool) { return chatconv.EventOutputTokens(payload) }
+func proxyUsage(u chatconv.Usage) proxy.Usage {
+	return proxy.Usage{Prompt: u.Prompt, Cached: u.Cached, Completion: max(u.Output, 0)}
+}
 
 // Output implements proxy.Dialect: vLLM opens a Responses stream with response.created and
 // response.in_progress before prefill; the events after them come with
@@ -201,5 +202,3 @@ func (o storedObserver) End(proxy.Result)             {}
 func (o storedObserver) Header(_ int, h *fasthttp.ResponseHeader) {
 	h.SetCanonical(hdrReplica, []byte(o.name))
 }
-
-var _ proxy.OutputCounter = (*dialect)(nil)

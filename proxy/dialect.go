@@ -7,12 +7,12 @@ import "bytes"
 // is, which stream event carries the first token, and what the client is
 // to see. Request.Dialect nil means chat completions' shape.
 type Dialect interface {
-	// BodyUsage reads the prompt and cached token counts of a non-streamed
-	// answer, -1 for what it does not say.
-	BodyUsage(body []byte) (prompt, cached int)
-	// EventUsage reads them from one stream event's data; ok is false for
-	// an event without usage.
-	EventUsage(payload []byte) (prompt, cached int, ok bool)
+	// BodyUsage reads the usage of a non-streamed answer (-1, or 0 for
+	// Completion, for what it does not say: see Usage).
+	BodyUsage(body []byte) Usage
+	// EventUsage reads it from one stream event's data; ok is false for an
+	// event without usage.
+	EventUsage(payload []byte) (u Usage, ok bool)
 	// Output reports whether a stream event carries generated output: the
 	// first such event is the first token (these APIs open a stream with
 	// events sent before prefill).
@@ -23,17 +23,6 @@ type Dialect interface {
 	// StreamError is the event that ends a stream broken after it reached
 	// the client, saying msg.
 	StreamError(msg string) []byte
-}
-
-// OutputCounter is a Dialect that also reads how many tokens an answer
-// generated (its usage's output tokens), which quotas charge.
-type OutputCounter interface {
-	// BodyOutput reads a non-streamed answer's output tokens, -1 when it
-	// does not say.
-	BodyOutput(body []byte) int
-	// EventOutput reads them from one stream event's data; ok is false
-	// for an event without usage.
-	EventOutput(payload []byte) (n int, ok bool)
 }
 
 // dialected is a stream's Dialect with what relaying it needs: the target
@@ -47,13 +36,8 @@ type dialected struct {
 // note reads one event's data, reports the first token and returns the
 // data as the client gets it (nil: unchanged).
 func (x *dialected) note(payload []byte, res *Result) []byte {
-	if p, c, ok := x.d.EventUsage(payload); ok {
-		res.PromptTokens, res.CachedTokens = p, c
-		if oc, isCounter := x.d.(OutputCounter); isCounter {
-			if n, ok := oc.EventOutput(payload); ok {
-				res.CompletionTokens = max(n, 0)
-			}
-		}
+	if u, ok := x.d.EventUsage(payload); ok {
+		res.setUsage(u)
 	}
 	if x.first != nil && x.d.Output(payload) {
 		x.first()

@@ -11,12 +11,12 @@ import (
 // "created", and it rewrites "old" to "new-<target>".
 type tagDialect struct{}
 
-func (tagDialect) BodyUsage(body []byte) (int, int) { return -1, -1 }
-func (tagDialect) EventUsage(p []byte) (int, int, bool) {
+func (tagDialect) BodyUsage(body []byte) Usage { return noUsage }
+func (tagDialect) EventUsage(p []byte) (Usage, bool) {
 	if bytes.HasPrefix(p, []byte("u:")) {
-		return int(p[2] - '0'), int(p[4] - '0'), true
+		return Usage{Prompt: int(p[2] - '0'), Cached: int(p[4] - '0')}, true
 	}
-	return -1, -1, false
+	return noUsage, false
 }
 func (tagDialect) StreamError(msg string) []byte {
 	return []byte("event: error\ndata: " + msg + "\n\n")
@@ -70,5 +70,5 @@ func FuzzDialectEvents(f *testing.F) {
 
 type noRewrite struct{ tagDialect }
 
-func (noRewrite) EventUsage([]byte) (int, int, bool) { return -1, -1, false }
-func (noRewrite) Rewrite(int, []byte) []byte         { return nil }
+func (noRewrite) EventUsage([]byte) (Usage, bool) { return noUsage, false }
+func (noRewrite) Rewrite(int, []byte) []byte      { return nil }

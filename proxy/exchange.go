@@ -37,6 +37,6 @@ func (f *Forwarder) Exchange(up *Upstream, req *Request) (Answer, error) {
 	defer fasthttp.ReleaseResponse(resp)
 	a := Answer{Status: resp.StatusCode(), Body: bytes.Clone(resp.Body()), Elapsed: time.Since(start)}
 	u := usageFromBody(a.Body)
-	a.PromptTokens, a.CachedTokens = u.prompt, u.cached
+	a.PromptTokens, a.CachedTokens = u.Prompt, u.Cached
 	return a, nil
 }

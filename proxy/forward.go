@@ -114,7 +114,7 @@ type Result struct {
 	Overran bool
 	// PromptTokens and CachedTokens come from the engine's usage report;
 	// -1 when the response carried none. CompletionTokens too, 0 when it
-	// carried none (with a Dialect, only if it is an OutputCounter).
+	// carried none.
 	PromptTokens     int
 	CachedTokens     int
 	CompletionTokens int
@@ -800,7 +800,7 @@ func writeEvents(w *bufio.Writer, data []byte, strip bool, res *Result, done *bo
 			} else {
 				if bytes.Contains(payload, usageKey) {
 					if u, usageOnly, ok := parseUsageChunk(payload); ok {
-						res.PromptTokens, res.CachedTokens, res.CompletionTokens = u.prompt, u.cached, u.completion
+						res.setUsage(u)
 						keep = !(strip && usageOnly)
 					}
 				}
@@ -853,17 +853,18 @@ func (req *Request) dialected(i int, first func()) *dialected {
 // res and, with a dialect, rewrites the answer as the client gets it.
 func (req *Request) bodyUsage(i int, resp *fasthttp.Response, res *Result) {
 	if req.Dialect == nil {
-		u := usageFromBody(resp.Body())
-		res.PromptTokens, res.CachedTokens, res.CompletionTokens = u.prompt, u.cached, u.completion
+		res.setUsage(usageFromBody(resp.Body()))
 		return
 	}
-	res.PromptTokens, res.CachedTokens = req.Dialect.BodyUsage(resp.Body())
-	if oc, ok := req.Dialect.(OutputCounter); ok {
-		res.CompletionTokens = max(oc.BodyOutput(resp.Body()), 0)
-	}
+	res.setUsage(req.Dialect.BodyUsage(resp.Body()))
 	if out := req.Dialect.Rewrite(i, resp.Body()); out != nil {
 		resp.SetBody(out)
 	}
+}
+
+// setUsage takes the counts of an engine's usage report.
+func (r *Result) setUsage(u Usage) {
+	r.PromptTokens, r.CachedTokens, r.CompletionTokens = u.Prompt, u.Cached, u.Completion
 }
 
 var (

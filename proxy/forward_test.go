@@ -408,7 +408,7 @@ func TestUsageFromBody(t *testing.T) {
 	}
 	for body, want := range cases {
 		u := usageFromBody([]byte(body))
-		if u.prompt != want[0] || u.cached != want[1] {
+		if u.Prompt != want[0] || u.Cached != want[1] {
 			t.Errorf("%s: got %+v want %v", body, u, want)
 		}
 	}

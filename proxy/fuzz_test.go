@@ -40,7 +40,7 @@ func FuzzUsageFromBody(f *testing.F) {
 	f.Fuzz(func(t *testing.T, prefix []byte, prompt, cached, completion uint16) {
 		usageFromBody(prefix)
 		body := fmt.Sprintf(`{"x":%q,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":%d}}}`, prefix, prompt, completion, cached)
-		if u := usageFromBody([]byte(body)); u != (usage{prompt: int(prompt), cached: int(cached), completion: int(completion)}) {
+		if u := usageFromBody([]byte(body)); u != (Usage{Prompt: int(prompt), Cached: int(cached), Completion: int(completion)}) {
 			t.Fatalf("%s: got %+v", body, u)
 		}
 	})

@@ -5,13 +5,15 @@ import (
 	"encoding/json"
 )
 
-// usage is the part of an engine's usage report the router counts.
-type usage struct {
-	prompt, cached int
-	// completion is 0 when the report gave none (an answer has one token
-	// at least).
-	completion int
+// Usage is the part of an engine's usage report the router counts:
+// prompt and cached tokens, -1 when the report gave none, and completion
+// tokens, 0 when it gave none (an answer has one token at least).
+type Usage struct {
+	Prompt, Cached, Completion int
 }
+
+// noUsage is a report that says nothing.
+var noUsage = Usage{Prompt: -1, Cached: -1}
 
 type usageJSON struct {
 	PromptTokens        *int `json:"prompt_tokens"`
@@ -21,16 +23,16 @@ type usageJSON struct {
 	} `json:"prompt_tokens_details"`
 }
 
-func (u *usageJSON) values() usage {
-	out := usage{prompt: -1, cached: -1}
+func (u *usageJSON) values() Usage {
+	out := noUsage
 	if u.PromptTokens != nil {
-		out.prompt = *u.PromptTokens
+		out.Prompt = *u.PromptTokens
 	}
 	if u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
-		out.cached = *u.PromptTokensDetails.CachedTokens
+		out.Cached = *u.PromptTokensDetails.CachedTokens
 	}
 	if u.CompletionTokens != nil && *u.CompletionTokens > 0 {
-		out.completion = *u.CompletionTokens
+		out.Completion = *u.CompletionTokens
 	}
 	return out
 }
@@ -39,8 +41,8 @@ func (u *usageJSON) values() usage {
 // the whole body: engines put usage last, so it finds the last "usage" key
 // and reads its numbers from that object: -1 for a prompt or cached count
 // that is absent, 0 for an absent completion count.
-func usageFromBody(body []byte) usage {
-	none := usage{prompt: -1, cached: -1}
+func usageFromBody(body []byte) Usage {
+	none := noUsage
 	i := bytes.LastIndex(body, usageKey)
 	if i < 0 {
 		return none
@@ -55,8 +57,8 @@ func usageFromBody(body []byte) usage {
 		return none
 	}
 	obj := rest[:end]
-	return usage{prompt: intField(obj, promptTokensKey), cached: intField(obj, cachedTokensKey),
-		completion: max(intField(obj, completionTokensKey), 0)}
+	return Usage{Prompt: intField(obj, promptTokensKey), Cached: intField(obj, cachedTokensKey),
+		Completion: max(intField(obj, completionTokensKey), 0)}
 }
 
 var (
@@ -125,13 +127,13 @@ func intField(obj, key []byte) int {
 
 // parseUsageChunk decodes a stream chunk carrying usage. usageOnly is true
 // for the extra chunk include_usage adds: usage set and no choices.
-func parseUsageChunk(payload []byte) (u usage, usageOnly, ok bool) {
+func parseUsageChunk(payload []byte) (u Usage, usageOnly, ok bool) {
 	var chunk struct {
 		Choices []json.RawMessage `json:"choices"`
 		Usage   *usageJSON        `json:"usage"`
 	}
 	if json.Unmarshal(payload, &chunk) != nil || chunk.Usage == nil {
-		return usage{}, false, false
+		return Usage{}, false, false
 	}
 	return chunk.Usage.values(), len(chunk.Choices) == 0, true
 }
