@@ -40,11 +40,13 @@ func (g *Gateway) prefill(l *ledger, req *proxy.Request, k request.Kind) {
 			if !ok {
 				continue
 			}
+			// Every decode target reads the same parameters.
+			decode, _ := request.DecodeBody(req.Body, params) // req.Body is an object: PrefillBody took it
 			req.Bodies = req.Bodies[:0]
 			for i := range l.plan.Targets {
 				var b []byte
 				if l.plan.Targets[i].Split {
-					b, _ = request.DecodeBody(req.Body, params) // req.Body is an object: PrefillBody took it
+					b = decode
 				}
 				req.Bodies = append(req.Bodies, b)
 			}

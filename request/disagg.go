@@ -23,17 +23,11 @@ const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remot
 // completion request of kind k) computing its prompt and one token, its KV
 // held for the decode.
 func PrefillBody(body []byte, k Kind) ([]byte, error) {
-	b, err := appendField(body, "kv_transfer_params", []byte(prefillParams))
-	if err != nil {
-		return nil, err
-	}
-	b, _ = appendField(b, "stream", []byte("false"))
-	b, _ = appendField(b, "stream_options", []byte("null"))
-	b, _ = appendField(b, "max_tokens", []byte("1"))
+	members := `"kv_transfer_params":` + prefillParams + `,"stream":false,"stream_options":null,"max_tokens":1`
 	if k == Chat {
-		b, _ = appendField(b, "max_completion_tokens", []byte("1"))
+		members += `,"max_completion_tokens":1`
 	}
-	return b, nil
+	return appendMembers(body, members)
 }
 
 // DecodeBody is the body of a split request's decode: body with the

@@ -511,21 +511,24 @@ func WithPriority(body []byte, n int) ([]byte, error) {
 // appendField appends "key":value as the last member of the JSON object
 // body: JSON decoders in Python and Go keep the last of duplicate keys.
 func appendField(body []byte, key string, value []byte) ([]byte, error) {
+	return appendMembers(body, `"`+key+`":`+string(value))
+}
+
+// appendMembers appends members (`"k":v,...`) as the last of the JSON
+// object body, in one copy of it.
+func appendMembers(body []byte, members string) ([]byte, error) {
 	end := bytes.LastIndexByte(body, '}')
 	start := bytes.IndexByte(body, '{')
 	if end < 0 || start < 0 || start > end {
 		return nil, errors.New("request: body is not an object")
 	}
 	inner := bytes.TrimSpace(body[start+1 : end])
-	out := make([]byte, 0, len(body)+len(key)+len(value)+4)
+	out := make([]byte, 0, len(body)+len(members)+1)
 	out = append(out, body[:end]...)
 	if len(inner) > 0 {
 		out = append(out, ',')
 	}
-	out = append(out, '"')
-	out = append(out, key...)
-	out = append(out, '"', ':')
-	out = append(out, value...)
+	out = append(out, members...)
 	out = append(out, body[end:]...)
 	return out, nil
 }
