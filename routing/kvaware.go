@@ -269,7 +269,7 @@ func (p *kvaware) checkImbalance(model string, k *costfit.Coefficients, cands []
 	for i := range cands {
 		q := p.cfg.queue(k, &cands[i])
 		total += q
-		longestQ.push(q)
+		longestQ = longestQ.push(q)
 	}
 	longest := longestQ.mean()
 	others := float64(total-longestQ.sum()) / float64(len(cands)-len(longestQ.q))
@@ -302,16 +302,19 @@ type topQueueSet struct {
 	k int
 }
 
-func (t *topQueueSet) push(v time.Duration) {
+// push returns t with v pushed. It takes and returns t by value so that a
+// set over a caller's stack array stays there: through a pointer, escape
+// analysis moves the array to the heap.
+func (t topQueueSet) push(v time.Duration) topQueueSet {
 	if len(t.q) < t.k {
 		t.q = append(t.q, v)
 		for i := len(t.q) - 1; i > 0 && t.q[(i-1)/2] > t.q[i]; i = (i - 1) / 2 {
 			t.q[i], t.q[(i-1)/2] = t.q[(i-1)/2], t.q[i]
 		}
-		return
+		return t
 	}
 	if v <= t.q[0] {
-		return
+		return t
 	}
 	t.q[0] = v
 	for i := 0; ; {
@@ -323,7 +326,7 @@ func (t *topQueueSet) push(v time.Duration) {
 			m = r
 		}
 		if m == i {
-			return
+			return t
 		}
 		t.q[i], t.q[m] = t.q[m], t.q[i]
 		i = m

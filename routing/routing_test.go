@@ -515,6 +515,24 @@ func TestRoundRobinTurnsPerModel(t *testing.T) {
 	}
 }
 
+// TestKVAwareRouteAllocatesNothing: a decision among up to 64 candidates
+// keeps its scratch space on the stack, as the router's request path
+// expects of a policy.
+func TestKVAwareRouteAllocatesNothing(t *testing.T) {
+	p := mustPolicy(t, "kvaware")
+	cands := fleetOf(50)
+	for i := range cands {
+		cands[i].MatchedTokens = (i % 5) * 512
+		cands[i].Running = i % 7
+		cands[i].PendingPrefillTokens = (i % 3) * 1000
+	}
+	req := &Request{Model: "m", PromptTokens: 4096, BlockSize: 16, AffinityKey: 0x9e3779b97f4a7c15, Now: t0}
+	var d Decision
+	if allocs := testing.AllocsPerRun(100, func() { p.Route(req, cands, &d) }); allocs != 0 {
+		t.Fatalf("kvaware allocates %.0f times a decision among 50 candidates", allocs)
+	}
+}
+
 func BenchmarkKVAwareRoute50(b *testing.B) {
 	p, _ := New("kvaware", Config{})
 	cands := fleetOf(50)
