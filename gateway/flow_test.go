@@ -173,10 +173,7 @@ func TestWaitPastTheBoundIs503WithRetryAfter(t *testing.T) {
 	}
 }
 
-// noisyAndCalm is a directory of two standard tenants, keyed k-noisy and
-// k-calm, beside the default one.
-func noisyAndCalm(t *testing.T) *tenant.Directory {
-	t.Helper()
+func TestTenantOverItsShareIs429(t *testing.T) {
 	d, err := tenant.New(tenant.Spec{
 		Default: tenant.Tenant{MaxPriority: flowcontrol.Standard},
 		Tenants: []tenant.Tenant{{Name: "noisy", MaxPriority: flowcontrol.Standard}, {Name: "calm", MaxPriority: flowcontrol.Standard}},
@@ -185,11 +182,6 @@ func noisyAndCalm(t *testing.T) *tenant.Directory {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return d
-}
-
-func TestTenantOverItsShareIs429(t *testing.T) {
-	d := noisyAndCalm(t)
 	fc := FlowControl{}
 	fc.Bands[flowcontrol.Standard].MaxWait = time.Second
 	r := newFlowRouter(t, fc, d)
@@ -353,7 +345,14 @@ func TestEnginePriorityCarriesTheBand(t *testing.T) {
 // band, so it passes the heavy tenant's work queued there too; the heavy
 // tenant's keep the band's own place.
 func TestUnderShareTenantPassesAtTheEngine(t *testing.T) {
-	d := noisyAndCalm(t)
+	d, err := tenant.New(tenant.Spec{
+		Default: tenant.Tenant{MaxPriority: flowcontrol.Standard},
+		Tenants: []tenant.Tenant{{Name: "noisy", MaxPriority: flowcontrol.Standard}, {Name: "calm", MaxPriority: flowcontrol.Standard}},
+		Keys:    [][]string{{"k-noisy"}, {"k-calm"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	rt := newRouter(t, Settings{Flow: FlowControl{Enabled: true}, Tenants: d, Models: map[string]Model{testModel: {EnginePriority: true}}}, 1<<20)
 	engine, bodies := recordingEngine(t)
 	rt.table.Upsert(fleet.Info{Name: "a", Models: []string{testModel}, URL: engine, Protocol: fleet.ProtocolVLLM, KVEvents: true, BlockSize: 16}, time.Now())
