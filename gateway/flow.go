@@ -456,11 +456,9 @@ func (f *flowGate) room(q *flowcontrol.Queue[*waiter], w *waiter) bool {
 		w.err = err
 		return true
 	}
-	under := q.UnderShare(&w.ticket)
-	if f.saturated(l, under) {
+	if f.saturated(l, q.UnderShare(&w.ticket)) {
 		return false
 	}
-	l.underShare = under
 	if rl := l.load(0); rl != nil && len(l.targets) > 0 {
 		rl.requests.Add(1)
 		rl.prefill.Add(int64(l.plan.Targets[0].Uncached))

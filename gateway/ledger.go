@@ -75,9 +75,6 @@ type ledger struct {
 	req      *request.Request
 	queued   time.Duration
 	reserved bool
-	// underShare: the dispatcher let it go while its tenant held less than
-	// its weighted share of its band's queued tokens (enginePriority).
-	underShare bool
 	// charged is what admission charged the tenant's quota (quotaHeld).
 	charged   int64
 	quotaHeld bool
@@ -105,7 +102,6 @@ func (g *Gateway) newLedger(s *Settings) *ledger {
 	l.pin, l.pinWhat, l.session = "", "", ""
 	l.continued, l.chain, l.previous, l.previousClient = nil, nil, "", ""
 	l.tenant, l.priority, l.req, l.queued, l.reserved, l.charged, l.quotaHeld = s.Tenants.Default(), flowcontrol.Standard, nil, 0, false, 0, false
-	l.underShare = false
 	return l
 }
 

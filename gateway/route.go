@@ -96,7 +96,7 @@ func (g *Gateway) serveCompletion(ctx *fasthttp.RequestCtx, k request.Kind) {
 	// vLLM's Anthropic handler builds its chat request without a priority
 	// (_build_base_request, 0001948b): a Messages body gets none.
 	if s.Models[p.Model].EnginePriority && k != request.Passthrough && k != request.Messages {
-		if b, err := request.WithPriority(body, enginePriority(l.priority, l.underShare)); err == nil {
+		if b, err := request.WithPriority(body, enginePriority(l.priority)); err == nil {
 			body = b
 		}
 	}
@@ -171,18 +171,9 @@ func (g *Gateway) admit(ctx *fasthttp.RequestCtx, l *ledger, slo time.Duration) 
 }
 
 // enginePriority is vLLM's request priority for band p (lower is served
-// first): two places a band, strict between bands, and within one a request
-// let go while its tenant was under its fair share (underShare) passes the
-// band's heavy users' work already queued at the engine, as it passed them
-// in the router's queue. Standard is vLLM's default 0, so requests reaching
-// an engine without the router keep their place.
-func enginePriority(p flowcontrol.Priority, underShare bool) int {
-	n := 2 * (int(p) - int(flowcontrol.Standard))
-	if underShare {
-		n--
-	}
-	return n
-}
+// first): standard is vLLM's default 0, so requests reaching an engine
+// without the router keep their place.
+func enginePriority(p flowcontrol.Priority) int { return int(p) - int(flowcontrol.Standard) }
 
 // soleModel returns the only model the fleet serves, or "".
 func soleModel(snap *fleet.Snapshot) string {

@@ -302,10 +302,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 		"noisy": {
 			Name: "noisy", About: "two tenants chatting over a shared 1,500-token prompt at 3 req/s each, a third sending 40 req/s of cold 3,000-token prompts",
 			Replicas: 2, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
-			// As in overload: a tenant under its share passes the noisy
-			// one's requests at the engine as in the router's queue.
-			EngineArgs:   []string{"--scheduling-policy", "priority"},
-			RouterConfig: tenantConfig(NoisyStreams) + "models: [{name: sim, engine_priority: true}]\n",
+			RouterConfig: tenantConfig(NoisyStreams),
 			Policies:     []string{"kvaware", "kvaware+fc", "kvaware+without=noisy"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Mix("noisy", NoisyStreams, seed, d)
