@@ -128,3 +128,52 @@ func TestAdminListenerServesOperatorRoutesAlone(t *testing.T) {
 		}
 	}
 }
+
+// TestPassthroughPathsReachEngines: a path the operator adds
+// (Settings.PassthroughPaths) is passed through as enginePaths are, a GET
+// to it is a 405, and a reload without it makes it the router's 404 again.
+func TestPassthroughPathsReachEngines(t *testing.T) {
+	engine, served := countingEngine(t)
+	r := newRouter(t, Settings{PassthroughPaths: []string{"/v1/new_endpoint", "/invocations"}}, 1<<20)
+	r.table.AddStatic("e", engine, []string{testModel})
+	body := `{"model":"` + testModel + `","input":"hi"}`
+	for _, path := range []string{"/v1/new_endpoint", "/invocations", "/v1/embeddings"} {
+		if res := r.post(t, path, body); res.status != 200 || res.body != `{"path":"`+path+`","usage":{"prompt_tokens":1}}` {
+			t.Errorf("POST %s: %d %s, want the engine's answer", path, res.status, res.body)
+		}
+	}
+	if res := r.get(t, "/v1/new_endpoint"); res.status != 405 || res.header["allow"] != "POST" {
+		t.Errorf("GET /v1/new_endpoint: %d %v, want 405 with Allow: POST", res.status, res.header)
+	}
+	if res := r.post(t, "/v1/new_endpoint/", body); res.status != 404 {
+		t.Errorf("POST /v1/new_endpoint/: %d %s, want 404 (paths match exactly)", res.status, res.body)
+	}
+	if n := served.Load(); n != 3 {
+		t.Fatalf("the engine served %d requests, want 3", n)
+	}
+	r.g.Apply(Settings{})
+	want := `{"error":{"message":"no route POST /v1/new_endpoint","type":"not_found_error","code":404}}`
+	if res := r.post(t, "/v1/new_endpoint", body); res.status != 404 || res.body != want {
+		t.Errorf("after a reload without it: %d %s, want %s", res.status, res.body, want)
+	}
+	if n := served.Load(); n != 3 {
+		t.Errorf("the engine served %d requests, want still 3", n)
+	}
+}
+
+// TestCheckPassthroughPath: a path alone, and none the router answers.
+func TestCheckPassthroughPath(t *testing.T) {
+	for _, ok := range []string{"/v1/new_endpoint", "/invocations", "/v1/embeddings", "/generate"} {
+		if err := CheckPassthroughPath(ok); err != nil {
+			t.Errorf("%q: %v, want accepted", ok, err)
+		}
+	}
+	for _, bad := range []string{"", "/", "v1/x", "/x?y=1", "/x#f", "/x y", "/x\n",
+		"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize",
+		"/v1/models", "/v1/models/llama", "/v1/responses/resp_1/cancel", "/health", "/ready",
+		"/metrics", "/admin/replicas", "/admin/x", "/"} {
+		if err := CheckPassthroughPath(bad); err == nil {
+			t.Errorf("%q accepted, want refused", bad)
+		}
+	}
+}
