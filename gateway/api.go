@@ -409,9 +409,12 @@ var enginePaths = map[string]bool{
 	"/v1/rerank":   true, // vLLM, SGLang
 	"/v2/rerank":   true, // vLLM (Cohere's shape)
 	"/v2/embed":    true, // vLLM (Cohere's shape)
-	// Token ids in and out (vLLM's disaggregated serving); the body's
-	// token_ids are not matched against caches: routed by load.
-	"/inference/v1/generate": true, // vLLM
+	// Native generation APIs, routed by load (their prompts are not
+	// matched against caches). SGLang's body names no model: it is routed
+	// when the fleet serves a single one, else refused as a request
+	// without a model.
+	"/inference/v1/generate": true, // vLLM: token ids in and out (disaggregated serving)
+	"/generate":              true, // SGLang's native API
 	// Tokenizer
 	"/detokenize":    true, // vLLM, SGLang
 	"/v1/tokenize":   true, // SGLang (the router answers /tokenize itself)

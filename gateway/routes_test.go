@@ -32,7 +32,7 @@ func TestMistypedPathIsRouters404(t *testing.T) {
 	for _, path := range []string{
 		"/v1/chat/completion", "/v1/chat/completions/", "/v1/embedding", "/v1/completions/x",
 		"/v1/responses/resp_1/x", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-		"/v2/anything", "/v1/", "/generate", "/reset_prefix_cache", "/V1/embeddings",
+		"/v2/anything", "/v1/", "/generate/", "/v1/generate", "/reset_prefix_cache", "/V1/embeddings",
 	} {
 		res := r.post(t, path, body)
 		want := `{"error":{"message":"no route POST ` + path + `","type":"not_found_error","code":404}}`
@@ -67,6 +67,10 @@ func TestEnginePathsPassThrough(t *testing.T) {
 	}
 	if n := served.Load(); n != int64(len(paths)) {
 		t.Errorf("the engine served %d requests, want %d (one per path)", n, len(paths))
+	}
+	// SGLang's native /generate names no model: the fleet's only one.
+	if res := r.post(t, "/generate", `{"text":"hi","sampling_params":{"max_new_tokens":4}}`); res.status != 200 || res.header["x-kvmesh-replica"] != "e" {
+		t.Errorf("POST /generate without a model: %d %v %s, want the engine's answer", res.status, res.header, res.body)
 	}
 	for _, p := range []string{"/v1/embeddings", "/v1/audio/transcriptions", "/rerank", "/v1/messages/count_tokens", "/detokenize"} {
 		if !enginePaths[p] {
