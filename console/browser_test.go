@@ -474,6 +474,13 @@ func TestConsoleInBrowser(t *testing.T) {
 		chromedp.SendKeys(chromedp.CSS("#token-input"), adminToken),
 		chromedp.Click(chromedp.CSS("#token-submit")))
 	poll("waiting for the confirmation", `[...document.querySelectorAll('.toast')].some(e => e.textContent.includes('cleared for `+target+`'))`, 5*time.Second)
+	// What changed, from the router's answer, in the toast and kept beside
+	// the button once the toast is gone.
+	const changed = ` filter keys dropped here. Its requests are routed by load until its sidecar publishes a fresh filter`
+	poll("waiting for what the clear changed", `[...document.querySelectorAll('.toast')].some(e => /cleared for `+target+` on every router: [0-9,]+`+changed+`/.test(e.textContent))`, 5*time.Second)
+	if s := text("#clear-last"); !strings.HasPrefix(s, "Last clear, at ") || !strings.Contains(s, "cleared for "+target+" on every router: ") || !strings.Contains(s, changed) {
+		t.Errorf("beside the button after the clear: %q, want what it changed", s)
+	}
 	var after map[string]replica
 	for deadline := time.Now().Add(8 * time.Second); ; {
 		if after, err = replicas(ctx, router); err != nil {
@@ -504,6 +511,9 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	step("clear all, second click", chromedp.Click(chromedp.CSS("#clear-all")))
 	poll("waiting for the clear-all confirmation", `[...document.querySelectorAll('.toast')].some(e => e.textContent.includes('cleared for all replicas'))`, 5*time.Second)
+	if s := text("#clear-last"); !strings.Contains(s, "cleared for all replicas on every router: ") || !strings.Contains(s, " over ") {
+		t.Errorf("beside the button after clearing all: %q, want the keys dropped over every replica", s)
+	}
 	if log, err := os.ReadFile(filepath.Join(out, "router-0.log")); err != nil || !bytes.Contains(log, []byte(`"replicas":"all"`)) {
 		t.Errorf("router log has no clear of all replicas (%v)", err)
 	}

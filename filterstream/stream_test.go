@@ -69,8 +69,13 @@ func newCluster(t *testing.T) *cluster {
 // addRouter starts router name (table and receiver empty) and has it meet
 // every member already running.
 func (c *cluster) addRouter(name string) *simRouter {
-	r := &simRouter{member: "router/" + name, tb: fleet.NewTable(fleet.TableConfig{}),
-		meta: Meta{Role: RoleRouter, Name: name, SchemeVersion: blockkey.SchemeVersion, Capabilities: CapInflightOthers, Epoch: uint64(len(c.routers)+1) << 8}}
+	return c.addRouterAs(Meta{Role: RoleRouter, Name: name, SchemeVersion: blockkey.SchemeVersion, Capabilities: CapInflightOthers, Epoch: uint64(len(c.routers)+1) << 8})
+}
+
+// addRouterAs starts a router announcing meta and has it meet every member
+// already running.
+func (c *cluster) addRouterAs(meta Meta) *simRouter {
+	r := &simRouter{member: "router/" + meta.Name, tb: fleet.NewTable(fleet.TableConfig{}), meta: meta}
 	r.r = NewReceiver(ReceiverConfig{Self: r.member, Epoch: r.meta.Epoch}, r.tb)
 	c.routers[r.member] = r
 	for _, o := range c.routers {
@@ -88,10 +93,16 @@ func (c *cluster) addRouter(name string) *simRouter {
 // addSidecar starts sidecar name with a filter of boot epoch epoch and has
 // it meet every router.
 func (c *cluster) addSidecar(name string, epoch uint64) *simSidecar {
+	return c.addSidecarAs(Meta{Role: RoleSidecar, Name: name, Models: []string{"m"}, Protocol: fleet.ProtocolVLLM, BlockSize: 16,
+		SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: epoch})
+}
+
+// addSidecarAs starts a sidecar announcing meta (its filter's boot epoch
+// meta.Epoch) and has it meet every router.
+func (c *cluster) addSidecarAs(meta Meta) *simSidecar {
+	name, epoch := meta.Name, meta.Epoch
 	s := &simSidecar{member: "sidecar/" + name, engine: Load{Healthy: true, Waiting: 2, Running: 3, KVUsage: 0.25},
-		g: bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096, MaxDeltaKeys: 8}, epoch, c.now)}
-	s.meta = Meta{Role: RoleSidecar, Name: name, Models: []string{"m"}, Protocol: fleet.ProtocolVLLM, BlockSize: 16,
-		SchemeVersion: blockkey.SchemeVersion, Capabilities: CapKVEvents | CapInflight | CapInflightOthers, Epoch: epoch}
+		g: bloom.NewGenerations(bloom.GenerationConfig{Capacity: 4096, MaxDeltaKeys: 8}, epoch, c.now), meta: meta}
 	s.s = NewSender(SenderConfig{Self: s.member, Name: name, Epoch: epoch})
 	c.sidecars[s.member] = s
 	for _, r := range c.routers {

@@ -372,6 +372,8 @@ var modelPrefix = []byte("/v1/models/")
 // form field of a multipart upload), chosen by load. Any other path is the
 // router's own 404 (noRoute): a mistyped URL is not sent to an engine to
 // be answered there, or served by an engine route nobody meant to expose.
+// An engine route missing here is added with --passthrough-paths
+// (Settings.PassthroughPaths) until a release lists it.
 //
 // The list is the model-serving POST routes of vLLM's OpenAI server
 // (vllm/entrypoints/openai/api_server.py and the routers it mounts: v0.14.0,
@@ -383,7 +385,10 @@ var modelPrefix = []byte("/v1/models/")
 // .../cancel, sent where their id says they live) and what must not reach
 // just one replica of many: adapter loading, cache resets, sleep, profiling
 // and weight updates act on one engine; files and batches live on the
-// engine that made them.
+// engine that made them. /inference/v1/generate is vLLM's token-in,
+// token-out route (vllm/entrypoints/serve/disagg/api_router.py, main at
+// 063e5a89d54d); SageMaker's /invocations is left out: its body, not its
+// path, says which API it is.
 var enginePaths = map[string]bool{
 	// OpenAI's API
 	"/v1/embeddings":              true, // vLLM, SGLang
@@ -404,6 +409,12 @@ var enginePaths = map[string]bool{
 	"/v1/rerank":   true, // vLLM, SGLang
 	"/v2/rerank":   true, // vLLM (Cohere's shape)
 	"/v2/embed":    true, // vLLM (Cohere's shape)
+	// Native generation APIs, routed by load (their prompts are not
+	// matched against caches). SGLang's body names no model: it is routed
+	// when the fleet serves a single one, else refused as a request
+	// without a model.
+	"/inference/v1/generate": true, // vLLM: token ids in and out (disaggregated serving)
+	"/generate":              true, // SGLang's native API
 	// Tokenizer
 	"/detokenize":    true, // vLLM, SGLang
 	"/v1/tokenize":   true, // SGLang (the router answers /tokenize itself)
@@ -413,6 +424,29 @@ var enginePaths = map[string]bool{
 // passedThrough reports whether a POST to path goes to a replica of the
 // request's model, by load (enginePaths).
 func passedThrough(path []byte) bool { return enginePaths[string(path)] }
+
+// CheckPassthroughPath says why path cannot be one of
+// Settings.PassthroughPaths: it must be an absolute path alone (no query,
+// fragment, space or control byte, matched exactly as a request's path is)
+// and none the router answers itself, which it would shadow or never reach.
+func CheckPassthroughPath(path string) error {
+	switch {
+	case !strings.HasPrefix(path, "/") || len(path) < 2:
+		return fmt.Errorf("passthrough path %q: want an absolute path such as /v1/new_endpoint", path)
+	case strings.ContainsAny(path, "?# ") || strings.ContainsFunc(path, func(r rune) bool { return r < 0x20 || r == 0x7f }):
+		return fmt.Errorf("passthrough path %q: a path alone, without query, fragment or spaces", path)
+	}
+	b := []byte(path)
+	switch path {
+	case "/health", "/ready", "/tokenize", "/v1/models",
+		"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages":
+		return fmt.Errorf("passthrough path %s is the router's own route", path)
+	}
+	if operatorRoute(b) || bytes.HasPrefix(b, responsesPrefix) || bytes.HasPrefix(b, modelPrefix) {
+		return fmt.Errorf("passthrough path %s is the router's own route", path)
+	}
+	return nil
+}
 
 // postOnly reports whether path is served for POST alone, so that another
 // method gets a 405 rather than a 404 that reads as a wrong URL.

@@ -121,7 +121,14 @@ type Settings struct {
 	// SessionHeaders are the request headers naming a client's session, the
 	// first one present wins (nil: DefaultSessionHeaders; empty: none).
 	SessionHeaders []string
+	// PassthroughPaths are POST paths passed through by model and load as
+	// enginePaths are (--passthrough-paths): an engine route this build
+	// does not list stays reachable without a new release. Each must pass
+	// CheckPassthroughPath.
+	PassthroughPaths []string
 
+	// passthrough is PassthroughPaths as a set (withDefaults).
+	passthrough map[string]bool
 	// plan and planModels are the above as the planner reads them
 	// (withDefaults).
 	plan       plan.Settings
@@ -188,6 +195,10 @@ func (s *Settings) withDefaults() *Settings {
 		c.Tenants, _ = tenant.New(tenant.Spec{Default: tenant.Tenant{MaxPriority: flowcontrol.Standard}, DefaultKeys: keys})
 	}
 	c.Flow = c.Flow.withDefaults()
+	c.passthrough = make(map[string]bool, len(c.PassthroughPaths))
+	for _, p := range c.PassthroughPaths {
+		c.passthrough[p] = true
+	}
 	if c.SessionHeaders == nil {
 		c.SessionHeaders = DefaultSessionHeaders
 	}
@@ -357,9 +368,9 @@ func (g *Gateway) serveAPI(ctx *fasthttp.RequestCtx, path []byte) {
 		g.serveModels(ctx, string(path[len(modelPrefix):]))
 	case post && string(path) == "/tokenize":
 		g.serveTokenize(ctx)
-	case post && passedThrough(path):
+	case post && (passedThrough(path) || g.Settings().passthrough[string(path)]):
 		g.serveCompletion(ctx, request.Passthrough)
-	case !post && postOnly(path):
+	case !post && (postOnly(path) || g.Settings().passthrough[string(path)]):
 		onlyPost(ctx, path)
 	default:
 		noRoute(ctx)

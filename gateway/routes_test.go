@@ -32,7 +32,7 @@ func TestMistypedPathIsRouters404(t *testing.T) {
 	for _, path := range []string{
 		"/v1/chat/completion", "/v1/chat/completions/", "/v1/embedding", "/v1/completions/x",
 		"/v1/responses/resp_1/x", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-		"/v2/anything", "/v1/", "/generate", "/reset_prefix_cache", "/V1/embeddings",
+		"/v2/anything", "/v1/", "/generate/", "/v1/generate", "/reset_prefix_cache", "/V1/embeddings",
 	} {
 		res := r.post(t, path, body)
 		want := `{"error":{"message":"no route POST ` + path + `","type":"not_found_error","code":404}}`
@@ -67,6 +67,10 @@ func TestEnginePathsPassThrough(t *testing.T) {
 	}
 	if n := served.Load(); n != int64(len(paths)) {
 		t.Errorf("the engine served %d requests, want %d (one per path)", n, len(paths))
+	}
+	// SGLang's native /generate names no model: the fleet's only one.
+	if res := r.post(t, "/generate", `{"text":"hi","sampling_params":{"max_new_tokens":4}}`); res.status != 200 || res.header["x-kvmesh-replica"] != "e" {
+		t.Errorf("POST /generate without a model: %d %v %s, want the engine's answer", res.status, res.header, res.body)
 	}
 	for _, p := range []string{"/v1/embeddings", "/v1/audio/transcriptions", "/rerank", "/v1/messages/count_tokens", "/detokenize"} {
 		if !enginePaths[p] {
@@ -125,6 +129,55 @@ func TestAdminListenerServesOperatorRoutesAlone(t *testing.T) {
 		a, b := api.get(t, path), admin.get(t, path)
 		if a.status != 200 || b.status != 200 {
 			t.Errorf("GET %s: API port %d, admin port %d, want 200 on both", path, a.status, b.status)
+		}
+	}
+}
+
+// TestPassthroughPathsReachEngines: a path the operator adds
+// (Settings.PassthroughPaths) is passed through as enginePaths are, a GET
+// to it is a 405, and a reload without it makes it the router's 404 again.
+func TestPassthroughPathsReachEngines(t *testing.T) {
+	engine, served := countingEngine(t)
+	r := newRouter(t, Settings{PassthroughPaths: []string{"/v1/new_endpoint", "/invocations"}}, 1<<20)
+	r.table.AddStatic("e", engine, []string{testModel})
+	body := `{"model":"` + testModel + `","input":"hi"}`
+	for _, path := range []string{"/v1/new_endpoint", "/invocations", "/v1/embeddings"} {
+		if res := r.post(t, path, body); res.status != 200 || res.body != `{"path":"`+path+`","usage":{"prompt_tokens":1}}` {
+			t.Errorf("POST %s: %d %s, want the engine's answer", path, res.status, res.body)
+		}
+	}
+	if res := r.get(t, "/v1/new_endpoint"); res.status != 405 || res.header["allow"] != "POST" {
+		t.Errorf("GET /v1/new_endpoint: %d %v, want 405 with Allow: POST", res.status, res.header)
+	}
+	if res := r.post(t, "/v1/new_endpoint/", body); res.status != 404 {
+		t.Errorf("POST /v1/new_endpoint/: %d %s, want 404 (paths match exactly)", res.status, res.body)
+	}
+	if n := served.Load(); n != 3 {
+		t.Fatalf("the engine served %d requests, want 3", n)
+	}
+	r.g.Apply(Settings{})
+	want := `{"error":{"message":"no route POST /v1/new_endpoint","type":"not_found_error","code":404}}`
+	if res := r.post(t, "/v1/new_endpoint", body); res.status != 404 || res.body != want {
+		t.Errorf("after a reload without it: %d %s, want %s", res.status, res.body, want)
+	}
+	if n := served.Load(); n != 3 {
+		t.Errorf("the engine served %d requests, want still 3", n)
+	}
+}
+
+// TestCheckPassthroughPath: a path alone, and none the router answers.
+func TestCheckPassthroughPath(t *testing.T) {
+	for _, ok := range []string{"/v1/new_endpoint", "/invocations", "/v1/embeddings", "/generate"} {
+		if err := CheckPassthroughPath(ok); err != nil {
+			t.Errorf("%q: %v, want accepted", ok, err)
+		}
+	}
+	for _, bad := range []string{"", "/", "v1/x", "/x?y=1", "/x#f", "/x y", "/x\n",
+		"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize",
+		"/v1/models", "/v1/models/llama", "/v1/responses/resp_1/cancel", "/health", "/ready",
+		"/metrics", "/admin/replicas", "/admin/x", "/"} {
+		if err := CheckPassthroughPath(bad); err == nil {
+			t.Errorf("%q accepted, want refused", bad)
 		}
 	}
 }

@@ -82,6 +82,7 @@ func (b *Builder) Build(c *Config) (gateway.Settings, error) {
 		IgnoreTiers:          b.IgnoreTiers,
 		CarryStoredState:     b.CarryStoredState,
 		SessionHeaders:       sessionHeaders(c.SessionHeaders),
+		PassthroughPaths:     c.PassthroughPaths,
 		AdminToken:           b.AdminToken,
 		AdminOpen:            b.AdminOpen,
 		Models:               map[string]gateway.Model{},

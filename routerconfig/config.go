@@ -19,6 +19,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/gateway"
 	"github.com/kvmesh/kvmesh/plan"
 	"github.com/kvmesh/kvmesh/routing"
 )
@@ -76,6 +77,9 @@ type Config struct {
 	// placement hint (empty: gateway.DefaultSessionHeaders; ["none"]: no
 	// hints).
 	SessionHeaders []string `yaml:"session_headers"`
+	// PassthroughPaths are engine POST routes passed through by model and
+	// load beside the ones the router lists (gateway.Settings.PassthroughPaths).
+	PassthroughPaths []string `yaml:"passthrough_paths"`
 
 	// empty is set by Parse for a document with nothing in it (whitespace
 	// and comments): the reloader refuses it.
@@ -315,6 +319,11 @@ func (c *Config) Validate() error {
 	if c.Disaggregation.MinPrefill < 0 {
 		errs = append(errs, errors.New("config: disaggregation: min_prefill must not be negative"))
 	}
+	for _, p := range c.PassthroughPaths {
+		if err := gateway.CheckPassthroughPath(p); err != nil {
+			errs = append(errs, fmt.Errorf("config: %w", err))
+		}
+	}
 	statics := map[string]bool{}
 	for i, s := range c.StaticUpstreams {
 		if s.Name == "" || statics[s.Name] {
@@ -373,6 +382,9 @@ func Overlay(base, file *Config) *Config {
 	}
 	if len(file.SessionHeaders) > 0 {
 		out.SessionHeaders = file.SessionHeaders
+	}
+	if len(file.PassthroughPaths) > 0 {
+		out.PassthroughPaths = file.PassthroughPaths
 	}
 	if len(file.Selection) > 0 {
 		out.Selection = file.Selection

@@ -41,6 +41,9 @@ type Flags struct {
 	// SessionHeaders: comma-separated request headers naming a client's
 	// session ("" : the defaults, "none": no session hints).
 	SessionHeaders string
+	// PassthroughPaths: comma-separated engine POST routes passed through
+	// beside the router's own list (passthrough_paths).
+	PassthroughPaths string
 	// FlowControl holds requests in the router while the fleet is saturated.
 	FlowControl bool
 	// FlowMaxEngineQueue bounds the predicted wait at the best replica
@@ -65,6 +68,11 @@ func FromFlags(f Flags) (*Config, error) {
 			if h = strings.TrimSpace(h); h != "" {
 				c.SessionHeaders = append(c.SessionHeaders, h)
 			}
+		}
+	}
+	for _, p := range strings.Split(f.PassthroughPaths, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			c.PassthroughPaths = append(c.PassthroughPaths, p)
 		}
 	}
 	model := func(name string) *Model {

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/kvmesh/kvmesh/fleet"
+	"github.com/kvmesh/kvmesh/gateway"
 )
 
 // TestSessionHeaders: the flag's list, the file's over it, and "none".
@@ -18,20 +19,27 @@ func TestSessionHeaders(t *testing.T) {
 		{"X-A", "session_headers: [X-C]\n", "[X-C]"},
 		{"none", "", "[]"},
 	} {
-		base, err := FromFlags(Flags{Policy: "kvaware", SessionHeaders: c.flag})
-		if err != nil {
-			t.Fatal(err)
-		}
-		f, err := Parse([]byte(c.file))
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := (&Builder{Table: fleet.NewTable(fleet.TableConfig{})}).Build(Overlay(base, f))
-		if err != nil {
-			t.Fatal(err)
-		}
+		s := buildOver(t, Flags{Policy: "kvaware", SessionHeaders: c.flag}, c.file)
 		if got := fmt.Sprint(s.SessionHeaders); got != c.want || (c.flag == "none") != (s.SessionHeaders != nil && len(s.SessionHeaders) == 0) {
 			t.Errorf("flag %q file %q: %s (nil %v), want %s", c.flag, c.file, got, s.SessionHeaders == nil, c.want)
 		}
 	}
+}
+
+// buildOver is the settings flags make with the config file text over them.
+func buildOver(t *testing.T, flags Flags, file string) gateway.Settings {
+	t.Helper()
+	base, err := FromFlags(flags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := Parse([]byte(file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := (&Builder{Table: fleet.NewTable(fleet.TableConfig{})}).Build(Overlay(base, f))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

@@ -569,7 +569,13 @@
         if (token) storeToken(token);
         let out = null;
         try { out = await res.json(); } catch { /* an older router answers less */ }
-        toast(clearedMessage(label, out), false, 10000);
+        const msg = clearedMessage(label, out);
+        toast(msg, false, 10000);
+        // Kept beside the button after the toast is gone: what the last
+        // clear did, for whoever looks at the page next.
+        const last = byId('clear-last');
+        last.textContent = 'Last clear, at ' + new Date().toLocaleTimeString() + ': ' + msg;
+        last.hidden = false;
         schedule(150); // show the rebuilt filters soon
         return;
       }
