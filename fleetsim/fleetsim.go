@@ -448,6 +448,9 @@ func (s *sim) arrive(k int) {
 		s.oracle.hashes = blockkey.Append(s.oracle.hashes[:0], s.replicas[0].eng.Config().HashSeed, ids, s.cfg.Engine.BlockSize)
 	}
 	snap := rt.table.Snapshot()
+	// Nothing holds the snapshot past this decision: its memory can carry
+	// a later one.
+	defer rt.table.Recycle(snap)
 	req := request.Request{Kind: request.Completion, Model: model, PromptIDs: ids}
 	set := s.settings
 	set.Policy = rt.policy
