@@ -138,11 +138,7 @@ func deltaKeys(ds []Delta) []uint64 {
 // FuzzDecodeSharedSnapshot: a shared decode, first or repeated, accepts
 // and yields what DecodeSnapshot does.
 func FuzzDecodeSharedSnapshot(f *testing.F) {
-	g := NewGenerations(GenerationConfig{Capacity: 50}, 3, t0)
-	g.Add(42)
-	s := g.Snapshot()
-	f.Add(s.AppendBinary(nil))
-	f.Add([]byte("KB\x01\x01"))
+	addSnapshotSeeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		want, wantErr := DecodeSnapshot(b)
 		sh := NewShare()
