@@ -51,11 +51,13 @@ type Filter struct {
 	blocks uint64
 	k      uint
 	// view, for a mirror's filter made by a Share, is its place in the
-	// chain whose words it reads.
-	view  *view
-	_     [64]byte // keeps found's writes off the lines probes read,
-	found foundPrefixes
-	_     [64]byte // this filter's and the next object's
+	// chain whose words it reads; behind, that the words hold bits of
+	// deltas it has not applied, which its probes mask out.
+	view   *view
+	behind bool
+	_      [64]byte // keeps found's writes off the lines probes read,
+	found  foundPrefixes
+	_      [64]byte // this filter's and the next object's
 }
 
 // NewFilter returns an empty filter sized for capacity keys at false-positive
@@ -201,7 +203,7 @@ func (f *Filter) Test(key uint64) bool {
 
 // TestProbe reports whether the key behind p may be in the filter.
 func (f *Filter) TestProbe(p *Probe) bool {
-	if f.view.behind() {
+	if f.behind {
 		blk := f.view.block(f.blockIndex(p))
 		masks := f.masks(p)
 		var miss uint64
@@ -390,7 +392,7 @@ func walkKeys(keys []uint64, first, end int, filters []*Filter, live *[matchChun
 			i := live[x]
 			f := filters[i]
 			var hit bool
-			if f.k == kmask && !f.view.behind() { // TestProbe's mask path, inlined: this loop is the router's hottest
+			if f.k == kmask && !f.behind { // TestProbe's mask path, inlined: this loop is the router's hottest
 				hi, _ := bits.Mul64(p.h, f.blocks)
 				blk := (*[blockWords]uint64)(f.words[hi*blockWords : hi*blockWords+blockWords])
 				miss := p.masks[0]&^atomic.LoadUint64(&blk[0]) |

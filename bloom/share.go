@@ -87,7 +87,7 @@ func (sh *Share) DecodeSharedSnapshot(member string, b []byte) (Snapshot, error)
 
 // join makes f, a filter over c's words, a view of c as of delta seq.
 func (c *chain) join(f *Filter, seq uint64) {
-	f.view = &view{c: c, seq: seq}
+	f.view, f.behind = &view{c: c, seq: seq}, seq != c.top
 	c.views = append(c.views, f)
 	c.settle()
 }
@@ -102,7 +102,7 @@ func (c *chain) leave(f *Filter) {
 		}
 	}
 	f.words = c.bitsAt(f.view.seq)
-	f.view = nil
+	f.view, f.behind = nil, false
 	c.settle()
 }
 
@@ -127,8 +127,12 @@ func (c *chain) apply(f *Filter, d Delta) {
 		}
 		c.undo = append(c.undo, undo)
 		c.top = d.Seq
+		for _, o := range c.views {
+			o.behind = true
+		}
 	}
 	v.seq = d.Seq
+	f.behind = v.seq != c.top
 	c.settle()
 }
 
@@ -140,7 +144,7 @@ func (c *chain) settle() {
 		f := c.views[i]
 		if c.top-f.view.seq > maxShareLag {
 			f.words = c.bitsAt(f.view.seq)
-			f.view = nil
+			f.view, f.behind = nil, false
 			c.views = append(c.views[:i], c.views[i+1:]...)
 			continue
 		}
@@ -181,6 +185,3 @@ func (v *view) block(hi uint64) [blockWords]uint64 {
 	}
 	return blk
 }
-
-// behind reports whether the view lacks deltas its chain's words hold.
-func (v *view) behind() bool { return v != nil && v.seq != v.c.top }
