@@ -18,11 +18,37 @@ import "unsafe"
 // chain changes its words when it leaves the chain. Routers serving
 // requests concurrently have no use for it.
 type Share struct {
-	chains map[string]*chain // by sidecar member, the latest snapshot's
+	chains map[string]*chain      // by sidecar member, the latest snapshot's
+	deltas map[string]sharedDelta // by sidecar member, the latest delta decoded
+}
+
+// sharedDelta is a delta payload, by identity, and what it decoded to.
+// Holding the payload keeps its memory from carrying another message.
+type sharedDelta struct {
+	payload *byte
+	d       Delta
 }
 
 // NewShare returns an empty share.
-func NewShare() *Share { return &Share{chains: map[string]*chain{}} }
+func NewShare() *Share {
+	return &Share{chains: map[string]*chain{}, deltas: map[string]sharedDelta{}}
+}
+
+// DecodeSharedDelta is DecodeDelta for the mirrors of member's stream: a
+// payload just decoded for another mirror (the same bytes in memory) is
+// not decoded again, and its keys are shared, for reading only.
+func (sh *Share) DecodeSharedDelta(member string, b []byte) (Delta, error) {
+	if len(b) > 0 {
+		if e, ok := sh.deltas[member]; ok && e.payload == unsafe.SliceData(b) {
+			return e.d, nil
+		}
+	}
+	d, err := DecodeDelta(b)
+	if err == nil && len(b) > 0 {
+		sh.deltas[member] = sharedDelta{payload: unsafe.SliceData(b), d: d}
+	}
+	return d, err
+}
 
 // maxShareLag bounds the deltas a mirror may be behind its chain: each
 // probe of a mirror behind masks out the bits of every delta it lacks.

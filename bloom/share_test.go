@@ -162,3 +162,29 @@ func FuzzDecodeSharedSnapshot(f *testing.F) {
 		}
 	})
 }
+
+// FuzzDecodeSharedDelta: a shared decode, first or repeated, accepts and
+// yields what DecodeDelta does; another payload is decoded afresh.
+func FuzzDecodeSharedDelta(f *testing.F) {
+	addDeltaSeeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		want, wantErr := DecodeDelta(b)
+		sh := NewShare()
+		other := (&Delta{Epoch: 9, Seq: 1, Keys: []uint64{7}}).AppendBinary(nil)
+		for i, p := range [][]byte{b, b, other, b} {
+			got, err := sh.DecodeSharedDelta("s", p)
+			if i == 2 {
+				if err != nil || got.Epoch != 9 || !slices.Equal(got.Keys, []uint64{7}) {
+					t.Fatalf("another payload decoded as %+v, %v", got, err)
+				}
+				continue
+			}
+			if (err == nil) != (wantErr == nil) {
+				t.Fatalf("shared decode error %v, DecodeDelta's %v", err, wantErr)
+			}
+			if err == nil && (got.Epoch != want.Epoch || got.Generation != want.Generation || got.Seq != want.Seq || !slices.Equal(got.Keys, want.Keys)) {
+				t.Fatalf("shared decode %+v, DecodeDelta's %+v", got, want)
+			}
+		}
+	})
+}

@@ -20,8 +20,8 @@ type ReceiverConfig struct {
 	ResyncEvery time.Duration
 	// Share, when set, is shared with the other receivers of one process,
 	// which then keep one copy of the bits of a snapshot message they all
-	// received (bloom.Share: each mirror still sees exactly what it
-	// applied). For a simulator running many routers in one goroutine;
+	// received and decode a delta message once (bloom.Share: each mirror
+	// still sees exactly what it applied). For a simulator running many routers in one goroutine;
 	// a router leaves it nil.
 	Share *bloom.Share
 }
@@ -458,7 +458,13 @@ func cmpUint(a, b uint64) int {
 }
 
 func (r *Receiver) onDelta(p *sidecarPeer, m *Message, now time.Time, out *Output) {
-	d, err := bloom.DecodeDelta(m.Payload)
+	var d bloom.Delta
+	var err error
+	if r.cfg.Share != nil {
+		d, err = r.cfg.Share.DecodeSharedDelta(m.From, m.Payload)
+	} else {
+		d, err = bloom.DecodeDelta(m.Payload)
+	}
 	if err != nil || d.Epoch != m.Epoch {
 		out.Bad++
 		return
