@@ -13,6 +13,9 @@ type Snapshot struct {
 	// Keys is the number of keys in the generation as of Seq.
 	Keys  int
 	Words []uint64
+	// chain, from Share.DecodeSharedSnapshot, is the chain whose words
+	// Words are.
+	chain *chain
 }
 
 // Delta is the keys a sidecar added to generation Generation after delta
@@ -106,6 +109,20 @@ func (s *Snapshot) AppendBinary(dst []byte) []byte {
 // DecodeSnapshot decodes a snapshot; the result owns fresh words and is a
 // valid filter geometry (FromWords accepts it).
 func DecodeSnapshot(b []byte) (Snapshot, error) {
+	s, err := decodeSnapshotHeader(b)
+	if err != nil {
+		return s, err
+	}
+	body := b[snapshotHeaderLen:]
+	s.Words = make([]uint64, s.M/64)
+	for i := range s.Words {
+		s.Words[i] = binary.LittleEndian.Uint64(body[8*i:])
+	}
+	return s, nil
+}
+
+// decodeSnapshotHeader decodes and checks all of a snapshot but its words.
+func decodeSnapshotHeader(b []byte) (Snapshot, error) {
 	if err := checkHeader(b, kindSnapshot, snapshotHeaderLen); err != nil {
 		return Snapshot{}, err
 	}
@@ -132,10 +149,6 @@ func DecodeSnapshot(b []byte) (Snapshot, error) {
 		return Snapshot{}, fmt.Errorf("%w: %d bytes of words for m=%d", ErrLength, len(body), m)
 	}
 	s.M, s.Keys = uint(m), int(keys)
-	s.Words = make([]uint64, m/64)
-	for i := range s.Words {
-		s.Words[i] = le.Uint64(body[8*i:])
-	}
 	return s, nil
 }
 

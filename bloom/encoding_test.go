@@ -113,12 +113,18 @@ func TestDeltaKeysDoNotCompress(t *testing.T) {
 	}
 }
 
-func FuzzDecodeSnapshot(f *testing.F) {
+// addSnapshotSeeds seeds a snapshot decoder's fuzzing: a snapshot holding
+// key 42, and a truncated header.
+func addSnapshotSeeds(f *testing.F) {
 	g := NewGenerations(GenerationConfig{Capacity: 50}, 3, t0)
 	g.Add(42)
 	s := g.Snapshot()
 	f.Add(s.AppendBinary(nil))
 	f.Add([]byte("KB\x01\x01"))
+}
+
+func FuzzDecodeSnapshot(f *testing.F) {
+	addSnapshotSeeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		s, err := DecodeSnapshot(b)
 		if err != nil {
@@ -138,10 +144,16 @@ func FuzzDecodeSnapshot(f *testing.F) {
 	})
 }
 
-func FuzzDecodeDelta(f *testing.F) {
+// addDeltaSeeds seeds a delta decoder's fuzzing: a delta of two keys, and
+// a truncated header.
+func addDeltaSeeds(f *testing.F) {
 	d := Delta{Epoch: 1, Generation: 2, Seq: 3, Keys: []uint64{4, 5}}
 	f.Add(d.AppendBinary(nil))
 	f.Add([]byte("KB\x01\x02"))
+}
+
+func FuzzDecodeDelta(f *testing.F) {
+	addDeltaSeeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		d, err := DecodeDelta(b)
 		if err != nil {

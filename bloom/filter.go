@@ -50,6 +50,11 @@ type Filter struct {
 	words  []uint64
 	blocks uint64
 	k      uint
+	// view, for a mirror's filter made by a Share, is its place in the
+	// chain whose words it reads; behind, that the words hold bits of
+	// deltas it has not applied, which its probes mask out.
+	view   *view
+	behind bool
 	_      [64]byte // keeps found's writes off the lines probes read,
 	found  foundPrefixes
 	_      [64]byte // this filter's and the next object's
@@ -198,6 +203,15 @@ func (f *Filter) Test(key uint64) bool {
 
 // TestProbe reports whether the key behind p may be in the filter.
 func (f *Filter) TestProbe(p *Probe) bool {
+	if f.behind {
+		blk := f.view.block(f.blockIndex(p))
+		masks := f.masks(p)
+		var miss uint64
+		for w := range blockWords {
+			miss |= masks[w] &^ blk[w]
+		}
+		return miss == 0
+	}
 	blk := f.block(p)
 	if p.maskK == f.k {
 		// All k bits at once: 8 loads of one cache line, no data-dependent
@@ -219,8 +233,13 @@ func (f *Filter) TestProbe(p *Probe) bool {
 // block returns the 512-bit block p selects: the high bits of the key scaled
 // to the number of blocks (no division).
 func (f *Filter) block(p *Probe) *[blockWords]uint64 {
-	hi, _ := bits.Mul64(p.h, f.blocks)
+	hi := f.blockIndex(p)
 	return (*[blockWords]uint64)(f.words[hi*blockWords : hi*blockWords+blockWords])
+}
+
+func (f *Filter) blockIndex(p *Probe) uint64 {
+	hi, _ := bits.Mul64(p.h, f.blocks)
+	return hi
 }
 
 // OnesCount is the number of bits set.
@@ -373,7 +392,7 @@ func walkKeys(keys []uint64, first, end int, filters []*Filter, live *[matchChun
 			i := live[x]
 			f := filters[i]
 			var hit bool
-			if f.k == kmask { // TestProbe's mask path, inlined: this loop is the router's hottest
+			if f.k == kmask && !f.behind { // TestProbe's mask path, inlined: this loop is the router's hottest
 				hi, _ := bits.Mul64(p.h, f.blocks)
 				blk := (*[blockWords]uint64)(f.words[hi*blockWords : hi*blockWords+blockWords])
 				miss := p.masks[0]&^atomic.LoadUint64(&blk[0]) |

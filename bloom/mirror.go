@@ -50,6 +50,10 @@ func (m *Mirror) ApplySnapshot(s Snapshot) error {
 		return fmt.Errorf("%w: generation %d seq %d, have %d/%d", ErrStaleSnapshot,
 			s.Generation, s.Seq, cur.Generation, cur.Seq)
 	}
+	if s.chain != nil {
+		s.chain.join(f, s.Seq) // before the old filter leaves, which may let the chain forget the bits f lacks
+	}
+	m.leaveShare()
 	m.state.Store(&MirrorState{Epoch: s.Epoch, Generation: s.Generation, Seq: s.Seq, Keys: s.Keys, Filter: f})
 	return nil
 }
@@ -72,8 +76,12 @@ func (m *Mirror) ApplyDelta(d Delta) (ok bool) {
 	if d.Seq != cur.Seq+1 {
 		return false
 	}
-	for _, key := range d.Keys {
-		cur.Filter.Add(key)
+	if v := cur.Filter.view; v != nil {
+		v.c.apply(cur.Filter, d)
+	} else {
+		for _, key := range d.Keys {
+			cur.Filter.Add(key)
+		}
 	}
 	next := *cur
 	next.Seq = d.Seq
@@ -85,8 +93,16 @@ func (m *Mirror) ApplyDelta(d Delta) (ok bool) {
 // Reset forgets the mirrored state (the sidecar left or fell silent).
 func (m *Mirror) Reset() {
 	m.mu.Lock()
+	m.leaveShare()
 	m.state.Store(nil)
 	m.mu.Unlock()
+}
+
+// leaveShare takes the filter held out of its Share's chain, if in one.
+func (m *Mirror) leaveShare() {
+	if cur := m.state.Load(); cur != nil && cur.Filter.view != nil {
+		cur.Filter.view.c.leave(cur.Filter)
+	}
 }
 
 // State returns the current state, nil before the first snapshot. Safe to

@@ -18,6 +18,12 @@ type ReceiverConfig struct {
 	// while requests go unanswered the wait doubles, up to 8×, so an
 	// overloaded sidecar or network is not buried under snapshot requests.
 	ResyncEvery time.Duration
+	// Share, when set, is shared with the other receivers of one process,
+	// which then keep one copy of the bits of a snapshot message they all
+	// received and decode a delta message once (bloom.Share: each mirror
+	// still sees exactly what it applied). For a simulator running many routers in one goroutine;
+	// a router leaves it nil.
+	Share *bloom.Share
 }
 
 // Receiver is a router's side of the filter stream: it feeds a fleet.Table
@@ -395,7 +401,13 @@ func (r *Receiver) onLoad(p *sidecarPeer, m *Message, now time.Time, out *Output
 }
 
 func (r *Receiver) onSnapshot(p *sidecarPeer, m *Message, now time.Time, out *Output) {
-	s, err := bloom.DecodeSnapshot(m.Payload)
+	var s bloom.Snapshot
+	var err error
+	if r.cfg.Share != nil {
+		s, err = r.cfg.Share.DecodeSharedSnapshot(m.From, m.Payload)
+	} else {
+		s, err = bloom.DecodeSnapshot(m.Payload)
+	}
 	if err != nil || s.Epoch != m.Epoch {
 		out.Bad++
 		return
@@ -446,7 +458,13 @@ func cmpUint(a, b uint64) int {
 }
 
 func (r *Receiver) onDelta(p *sidecarPeer, m *Message, now time.Time, out *Output) {
-	d, err := bloom.DecodeDelta(m.Payload)
+	var d bloom.Delta
+	var err error
+	if r.cfg.Share != nil {
+		d, err = r.cfg.Share.DecodeSharedDelta(m.From, m.Payload)
+	} else {
+		d, err = bloom.DecodeDelta(m.Payload)
+	}
 	if err != nil || d.Epoch != m.Epoch {
 		out.Bad++
 		return

@@ -78,8 +78,21 @@ type Table struct {
 	// rebuild (one per load record on a busy router) then does not sort.
 	sorted    []*entry
 	selection map[string]bool // nil: every replica is selected
-	dirty     atomic.Bool
-	snap      atomic.Pointer[Snapshot]
+	// touched lists the entries changed since the last rebuild, which then
+	// copies the previous snapshot and rewrites only them, unless the
+	// layout changed since: layout counts the changes of membership (the
+	// order of sorted) and selection, after which every entry is rewritten.
+	touched []*entry
+	layout  uint64
+	// released is the snapshot Recycle last handed back; spare the memory
+	// of one released and since replaced, which the next rebuild reuses,
+	// rewriting the entries touched since it was built (spareTouched,
+	// those of the rebuild after it, and touched).
+	released     *Snapshot
+	spare        *Snapshot
+	spareTouched []*entry
+	dirty        atomic.Bool
+	snap         atomic.Pointer[Snapshot]
 }
 
 type entry struct {
@@ -90,6 +103,10 @@ type entry struct {
 	// is when an orphan's engine last answered one. Online = engineHealthy.
 	engineHealthy bool
 	answered      time.Time
+	// pos is the entry's index in sorted; touched that it is in
+	// Table.touched.
+	pos     int
+	touched bool
 }
 
 // NewTable returns an empty table.
@@ -117,33 +134,109 @@ func (t *Table) Snapshot() *Snapshot {
 
 func (t *Table) changedLocked() { t.dirty.Store(true) }
 
+// touchLocked notes that e's replica changed: the next rebuild copies it.
+func (t *Table) touchLocked(e *entry) {
+	if !e.touched {
+		e.touched = true
+		t.touched = append(t.touched, e)
+	}
+}
+
+// rebuildLocked publishes a snapshot of every entry as it is now. While
+// the same replicas are listed, that is the previous snapshot with the
+// entries touched since rewritten: a busy router's table changes a few
+// entries between two requests (a load record each), and a thousand-replica
+// fleet's snapshot need not be assembled entry by entry for each.
 func (t *Table) rebuildLocked() {
+	prev := t.snap.Load()
 	if t.sorted == nil {
 		t.sorted = make([]*entry, 0, len(t.entries))
 		for _, e := range t.entries {
 			t.sorted = append(t.sorted, e)
 		}
 		slices.SortFunc(t.sorted, func(a, b *entry) int { return strings.Compare(a.r.Name, b.r.Name) })
+		for i, e := range t.sorted {
+			e.pos = i
+		}
+		t.layout++
 	}
-	s := &Snapshot{
-		Replicas: make([]Replica, 0, len(t.sorted)),
-	}
-	for _, e := range t.sorted {
-		// Models is shared, not copied: an entry's Models is replaced
-		// whole, never written into, and snapshots are read-only.
-		r := e.r
-		r.Selected = t.selection == nil || t.selection[r.Name]
-		s.Replicas = append(s.Replicas, r)
-	}
-	s.filters = make([]*bloom.Filter, len(s.Replicas))
-	for i := range s.Replicas {
-		r := &s.Replicas[i]
-		if r.Online && r.Selected && r.KVEvents && !r.Stale {
-			s.filters[i] = r.Filter
+	n := len(t.sorted)
+	incremental := prev.layout == t.layout && len(prev.Replicas) == n
+	var s *Snapshot
+	switch spare := t.spare; {
+	case spare != nil && incremental && spare.layout == t.layout && spare.gen+1 == prev.gen && 2*(len(t.spareTouched)+len(t.touched)) < n:
+		// The spare was the snapshot before prev: what changed since is
+		// what prev's rebuild touched and what was touched since.
+		s = spare
+		t.fillTouched(s, t.spareTouched)
+		t.fillTouched(s, t.touched)
+	case spare != nil && len(spare.Replicas) == n:
+		s = spare
+		for _, e := range t.sorted {
+			t.fill(s, e)
+		}
+	case incremental && 2*len(t.touched) < n:
+		s = &Snapshot{Replicas: slices.Clone(prev.Replicas), filters: slices.Clone(prev.filters)}
+		t.fillTouched(s, t.touched)
+	default:
+		s = &Snapshot{Replicas: make([]Replica, n), filters: make([]*bloom.Filter, n)}
+		for _, e := range t.sorted {
+			t.fill(s, e)
 		}
 	}
+	s.gen, s.layout = prev.gen+1, t.layout
+	t.spare = nil
+	if t.released == prev {
+		// Replaced now: no caller reads it any more, nor anything in it.
+		t.spare, t.released = prev, nil
+	}
+	for _, e := range t.touched {
+		e.touched = false
+	}
+	// The touched list becomes the spare's: the next rebuild into it
+	// rewrites them too.
+	clear(t.spareTouched)
+	t.spareTouched, t.touched = t.touched, t.spareTouched[:0]
 	t.snap.Store(s)
 	t.dirty.Store(false)
+}
+
+// Recycle says the caller is done for good with s, a snapshot of t, and
+// anything in it: once Snapshot has returned another one, a later snapshot
+// may be built in its memory. Only the one goroutine that takes the
+// table's snapshots may call it, holding no other copy of s (a simulator
+// deciding one request at a time, where a thousand-replica snapshot for
+// every decision would be most of what it allocates); a router, whose
+// requests share snapshots, does not.
+func (t *Table) Recycle(s *Snapshot) {
+	t.mu.Lock()
+	if s == t.snap.Load() {
+		t.released = s
+	} else if t.spare == nil && s.gen < t.snap.Load().gen {
+		t.spare = s
+	}
+	t.mu.Unlock()
+}
+
+func (t *Table) fillTouched(s *Snapshot, touched []*entry) {
+	for _, e := range touched {
+		if e.pos < len(t.sorted) && t.sorted[e.pos] == e {
+			t.fill(s, e)
+		}
+	}
+}
+
+// fill sets e's replica in s, at its place in sorted.
+func (t *Table) fill(s *Snapshot, e *entry) {
+	// Models is shared, not copied: an entry's Models is replaced whole,
+	// never written into, and snapshots are read-only.
+	r := &s.Replicas[e.pos]
+	*r = e.r
+	r.Selected = t.selection == nil || t.selection[r.Name]
+	s.filters[e.pos] = nil
+	if r.Online && r.Selected && r.KVEvents && !r.Stale {
+		s.filters[e.pos] = r.Filter
+	}
 }
 
 // Upsert adds a sidecar's replica or updates its metadata (membership join or
@@ -159,6 +252,7 @@ func (t *Table) Upsert(info Info, now time.Time) {
 		t.entries[info.Name] = e
 		t.sorted = nil
 	}
+	t.touchLocked(e)
 	e.static = false
 	e.r.Models = slices.Clone(info.Models)
 	e.r.ModelsLearned = false
@@ -222,6 +316,7 @@ func (t *Table) LearnStatic(name, url string, models []string) bool {
 	}
 	e.r.Models = slices.Clone(models)
 	e.r.ModelsLearned = true
+	t.touchLocked(e)
 	t.changedLocked()
 	return true
 }
@@ -262,6 +357,7 @@ func (t *Table) SetLoad(name string, load Load, engineHealthy bool, now time.Tim
 	if e == nil || e.static {
 		return false
 	}
+	t.touchLocked(e)
 	e.r.Load = load
 	e.engineHealthy = engineHealthy
 	e.heard(now)
@@ -283,6 +379,7 @@ func (t *Table) SetFilter(name string, f *bloom.Filter, gen uint64, keys int, no
 	if e == nil || e.static {
 		return false
 	}
+	t.touchLocked(e)
 	e.r.Filter, e.r.FilterGeneration, e.r.FilterKeys = f, gen, keys
 	e.heard(now)
 	t.changedLocked()
@@ -294,6 +391,9 @@ func (t *Table) Heard(name string, now time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if e := t.entries[name]; e != nil && !e.static {
+		// Touched even when nothing routing reads changed: the next
+		// snapshot shows the new UpdatedAt, as one built afresh would.
+		t.touchLocked(e)
 		wasStale, wasOrphan := e.r.Stale, e.r.Orphan
 		e.heard(now)
 		if wasStale || wasOrphan {
@@ -315,6 +415,7 @@ func (t *Table) Orphan(name string, now time.Time) bool {
 		return false
 	}
 	if !e.r.Orphan {
+		t.touchLocked(e)
 		e.orphan(now)
 		e.r.Stale = true
 		t.changedLocked()
@@ -342,6 +443,7 @@ func (t *Table) OrphanProbed(name string, ok bool, now time.Time) bool {
 		return false
 	}
 	if e.engineHealthy != ok {
+		t.touchLocked(e)
 		e.engineHealthy = ok
 		e.refreshOnline()
 		t.changedLocked()
@@ -359,6 +461,7 @@ func (t *Table) ClearRoutes(names []string) []string {
 		if e.static {
 			return
 		}
+		t.touchLocked(e)
 		e.dropFilter()
 		cleared = append(cleared, n)
 	}
@@ -395,6 +498,7 @@ func (t *Table) Select(names []string) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.selection = sel
+	t.layout++
 	t.changedLocked()
 	return nil
 }
@@ -413,10 +517,12 @@ func (t *Table) Expire(now time.Time) []string {
 		}
 		age := now.Sub(e.r.UpdatedAt)
 		if stale := age > t.cfg.StaleAfter; stale != e.r.Stale {
+			t.touchLocked(e)
 			e.r.Stale = stale
 			t.changedLocked()
 		}
 		if age > t.cfg.DropAfter && !e.r.Orphan {
+			t.touchLocked(e)
 			e.orphan(now)
 			dropped = append(dropped, n)
 			t.changedLocked()
@@ -458,6 +564,9 @@ type Snapshot struct {
 	// filters[i] is Replicas[i].Filter when it may be used for matching
 	// (online, selected, fresh, with KV events), else nil.
 	filters []*bloom.Filter
+	// gen numbers the table's snapshots; layout is the table's layout it
+	// was built in.
+	gen, layout uint64
 }
 
 // MatchPrefix sets matched[i] to the number of leading keys Replicas[i] may

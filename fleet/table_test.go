@@ -2,6 +2,9 @@ package fleet
 
 import (
 	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -390,4 +393,92 @@ func TestSnapshotOrderFollowsMembership(t *testing.T) {
 	if got := names(); got != "b" {
 		t.Fatalf("after c's orphan was forgotten: %s", got)
 	}
+}
+
+// TestSnapshotRebuiltFromThePreviousIsAFreshOne: a snapshot that copies
+// the previous one (or, recycled, an older one) and rewrites the entries
+// changed since equals one built afresh from every entry, through every
+// kind of change.
+func TestSnapshotRebuiltFromThePreviousIsAFreshOne(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 8))
+	tb := NewTable(TableConfig{})
+	name := func() string { return fmt.Sprint("replica-", rng.IntN(40)) }
+	now := t0
+	f := filterWith(1, 2, 3)
+	for i := range 40 {
+		tb.Upsert(sidecar(fmt.Sprint("replica-", i)), now)
+	}
+	for step := range 20000 {
+		now = now.Add(time.Duration(rng.IntN(200)) * time.Millisecond)
+		switch op := rng.IntN(100); {
+		case op < 40:
+			tb.SetLoad(name(), Load{Running: rng.IntN(9), Waiting: rng.IntN(3)}, rng.IntN(50) > 0, now)
+		case op < 60:
+			tb.SetFilter(name(), f, uint64(step), step, now)
+		case op < 75:
+			tb.Heard(name(), now)
+		case op < 80:
+			tb.Expire(now)
+		case op < 83:
+			tb.Orphan(name(), now)
+		case op < 86:
+			tb.OrphanProbed(name(), rng.IntN(2) == 0, now)
+		case op < 88:
+			tb.ClearRoutes([]string{name()})
+		case op < 89:
+			if rng.IntN(2) == 0 {
+				_ = tb.Select(nil)
+			} else {
+				_ = tb.Select([]string{name(), name(), name()})
+			}
+		case op < 92:
+			tb.Upsert(sidecar(name()), now)
+		case op < 94:
+			tb.Remove(name())
+		case op < 95:
+			tb.AddStatic(name(), "http://static", nil)
+		}
+		if rng.IntN(4) > 0 {
+			continue
+		}
+		// Both rebuilt now: an unchanged table keeps its snapshot, whose
+		// UpdatedAt may predate a Heard.
+		tb.mu.Lock()
+		tb.changedLocked()
+		tb.mu.Unlock()
+		got := tb.Snapshot()
+		want := freshSnapshot(tb)
+		if !reflect.DeepEqual(got.Replicas, want.Replicas) || !slices.Equal(got.filters, want.filters) {
+			for i := range want.Replicas {
+				if i >= len(got.Replicas) || !reflect.DeepEqual(got.Replicas[i], want.Replicas[i]) || got.filters[i] != want.filters[i] {
+					t.Fatalf("step %d, replica %d of %d: rebuilt from the previous snapshot\n%#v\nafresh\n%#v", step, i, len(want.Replicas), got.Replicas[min(i, len(got.Replicas)-1)], want.Replicas[i])
+				}
+			}
+			t.Fatalf("step %d: %d replicas rebuilt from the previous snapshot, %d afresh", step, len(got.Replicas), len(want.Replicas))
+		}
+		if rng.IntN(3) > 0 {
+			tb.Recycle(got)
+		}
+	}
+}
+
+// freshSnapshot is what the table's snapshot holds, built from every entry.
+func freshSnapshot(tb *Table) *Snapshot {
+	tb.mu.Lock()
+	defer tb.mu.Unlock()
+	var s Snapshot
+	for _, e := range tb.entries {
+		r := e.r
+		r.Selected = tb.selection == nil || tb.selection[r.Name]
+		s.Replicas = append(s.Replicas, r)
+	}
+	slices.SortFunc(s.Replicas, func(a, b Replica) int { return strings.Compare(a.Name, b.Name) })
+	for _, r := range s.Replicas {
+		var f *bloom.Filter
+		if r.Online && r.Selected && r.KVEvents && !r.Stale {
+			f = r.Filter
+		}
+		s.filters = append(s.filters, f)
+	}
+	return &s
 }

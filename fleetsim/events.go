@@ -28,8 +28,10 @@ type event struct {
 	at   time.Duration
 	seq  uint64
 	kind kind
-	a    int
-	msg  *filterstream.Message
+	// owned: msg is the simulator's, to reuse once handled.
+	owned bool
+	a     int
+	msg   *filterstream.Message
 }
 
 // queue is the simulator's event heap, earliest first: a binary heap of
@@ -52,8 +54,13 @@ func before(a, b *event) bool {
 
 // at schedules e at time t.
 func (q *queue) at(t time.Duration, k kind, a int, msg *filterstream.Message) {
+	q.put(t, k, a, msg, false)
+}
+
+// put schedules e at time t; owned says msg is the simulator's.
+func (q *queue) put(t time.Duration, k kind, a int, msg *filterstream.Message, owned bool) {
 	q.seq++
-	q.items = append(q.items, event{at: t, seq: q.seq, kind: k, a: a, msg: msg})
+	q.items = append(q.items, event{at: t, seq: q.seq, kind: k, a: a, msg: msg, owned: owned})
 	for i := len(q.items) - 1; i > 0; {
 		p := (i - 1) / 2
 		if !q.less(i, p) {

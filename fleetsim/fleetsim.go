@@ -166,6 +166,9 @@ type sim struct {
 	done    int
 	res     Result
 	wire    []byte // countGossip's encoding buffer
+	// freeMsgs are handled messages of deliver's, for reuse.
+	freeMsgs []*filterstream.Message
+	order    []int // sendOrder's answer
 }
 
 // reqState is what the simulator follows of one request.
@@ -272,12 +275,16 @@ func (s *sim) build() error {
 	}
 	s.settings = plan.Settings{MaxPrefixTokens: tokenize.DefaultMaxPrefixTokens, MaxPrefixBytes: tokenize.DefaultMaxPrefixBytes, MaxAttempts: 3}
 	routerMeta := filterstream.Meta{Role: filterstream.RoleRouter, SchemeVersion: blockkey.SchemeVersion, Capabilities: filterstream.CapInflightOthers}
+	// The routers' mirrors of a snapshot they all received share its bits
+	// (each still sees exactly the deltas it applied): sixteen copies of a
+	// thousand 81 kB filters would be most of the run's memory.
+	share := bloom.NewShare()
 	for j := range cfg.Routers {
 		name := fmt.Sprintf("router-%d", j)
 		table := fleet.NewTable(fleet.TableConfig{})
 		rt := &router{
 			name: name, table: table,
-			recv:     filterstream.NewReceiver(filterstream.ReceiverConfig{Self: name, Epoch: rng.Uint64() | 1}, table),
+			recv:     filterstream.NewReceiver(filterstream.ReceiverConfig{Self: name, Epoch: rng.Uint64() | 1, Share: share}, table),
 			inflight: make([]inflight, cfg.Replicas),
 		}
 		switch cfg.Policy {
@@ -375,19 +382,28 @@ func (s *sim) handle(ev event) {
 		}
 		s.fromSidecar(ev.a, out)
 	}
+	if ev.owned {
+		s.freeMessage(ev.msg)
+	}
 }
 
-// sortSends orders a state machine's sends by recipient, keeping each
-// recipient's in order: the machines range over maps, and the network's
-// draws must not depend on map order.
-func sortSends(sends []filterstream.Send) {
-	slices.SortStableFunc(sends, func(a, b filterstream.Send) int { return cmp.Compare(a.To, b.To) })
+// sendOrder returns the indexes of a state machine's sends by recipient,
+// keeping each recipient's in order: the machines range over maps, and the
+// network's draws must not depend on map order. (Indexes, not the sends
+// themselves, are sorted: a send is a whole message.)
+func (s *sim) sendOrder(sends []filterstream.Send) []int {
+	s.order = s.order[:0]
+	for i := range sends {
+		s.order = append(s.order, i)
+	}
+	slices.SortStableFunc(s.order, func(a, b int) int { return cmp.Compare(sends[a].To, sends[b].To) })
+	return s.order
 }
 
 // fromSidecar carries out what replica i's Sender asked.
 func (s *sim) fromSidecar(i int, out filterstream.Output) {
-	sortSends(out.Sends)
-	for _, snd := range out.Sends {
+	for _, si := range s.sendOrder(out.Sends) {
+		snd := &out.Sends[si]
 		if j, ok := s.routerIdx[snd.To]; ok {
 			s.deliver(link{i, s.cfg.Replicas + j}, snd.Reliable, evToRouter, j, snd.Msg)
 		}
@@ -406,8 +422,8 @@ func (s *sim) fromSidecar(i int, out filterstream.Output) {
 
 // fromRouter carries out what router j's Receiver asked.
 func (s *sim) fromRouter(j int, out filterstream.Output) {
-	sortSends(out.Sends)
-	for _, snd := range out.Sends {
+	for _, si := range s.sendOrder(out.Sends) {
+		snd := &out.Sends[si]
 		from := s.cfg.Replicas + j
 		if i, ok := s.sidecarIdx[snd.To]; ok {
 			s.deliver(link{from, i}, snd.Reliable, evToSidecar, i, snd.Msg)
@@ -417,18 +433,44 @@ func (s *sim) fromRouter(j int, out filterstream.Output) {
 	}
 }
 
+// deliver sends msg over l in a message of the simulator's own, which
+// goes back to its free list once handled (neither state machine keeps a
+// message it handled).
 func (s *sim) deliver(l link, stream bool, k kind, to int, msg filterstream.Message) {
-	s.deliverShared(l, stream, k, to, &msg)
+	var m *filterstream.Message
+	if n := len(s.freeMsgs); n > 0 {
+		m, s.freeMsgs = s.freeMsgs[n-1], s.freeMsgs[:n-1]
+	} else {
+		m = new(filterstream.Message)
+	}
+	*m = msg
+	if !s.send(l, stream, k, to, m, true) {
+		s.freeMessage(m)
+	}
+}
+
+func (s *sim) freeMessage(m *filterstream.Message) {
+	*m = filterstream.Message{}
+	s.freeMsgs = append(s.freeMsgs, m)
 }
 
 // deliverShared sends msg, which recipients only read, over l.
 func (s *sim) deliverShared(l link, stream bool, k kind, to int, msg *filterstream.Message) {
-	if at, ok := s.net.arrival(s.now, l, stream); ok {
-		s.q.at(at, k, to, msg)
-		if k == evToRouter && to == 0 {
-			s.countGossip(msg)
-		}
+	s.send(l, stream, k, to, msg, false)
+}
+
+// send queues msg's arrival over l unless the network loses it, and
+// reports whether it was queued.
+func (s *sim) send(l link, stream bool, k kind, to int, msg *filterstream.Message, owned bool) bool {
+	at, ok := s.net.arrival(s.now, l, stream)
+	if !ok {
+		return false
 	}
+	s.q.put(at, k, to, msg, owned)
+	if k == evToRouter && to == 0 {
+		s.countGossip(msg)
+	}
+	return true
 }
 
 // arrive routes request k at its router and hands it to the engine
@@ -448,6 +490,9 @@ func (s *sim) arrive(k int) {
 		s.oracle.hashes = blockkey.Append(s.oracle.hashes[:0], s.replicas[0].eng.Config().HashSeed, ids, s.cfg.Engine.BlockSize)
 	}
 	snap := rt.table.Snapshot()
+	// Nothing holds the snapshot past this decision: its memory can carry
+	// a later one.
+	defer rt.table.Recycle(snap)
 	req := request.Request{Kind: request.Completion, Model: model, PromptIDs: ids}
 	set := s.settings
 	set.Policy = rt.policy

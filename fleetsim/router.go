@@ -21,6 +21,9 @@ type router struct {
 	// tokens until the first token, as the gateway's ledger counts them.
 	inflight []inflight
 	loads    []plan.Load
+	// orderNames and orderIdx cache order's answer for a list of names.
+	orderNames []string
+	orderIdx   []int
 }
 
 type inflight struct{ requests, prefill int }
@@ -29,14 +32,37 @@ type inflight struct{ requests, prefill int }
 // the snapshot's order.
 func (r *router) planLoads(snap *fleet.Snapshot, index map[string]int) []plan.Load {
 	r.loads = r.loads[:0]
-	for i := range snap.Replicas {
+	for _, k := range r.order(snap, index) {
 		var l plan.Load
-		if k, ok := index[snap.Replicas[i].Name]; ok {
+		if k >= 0 {
 			l.Requests, l.PrefillTokens = r.inflight[k].requests, r.inflight[k].prefill
 		}
 		r.loads = append(r.loads, l)
 	}
 	return r.loads
+}
+
+// order returns the replica index of each of snap's replicas (-1 for one
+// that is no replica), looked up by name only when the snapshot lists other
+// names than the last one: membership changes rarely, loads every request.
+func (r *router) order(snap *fleet.Snapshot, index map[string]int) []int {
+	same := len(r.orderNames) == len(snap.Replicas)
+	for i := 0; same && i < len(snap.Replicas); i++ {
+		same = snap.Replicas[i].Name == r.orderNames[i]
+	}
+	if same {
+		return r.orderIdx
+	}
+	r.orderNames, r.orderIdx = r.orderNames[:0], r.orderIdx[:0]
+	for i := range snap.Replicas {
+		name := snap.Replicas[i].Name
+		k, ok := index[name]
+		if !ok {
+			k = -1
+		}
+		r.orderNames, r.orderIdx = append(r.orderNames, name), append(r.orderIdx, k)
+	}
+	return r.orderIdx
 }
 
 // account changes the router's in-flight work at replica k and tells its

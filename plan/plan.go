@@ -376,8 +376,21 @@ func (p *Plan) Decide(in *Input) error {
 	if p.disaggregated(snap) {
 		return p.decideSplit(in)
 	}
+	p.Request.Rank = p.rank(in)
 	in.Settings.Policy.Route(&p.Request, p.Candidates, &p.Decision)
 	return p.targetsFrom(in)
+}
+
+// rank is how many of the decision's order targetsFrom may read: the
+// replicas it tries and those it skips as unusable on the way.
+func (p *Plan) rank(in *Input) int {
+	n := max(in.Settings.MaxAttempts, 1)
+	for _, i := range p.snapIdx {
+		if in.Loads[i].Unusable {
+			n++
+		}
+	}
+	return n
 }
 
 // targetsFrom fills p.Targets from p.Decision: the replicas it orders, at

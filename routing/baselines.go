@@ -124,7 +124,7 @@ func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
 		weight = make([]uint64, len(cands))
 	}
 	for _, i := range idx {
-		weight[i] = mix(xxhash.Sum64String(cands[i].Name) ^ key)
+		weight[i] = rendezvousWeight(&cands[i], key)
 	}
 	slices.SortFunc(idx, func(a, b int) int {
 		if c := cmp.Compare(weight[b], weight[a]); c != 0 {
@@ -134,24 +134,44 @@ func rendezvousOrder(idx []int, cands []Candidate, key uint64) {
 	})
 }
 
+// rendezvousWeight is c's weight for key in a rendezvous order.
+func rendezvousWeight(c *Candidate, key uint64) uint64 {
+	return mix(xxhash.Sum64String(c.Name) ^ key)
+}
+
+// rendezvousBefore reports whether a (of weight wa) comes before b (of
+// weight wb) in a rendezvous order: heavier first, ties by name.
+func rendezvousBefore(wa uint64, a *Candidate, wb uint64, b *Candidate) bool {
+	if wa != wb {
+		return wa > wb
+	}
+	return a.Name < b.Name
+}
+
 // boundedHome returns the position in order (a rendezvous order) of the
-// first candidate whose load is within the bound. Rounding the capacity up
-// is what lets an idle replica take the request when the whole fleet holds
-// fewer requests than replicas (without it, no replica fits and the busy
-// home keeps everything); it also means the least-loaded one always fits.
+// first candidate whose load is within the bound, homeCapacity.
 func boundedHome(order []int, cands []Candidate, bound float64) int {
 	total := 0
 	for _, i := range order {
 		total += outstanding(&cands[i])
 	}
-	// CHWBL: capacity = ceil(bound × (total+1) / n), counting this request.
-	capacity := math.Ceil(bound*float64(total+1)/float64(len(order)) - 1e-9)
+	capacity := homeCapacity(bound, total, len(order))
 	for pos, i := range order {
 		if float64(outstanding(&cands[i])+1) <= capacity {
 			return pos
 		}
 	}
 	return 0
+}
+
+// homeCapacity is CHWBL's capacity of each of n replicas holding total
+// requests: ceil(bound × (total+1) / n), counting this request. Rounding
+// up is what lets an idle replica take the request when the whole fleet
+// holds fewer requests than replicas (without it, no replica fits and the
+// busy home keeps everything); it also means the least-loaded one always
+// fits.
+func homeCapacity(bound float64, total, n int) float64 {
+	return math.Ceil(bound*float64(total+1)/float64(n) - 1e-9)
 }
 
 // mix is murmur3's fmix64. It is not blockkey.Remix on purpose: it places

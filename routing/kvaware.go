@@ -137,8 +137,9 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 	}
 
 	// Ties fall to the candidate order: a total order, so the faster
-	// unstable sort gives what a stable one would.
-	slices.SortFunc(d.Order, func(a, b int) int {
+	// unstable sort gives what a stable one would, and the first Rank of a
+	// selection are the first Rank of the sort.
+	rank := func(a, b int) int {
 		if c := cmp.Compare(ttft[a], ttft[b]); c != 0 {
 			return c
 		}
@@ -146,7 +147,12 @@ func (p *kvaware) Route(req *Request, cands []Candidate, d *Decision) {
 			return c
 		}
 		return cmp.Compare(a, b)
-	})
+	}
+	if req.Rank > 0 && req.Rank < len(d.Order) {
+		selectFirst(d.Order, req.Rank, rank)
+	} else {
+		slices.SortFunc(d.Order, rank)
+	}
 	// A session is placed on its home whether or not the prompt is cold:
 	// its next turn then finds its prefix wherever it started.
 	if home, ok := p.home(req.Session, cands, ttft, d); ok {
@@ -227,27 +233,76 @@ func (p *kvaware) CostModels(yield func(model string, k costfit.Coefficients, ob
 // blocks routers can see (a prefix placed on a load-only replica could never
 // be found again), bounded by load, when it is nearly as good as the best
 // (within ColdSlack of d.Order[0]'s predicted time to first token): routers
-// that have not yet seen each other's choices then still agree.
+// that have not yet seen each other's choices then still agree. It is the
+// first of their rendezvous order within the load bound (boundedHome's
+// answer), found in one pass without ordering them all.
 func (p *kvaware) home(key uint64, cands []Candidate, ttft []time.Duration, d *Decision) (int, bool) {
 	if key == 0 || len(d.Order) == 0 {
 		return 0, false
 	}
-	var homeBuf [stackCands]int
-	home := homeBuf[:0]
-	for _, i := range d.Order {
+	total, n := 0, 0
+	for i := range cands {
 		if cands[i].PrefixAware {
-			home = append(home, i)
+			total += outstanding(&cands[i])
+			n++
 		}
 	}
-	if len(home) == 0 {
+	if n == 0 {
 		return 0, false
 	}
-	rendezvousOrder(home, cands, key)
-	h := home[boundedHome(home, cands, p.cfg.LoadBound)]
+	capacity := homeCapacity(p.cfg.LoadBound, total, n)
+	first, fit := -1, -1
+	var firstW, fitW uint64
+	for i := range cands {
+		c := &cands[i]
+		if !c.PrefixAware {
+			continue
+		}
+		w := rendezvousWeight(c, key)
+		if first < 0 || rendezvousBefore(w, c, firstW, &cands[first]) {
+			first, firstW = i, w
+		}
+		if float64(outstanding(c)+1) <= capacity && (fit < 0 || rendezvousBefore(w, c, fitW, &cands[fit])) {
+			fit, fitW = i, w
+		}
+	}
+	h := fit
+	if h < 0 {
+		h = first
+	}
 	if ttft[h] > ttft[d.Order[0]]+p.cfg.ColdSlack {
 		return 0, false
 	}
 	return h, true
+}
+
+// selectFirst puts the first n of order by cmp, in order, at its front; the
+// rest follow in no particular order. A total order's first n are then the
+// first n a sort would give.
+func selectFirst(order []int, n int, cmp func(a, b int) int) {
+	insertionSort(order[:n], cmp)
+	for k := n; k < len(order); k++ {
+		v := order[k]
+		if cmp(v, order[n-1]) >= 0 {
+			continue
+		}
+		order[k] = order[n-1]
+		j := n - 1
+		for ; j > 0 && cmp(v, order[j-1]) < 0; j-- {
+			order[j] = order[j-1]
+		}
+		order[j] = v
+	}
+}
+
+func insertionSort(s []int, cmp func(a, b int) int) {
+	for i := 1; i < len(s); i++ {
+		v, j := s[i], i
+		for ; j > 0 && cmp(v, s[j-1]) < 0; j-- {
+			s[j] = s[j-1]
+		}
+		s[j] = v
+	}
 }
 
 // checkImbalance updates model's least-load mode: enter when the longest

@@ -88,6 +88,11 @@ type Request struct {
 	Session uint64
 	// Now is the decision time (speculative records expire by it).
 	Now time.Time
+	// Rank, when positive, is how many leading entries of Decision.Order
+	// the caller reads: a policy may leave the entries after them in any
+	// order. The planner sets it to the replicas it may try, so that a
+	// fleet of a thousand is not sorted for the three it tries.
+	Rank int
 }
 
 // Decision is a policy's answer.
@@ -96,6 +101,7 @@ type Decision struct {
 	Pick int
 	// Order lists every usable candidate, best first (Pick first); the proxy
 	// retries down this list when a replica fails before its first byte.
+	// With Request.Rank set, only its first Rank entries are in rank order.
 	Order []int
 	Mode  Mode
 	// PredictedCachedTokens is the prefix the picked replica should hold.
