@@ -36,7 +36,7 @@ type options struct {
 	engineArgs, sidecarArgs, routerArgs                                  string
 	replicas, routers, maxRequests, prefillReplicas                      int
 	timeScale                                                            float64
-	duration, drain, traceStart                                          time.Duration
+	duration, drain, traceStart, killAt                                  time.Duration
 	seed                                                                 uint64
 	traceLimit                                                           int
 	traceSpeedup                                                         float64
@@ -68,6 +68,7 @@ func run(args []string) error {
 	fs.StringVar(&o.engineArgs, "engine-args", "", "extra enginesim flags, space-separated")
 	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "extra sidecar flags, space-separated")
 	fs.StringVar(&o.routerArgs, "router-args", "", "extra router flags, space-separated (e.g. --config tune.yaml to try thresholds)")
+	fs.DurationVar(&o.killAt, "kill-at", 0, "for scenarios of prefill and decode pools: kill one prefill and one decode engine with SIGKILL this long (wall) into each run's arrivals (+aggregated runs lose the same two servers); 0: no fault")
 	fs.IntVar(&o.prefillReplicas, "prefill-replicas", 0, "for scenarios of prefill and decode pools (pd, pd-short): this many prefill replicas, the rest decode (default: the scenario's, 3 of 8)")
 	fs.BoolVar(&o.smoke, "smoke", false, "tiny run for tests: 2 replicas, 2 routers, ≤80 requests, round-robin and kvaware; fails on any error")
 	o.log.Register(fs)
@@ -138,7 +139,7 @@ func run(args []string) error {
 			Scenario: sc, Policies: policies, Replicas: o.replicas, Routers: o.routers, TimeScale: o.timeScale,
 			Duration: o.duration, Seed: o.seed, MaxRequests: o.maxRequests, BinDir: o.bin, OutDir: o.out,
 			Drain: o.drain, EngineArgs: engineArgs, SidecarArgs: strings.Fields(o.sidecarArgs),
-			RouterArgs: strings.Fields(o.routerArgs), Log: log,
+			RouterArgs: strings.Fields(o.routerArgs), KillAt: o.killAt, Log: log,
 		})
 		if len(res.Report.Order) > 0 {
 			fmt.Printf("\n%s\n", sc.About)

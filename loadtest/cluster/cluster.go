@@ -341,15 +341,36 @@ func (c *Cluster) exitedEarly() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, p := range c.procs {
-		if done, err := p.Exited(); done {
+		if done, err := p.Exited(); done && !p.dead.Load() {
 			return fmt.Errorf("cluster: %s exited during start-up (%v); log %s ends:\n%s", p.Name, err, p.LogPath, p.TailLog(2000))
 		}
 	}
 	return nil
 }
 
-// Exited returns an error naming any process that is no longer running.
+// Exited returns an error naming any process that is no longer running,
+// but for those KillEngine killed.
 func (c *Cluster) Exited() error { return c.exitedEarly() }
+
+// KillEngine kills engine server i with SIGKILL, its sidecars left
+// running as a real node's would be when its engine crashed. It returns
+// the process's name.
+func (c *Cluster) KillEngine(i int) (string, error) {
+	name := fmt.Sprintf("enginesim-%d", i)
+	c.mu.Lock()
+	var p *Proc
+	for _, q := range c.procs {
+		if q.Name == name {
+			p = q
+		}
+	}
+	c.mu.Unlock()
+	if p == nil {
+		return name, fmt.Errorf("cluster: no engine server %d", i)
+	}
+	p.Kill()
+	return name, nil
+}
 
 // RouterCPU returns the CPU time the routers have used so far, summed:
 // what sizes a router fleet (CPU per request routed).
