@@ -112,6 +112,24 @@ var PDParams = workload.TenantsParams{
 	RateStart: 6, RateEnd: 6,
 }
 
+// PDChunkedParams is pd-chunked: the pd requests at 8 req/s, where the
+// prefills of an aggregated fleet of 8 take about a quarter of its engine
+// time and half of a prefill pool of 4.
+var PDChunkedParams = func() workload.TenantsParams {
+	p := PDParams
+	p.RateStart, p.RateEnd = 8, 8
+	return p
+}()
+
+// pdChunkedEngine is the engine setup of pd-chunked: a 512-token step
+// budget, the chunked-prefill default vLLM chose for the best inter-token
+// latency on A100 (vllm-project/vllm#4580, v0.4.2; Sarathi-Serve's
+// strict-SLO budget), and decode priced memory-bound as paged attention on
+// an H200 reads its KV (≈ 27 ns per context token, rounded to 30; 10 µs per
+// sequence for sampling and bookkeeping, an estimate).
+var pdChunkedEngine = []string{"--max-model-len", "16384", "--max-num-batched-tokens", "512",
+	"--cost-profile", "decode_ns_per_context_token=30,decode_us_per_seq=10"}
+
 // PDShortParams is pd-short: chat-like prompts (300 tokens of shared
 // system prompt, 200 of question) with 128-token answers at 12 req/s,
 // where splitting only adds a hop.
@@ -268,6 +286,15 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Policies: []string{"kvaware+aggregated", "kvaware"},
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("pd", PDParams, seed, d)
+			},
+		},
+		"pd-chunked": {
+			Name: "pd-chunked", About: "the pd requests at 8 req/s on engines chunking prefills at a 512-token step budget (memory-bound decode cost): 4 prefill + 4 decode against the same 8 aggregated, where chunked prefills slow many decode steps",
+			Replicas: 8, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 4096,
+			EngineArgs: pdChunkedEngine, KVRoles: Pools(4, 8),
+			Policies: []string{"kvaware+aggregated", "kvaware"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("pd-chunked", PDChunkedParams, seed, d)
 			},
 		},
 		"pd-short": {
