@@ -41,6 +41,9 @@ type Config struct {
 	Drain time.Duration
 	// Extra flags per binary, passed through to the cluster.
 	EngineArgs, SidecarArgs, RouterArgs []string
+	// PrefillEngineArgs are extra enginesim flags for a scenario's prefill
+	// pool only, after EngineArgs (unused by +aggregated runs).
+	PrefillEngineArgs []string
 	// KillAt, when positive, kills one prefill and one decode engine
 	// server of a scenario's pools with SIGKILL this long (wall) into each
 	// run's arrival phase; a +aggregated run loses the same two servers.
@@ -204,7 +207,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, DataParallelSize: cfg.Scenario.DataParallelSize, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
 		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: append(slices.Clone(cfg.Scenario.SidecarArgs), cfg.SidecarArgs...), RouterArgs: routerArgs,
-		KVRoles: kvRoles,
+		KVRoles: kvRoles, PrefillEngineArgs: cfg.PrefillEngineArgs,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err

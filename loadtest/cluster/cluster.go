@@ -46,9 +46,12 @@ type Config struct {
 	// KVRoles names, by server, the side of prefill/decode disaggregation
 	// its engine and sidecars play (--kv-role); a server past its end, or
 	// named "", plays both.
-	KVRoles      []string
-	ReadyTimeout time.Duration // default 60 s
-	Grace        time.Duration // SIGTERM → SIGKILL; default 5 s
+	KVRoles []string
+	// PrefillEngineArgs are appended to EngineArgs for the servers whose
+	// role is prefill: a prefill pool tuned apart from the decode pool.
+	PrefillEngineArgs []string
+	ReadyTimeout      time.Duration // default 60 s
+	Grace             time.Duration // SIGTERM → SIGKILL; default 5 s
 }
 
 // Cluster is a running fleet.
@@ -143,10 +146,14 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		if ranks > 1 {
 			args = append(args, "--data-parallel-size", strconv.Itoa(ranks))
 		}
+		args = append(args, cfg.EngineArgs...)
 		if role := cfg.role(i); role != "" {
 			args = append(args, "--kv-role", role)
+			if role == "prefill" {
+				args = append(args, cfg.PrefillEngineArgs...)
+			}
 		}
-		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", append(args, cfg.EngineArgs...)); err != nil {
+		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", args); err != nil {
 			return nil, err
 		}
 		c.Engines = append(c.Engines, url)
