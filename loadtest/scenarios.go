@@ -135,8 +135,8 @@ var PDParams = workload.TenantsParams{
 }
 
 // PDChunkedParams is pd-chunked: the pd requests at 8 req/s, where the
-// prefills of an aggregated fleet of 8 take about a quarter of its engine
-// time and half of a prefill pool of 4.
+// prefills of an aggregated fleet of 8 take about a fifth of its engine
+// time and two fifths of a prefill pool of 4 (loadtest/README.md).
 var PDChunkedParams = func() workload.TenantsParams {
 	p := PDParams
 	p.RateStart, p.RateEnd = 8, 8
