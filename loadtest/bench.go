@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -40,7 +41,14 @@ type Config struct {
 	Drain time.Duration
 	// Extra flags per binary, passed through to the cluster.
 	EngineArgs, SidecarArgs, RouterArgs []string
-	Log                                 zerolog.Logger
+	// PrefillEngineArgs are extra enginesim flags for a scenario's prefill
+	// pool only, after EngineArgs (unused by +aggregated runs).
+	PrefillEngineArgs []string
+	// KillAt, when positive, kills one prefill and one decode engine
+	// server of a scenario's pools with SIGKILL this long (wall) into each
+	// run's arrival phase; a +aggregated run loses the same two servers.
+	KillAt time.Duration
+	Log    zerolog.Logger
 }
 
 // Result is a finished scenario.
@@ -84,6 +92,11 @@ func Bench(ctx context.Context, cfg Config) (Result, error) {
 	w.Truncate(cfg.MaxRequests)
 	if len(w.Requests) == 0 {
 		return Result{}, fmt.Errorf("scenario %s: the workload is empty", sc.Name)
+	}
+	if cfg.KillAt > 0 {
+		if _, err := KillTargets(sc.KVRoles); err != nil {
+			return Result{}, fmt.Errorf("scenario %s: %w", sc.Name, err)
+		}
 	}
 	ranks := max(sc.DataParallelSize, 1)
 	kv := sc.KVBlocks(w, cfg.Replicas*ranks)
@@ -194,7 +207,7 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		BinDir: cfg.BinDir, OutDir: dir, Replicas: cfg.Replicas, DataParallelSize: cfg.Scenario.DataParallelSize, Routers: cfg.Routers, Policy: run.policy,
 		Model: cfg.Model, KVBlocks: kv, BlockSize: w.BlockSize, TimeScale: cfg.TimeScale,
 		EngineArgs: append(slices.Clone(cfg.Scenario.EngineArgs), cfg.EngineArgs...), SidecarArgs: append(slices.Clone(cfg.Scenario.SidecarArgs), cfg.SidecarArgs...), RouterArgs: routerArgs,
-		KVRoles: kvRoles,
+		KVRoles: kvRoles, PrefillEngineArgs: cfg.PrefillEngineArgs,
 	})
 	if err != nil {
 		return report.Summary{}, nil, err
@@ -210,6 +223,25 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 	client.Chat = run.chat
 	defer client.HTTP.CloseIdleConnections()
 	cpu0 := cl.RouterCPU()
+	var killed []string
+	var killMu sync.Mutex
+	if cfg.KillAt > 0 {
+		targets, _ := KillTargets(cfg.Scenario.KVRoles) // checked in Bench
+		t := time.AfterFunc(cfg.KillAt, func() {
+			for _, i := range targets {
+				name, err := cl.KillEngine(i)
+				if err != nil {
+					log.Error().Err(err).Msg("kill failed")
+					continue
+				}
+				killMu.Lock()
+				killed = append(killed, name)
+				killMu.Unlock()
+				log.Info().Str("process", name).Str("role", cfg.Scenario.KVRoles[i]).Msg("killed with SIGKILL")
+			}
+		})
+		defer t.Stop()
+	}
 	out := Replay(ctx, client, w, ReplayOptions{Targets: cl.Routers, TimeScale: cfg.TimeScale, Drain: cfg.Drain})
 	routerCPU := cl.RouterCPU() - cpu0
 	for i := range out.Records {
@@ -233,6 +265,9 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		log.Warn().Err(err).Msg("records not written")
 	}
 	sum := report.Summarize(out.Records, cfg.TimeScale, degradations)
+	killMu.Lock()
+	sum.Killed = slices.Clone(killed)
+	killMu.Unlock()
 	sum.MaxSendLagMs = float64(out.MaxLag) / float64(time.Millisecond)
 	if n := len(out.Records); n > 0 {
 		sum.RouterCPUPerRequestUs = float64(routerCPU) / float64(time.Microsecond) / float64(n)
@@ -250,6 +285,17 @@ func runPolicy(ctx context.Context, cfg Config, run run, kv int) (report.Summary
 		}
 	}
 	return sum, ttft, nil
+}
+
+// KillTargets are the engine servers a fault run kills: the first of the
+// prefill pool and the first of the decode pool. A scenario without pools
+// has none to name.
+func KillTargets(roles []string) ([]int, error) {
+	pre, dec := slices.Index(roles, "prefill"), slices.Index(roles, "decode")
+	if pre < 0 || dec < 0 {
+		return nil, errors.New("killing replicas needs prefill and decode pools (a pd scenario)")
+	}
+	return []int{pre, dec}, nil
 }
 
 // scrapeCounter sums every sample of a Prometheus counter family.

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -237,4 +238,48 @@ func FuzzSumCounter(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		_, _ = sumCounter(bytes.NewReader(data), "kvmesh_router_degradations_total")
 	})
+}
+
+func TestKillTargetsNameOneOfEachPool(t *testing.T) {
+	got, err := KillTargets(Pools(3, 8))
+	if err != nil || !slices.Equal(got, []int{0, 3}) {
+		t.Fatalf("KillTargets(3 of 8) = %v, %v; want [0 3]", got, err)
+	}
+	for _, roles := range [][]string{nil, Pools(0, 4), Pools(4, 4)} {
+		if got, err := KillTargets(roles); err == nil {
+			t.Errorf("KillTargets(%v) = %v without a prefill and a decode pool", roles, got)
+		}
+	}
+}
+
+// TestKillAtKillsAPrefillAndADecodeEngine runs the smoke workload split
+// over 2 prefill + 2 decode replicas and kills one of each mid-run: the
+// report names both, every request is counted served or failed, and the
+// run is no error (a killed engine is no dead process).
+func TestKillAtKillsAPrefillAndADecodeEngine(t *testing.T) {
+	needBins(t, "enginesim", "sidecar", "router")
+	sc := Smoke
+	sc.Name, sc.Replicas, sc.KVRoles, sc.Duration = "smoke-pd", 4, Pools(2, 4), 2*time.Second
+	sc.Policies = []string{"kvaware+always"}
+	out := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	res, err := Bench(ctx, Config{Scenario: sc, Routers: 1, Seed: 1, MaxRequests: SmokeMaxRequests, KillAt: 500 * time.Millisecond,
+		BinDir: binDir, OutDir: out, Drain: 20 * time.Second, RouterArgs: []string{"--resume-streams"},
+		Log: zerolog.New(zerolog.NewTestWriter(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := res.Report.Policies["kvaware+always"]
+	if want := []string{"enginesim-0", "enginesim-2"}; !slices.Equal(s.Killed, want) {
+		t.Fatalf("killed %v, want %v; logs in %s", s.Killed, want, out)
+	}
+	if s.Served+s.Errors != s.Requests || s.Requests == 0 {
+		t.Fatalf("%d served + %d failed of %d requests; logs in %s", s.Served, s.Errors, s.Requests, out)
+	}
+	t.Logf("%d of %d served, %d failed (%v), split %d", s.Served, s.Requests, s.Errors, s.ErrorKind, s.Modes["split"])
+	var buf strings.Builder
+	if err := res.Report.WriteTable(&buf); err != nil || !strings.Contains(buf.String(), "killed enginesim-0, enginesim-2 during the run") {
+		t.Fatalf("table does not report the kill (%v):\n%s", err, buf.String())
+	}
 }

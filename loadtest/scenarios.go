@@ -47,6 +47,28 @@ type Scenario struct {
 	// Policies run by default (--policies overrides).
 	Policies []string
 	Generate func(seed uint64, sim time.Duration) (workload.Workload, error)
+	// Rated, when set, generates the workload at a steady arrival rate
+	// (req/s) instead of the scenario's (loadtest --rate).
+	Rated func(seed uint64, sim time.Duration, rate float64) (workload.Workload, error)
+}
+
+// AtRate is s generating its workload at rate req/s, or an error when the
+// scenario has no rate to set.
+func (s Scenario) AtRate(rate float64) (Scenario, error) {
+	if s.Rated == nil || rate <= 0 {
+		return s, fmt.Errorf("scenario %s: no arrival rate to set (want a positive rate for pd, pd-chunked or pd-short)", s.Name)
+	}
+	rated := s.Rated
+	s.Generate = func(seed uint64, sim time.Duration) (workload.Workload, error) { return rated(seed, sim, rate) }
+	return s, nil
+}
+
+// tenantsAt is a Rated generator of the Tenants workload p.
+func tenantsAt(name string, p workload.TenantsParams) func(uint64, time.Duration, float64) (workload.Workload, error) {
+	return func(seed uint64, sim time.Duration, rate float64) (workload.Workload, error) {
+		p.RateStart, p.RateEnd = rate, rate
+		return workload.Tenants(name, p, seed, sim)
+	}
 }
 
 // KVBlocks derives the per-replica capacity from a workload's demand.
@@ -111,6 +133,26 @@ var PDParams = workload.TenantsParams{
 	Groups: 16, UsersPerGroup: 40, ContextTokens: 2000, QuestionTokens: 6000, OutputTokens: 256,
 	RateStart: 6, RateEnd: 6,
 }
+
+// PDChunkedParams is pd-chunked: the pd requests at 8 req/s, where the
+// prefills of an aggregated fleet of 8 take about a fifth of its engine
+// time and two fifths of a prefill pool of 4 (loadtest/README.md).
+var PDChunkedParams = func() workload.TenantsParams {
+	p := PDParams
+	p.RateStart, p.RateEnd = 8, 8
+	return p
+}()
+
+// pdChunkedEngine is the engine setup of pd-chunked: a 512-token step
+// budget, vLLM's chunked-prefill default from May 2024 (vllm-project/vllm
+// #4580, picked for the best inter-token latency on A100) until #10544
+// raised it to 2048 in November 2024 as conservative on H100, and the
+// budget Sarathi-Serve runs under strict latency targets; decode priced
+// memory-bound as paged attention on an H200 reads its KV (≈ 27 ns per
+// context token, rounded to 30; 10 µs per sequence for sampling and
+// bookkeeping, an estimate).
+var pdChunkedEngine = []string{"--max-model-len", "16384", "--max-num-batched-tokens", "512",
+	"--cost-profile", "decode_ns_per_context_token=30,decode_us_per_seq=10"}
 
 // PDShortParams is pd-short: chat-like prompts (300 tokens of shared
 // system prompt, 200 of question) with 128-token answers at 12 req/s,
@@ -269,6 +311,17 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("pd", PDParams, seed, d)
 			},
+			Rated: tenantsAt("pd", PDParams),
+		},
+		"pd-chunked": {
+			Name: "pd-chunked", About: "the pd requests at 8 req/s on engines chunking prefills at a 512-token step budget (memory-bound decode cost): 4 prefill + 4 decode against the same 8 aggregated, where chunked prefills slow many decode steps",
+			Replicas: 8, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 4096,
+			EngineArgs: pdChunkedEngine, KVRoles: Pools(4, 8),
+			Policies: []string{"kvaware+aggregated", "kvaware"},
+			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
+				return workload.Tenants("pd-chunked", PDChunkedParams, seed, d)
+			},
+			Rated: tenantsAt("pd-chunked", PDChunkedParams),
 		},
 		"pd-short": {
 			Name: "pd-short", About: "the pd pools on short chats (300-token system prompts, 200-token questions, 128-token answers, 12 req/s): auto splitting against aggregated and always-split",
@@ -278,6 +331,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
 				return workload.Tenants("pd-short", PDShortParams, seed, d)
 			},
+			Rated: tenantsAt("pd-short", PDShortParams),
 		},
 		"nocache": {
 			Name: "nocache", About: "unique ≈2,000-token prompts at 40 req/s",

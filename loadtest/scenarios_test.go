@@ -114,3 +114,20 @@ func TestTenantScenariosNameTheirTenants(t *testing.T) {
 		}
 	}
 }
+
+func TestAtRateSetsTheArrivalRate(t *testing.T) {
+	sc, err := Scenarios("", TraceDefaults)["pd-chunked"].AtRate(12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := sc.Generate(1, 100*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(w.Requests); n < 1100 || n > 1300 {
+		t.Fatalf("%d requests in 100 s at 12 req/s", n)
+	}
+	if _, err := Scenarios("", TraceDefaults)["tenants"].AtRate(12); err == nil {
+		t.Fatal("a scenario without a steady rate took one")
+	}
+}

@@ -33,10 +33,10 @@ func main() {
 
 type options struct {
 	scenario, policies, bin, out, trace, jsonPath, plotPath, costProfile string
-	engineArgs, sidecarArgs, routerArgs                                  string
+	engineArgs, sidecarArgs, routerArgs, prefillEngineArgs               string
 	replicas, routers, maxRequests, prefillReplicas                      int
-	timeScale                                                            float64
-	duration, drain, traceStart                                          time.Duration
+	timeScale, rate                                                      float64
+	duration, drain, traceStart, killAt                                  time.Duration
 	seed                                                                 uint64
 	traceLimit                                                           int
 	traceSpeedup                                                         float64
@@ -66,8 +66,11 @@ func run(args []string) error {
 	fs.DurationVar(&o.drain, "drain", 30*time.Second, "wall wait for in-flight requests after the last arrival")
 	fs.StringVar(&o.costProfile, "cost-profile", "", "passed to enginesim --cost-profile when set")
 	fs.StringVar(&o.engineArgs, "engine-args", "", "extra enginesim flags, space-separated")
+	fs.StringVar(&o.prefillEngineArgs, "prefill-engine-args", "", "extra enginesim flags for the prefill pool only, after --engine-args (pd scenarios; not +aggregated runs), e.g. \"--max-num-batched-tokens 8192\"")
+	fs.Float64Var(&o.rate, "rate", 0, "steady arrival rate in req/s for the pd scenarios (default: the scenario's)")
 	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "extra sidecar flags, space-separated")
 	fs.StringVar(&o.routerArgs, "router-args", "", "extra router flags, space-separated (e.g. --config tune.yaml to try thresholds)")
+	fs.DurationVar(&o.killAt, "kill-at", 0, "for scenarios of prefill and decode pools: kill one prefill and one decode engine with SIGKILL this long (wall) into each run's arrivals (+aggregated runs lose the same two servers); 0: no fault")
 	fs.IntVar(&o.prefillReplicas, "prefill-replicas", 0, "for scenarios of prefill and decode pools (pd, pd-short): this many prefill replicas, the rest decode (default: the scenario's, 3 of 8)")
 	fs.BoolVar(&o.smoke, "smoke", false, "tiny run for tests: 2 replicas, 2 routers, ≤80 requests, round-robin and kvaware; fails on any error")
 	o.log.Register(fs)
@@ -131,6 +134,11 @@ func run(args []string) error {
 	begin := time.Now()
 	failed := false
 	for _, sc := range scenarios {
+		if o.rate > 0 {
+			if sc, err = sc.AtRate(o.rate); err != nil {
+				return err
+			}
+		}
 		if o.prefillReplicas > 0 && len(sc.KVRoles) > 0 {
 			sc.KVRoles = loadtest.Pools(o.prefillReplicas, max(o.replicas, sc.Replicas))
 		}
@@ -138,7 +146,8 @@ func run(args []string) error {
 			Scenario: sc, Policies: policies, Replicas: o.replicas, Routers: o.routers, TimeScale: o.timeScale,
 			Duration: o.duration, Seed: o.seed, MaxRequests: o.maxRequests, BinDir: o.bin, OutDir: o.out,
 			Drain: o.drain, EngineArgs: engineArgs, SidecarArgs: strings.Fields(o.sidecarArgs),
-			RouterArgs: strings.Fields(o.routerArgs), Log: log,
+			RouterArgs: strings.Fields(o.routerArgs), PrefillEngineArgs: strings.Fields(o.prefillEngineArgs),
+			KillAt: o.killAt, Log: log,
 		})
 		if len(res.Report.Order) > 0 {
 			fmt.Printf("\n%s\n", sc.About)

@@ -46,9 +46,12 @@ type Config struct {
 	// KVRoles names, by server, the side of prefill/decode disaggregation
 	// its engine and sidecars play (--kv-role); a server past its end, or
 	// named "", plays both.
-	KVRoles      []string
-	ReadyTimeout time.Duration // default 60 s
-	Grace        time.Duration // SIGTERM → SIGKILL; default 5 s
+	KVRoles []string
+	// PrefillEngineArgs are appended to EngineArgs for the servers whose
+	// role is prefill: a prefill pool tuned apart from the decode pool.
+	PrefillEngineArgs []string
+	ReadyTimeout      time.Duration // default 60 s
+	Grace             time.Duration // SIGTERM → SIGKILL; default 5 s
 }
 
 // Cluster is a running fleet.
@@ -143,10 +146,14 @@ func Start(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 		if ranks > 1 {
 			args = append(args, "--data-parallel-size", strconv.Itoa(ranks))
 		}
+		args = append(args, cfg.EngineArgs...)
 		if role := cfg.role(i); role != "" {
 			args = append(args, "--kv-role", role)
+			if role == "prefill" {
+				args = append(args, cfg.PrefillEngineArgs...)
+			}
 		}
-		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", append(args, cfg.EngineArgs...)); err != nil {
+		if err := c.start(fmt.Sprintf("enginesim-%d", i), "enginesim", args); err != nil {
 			return nil, err
 		}
 		c.Engines = append(c.Engines, url)
@@ -341,15 +348,36 @@ func (c *Cluster) exitedEarly() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, p := range c.procs {
-		if done, err := p.Exited(); done {
+		if done, err := p.Exited(); done && !p.dead.Load() {
 			return fmt.Errorf("cluster: %s exited during start-up (%v); log %s ends:\n%s", p.Name, err, p.LogPath, p.TailLog(2000))
 		}
 	}
 	return nil
 }
 
-// Exited returns an error naming any process that is no longer running.
+// Exited returns an error naming any process that is no longer running,
+// but for those KillEngine killed.
 func (c *Cluster) Exited() error { return c.exitedEarly() }
+
+// KillEngine kills engine server i with SIGKILL, its sidecars left
+// running as a real node's would be when its engine crashed. It returns
+// the process's name.
+func (c *Cluster) KillEngine(i int) (string, error) {
+	name := fmt.Sprintf("enginesim-%d", i)
+	c.mu.Lock()
+	var p *Proc
+	for _, q := range c.procs {
+		if q.Name == name {
+			p = q
+		}
+	}
+	c.mu.Unlock()
+	if p == nil {
+		return name, fmt.Errorf("cluster: no engine server %d", i)
+	}
+	p.Kill()
+	return name, nil
+}
 
 // RouterCPU returns the CPU time the routers have used so far, summed:
 // what sizes a router fleet (CPU per request routed).

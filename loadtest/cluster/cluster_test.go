@@ -173,3 +173,47 @@ func TestPortRunsAreConsecutiveAndDistinct(t *testing.T) {
 		t.Fatalf("single port %d (%v) among the runs", single, err)
 	}
 }
+
+// TestKillEngineIsNoFailureOfTheRun: on a prefill + decode pair, only the
+// prefill engine gets PrefillEngineArgs; an engine killed on purpose is
+// gone (its port refuses), its sidecar stays, and Exited does not count
+// it; an unknown server is an error.
+func TestKillEngineIsNoFailureOfTheRun(t *testing.T) {
+	needBins(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	out := t.TempDir()
+	c, err := Start(ctx, Config{BinDir: binDir, OutDir: out, Replicas: 2, Routers: 1, Policy: "kvaware",
+		KVBlocks: 4096, TimeScale: 0.1, KVRoles: []string{"prefill", "decode"},
+		PrefillEngineArgs: []string{"--max-num-batched-tokens", "4096"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	for i, want := range []bool{true, false} {
+		head, _ := os.ReadFile(filepath.Join(out, "enginesim-"+strconv.Itoa(i)+".log"))
+		line, _, _ := strings.Cut(string(head), "\n")
+		if got := strings.Contains(line, "--max-num-batched-tokens 4096"); got != want {
+			t.Errorf("engine %d started as %q: prefill args there %v, want %v", i, line, got, want)
+		}
+	}
+	name, err := c.KillEngine(1)
+	if err != nil || name != "enginesim-1" {
+		t.Fatalf("KillEngine(1) = %q, %v", name, err)
+	}
+	if resp, err := http.Get(c.Engines[1] + "/health"); err == nil {
+		resp.Body.Close()
+		t.Fatal("the killed engine still answers")
+	}
+	if resp, err := http.Get(c.Sidecars[1] + "/health"); err != nil {
+		t.Fatalf("its sidecar went too: %v", err)
+	} else {
+		resp.Body.Close()
+	}
+	if err := c.Exited(); err != nil {
+		t.Fatalf("a deliberate kill counted as a failure: %v", err)
+	}
+	if _, err := c.KillEngine(2); err == nil {
+		t.Fatal("killing an engine server that does not exist succeeded")
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -24,6 +25,8 @@ type Proc struct {
 	done    chan struct{}
 	waitErr error
 	stop    sync.Once
+	// dead is set by Kill: the process was taken away on purpose.
+	dead atomic.Bool
 }
 
 // StartProc starts bin with args, stdout and stderr appended to logPath,
@@ -123,6 +126,19 @@ func (p *Proc) Stop(grace time.Duration) (killed bool) {
 		p.signalGroup(syscall.SIGKILL)
 	})
 	return killed
+}
+
+// Kill sends SIGKILL to the group at once, as a crashed or lost machine
+// takes a server away (no SIGTERM, no drain), and waits for the process
+// to be reaped. The process counts as stopped: a later Stop only sweeps
+// the group.
+func (p *Proc) Kill() {
+	p.stop.Do(func() {
+		p.dead.Store(true)
+		p.signalGroup(syscall.SIGKILL)
+		<-p.done
+		p.awaitGroupGone(time.Second)
+	})
 }
 
 // awaitGroupGone waits, up to max, until no live process is left in the

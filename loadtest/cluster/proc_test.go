@@ -20,6 +20,28 @@ func waitGroupSize(t *testing.T, pgid, n int) {
 	}
 }
 
+// startStubborn starts a group of three processes that ignore SIGTERM.
+func startStubborn(t *testing.T) *Proc {
+	t.Helper()
+	p, err := StartProc("stubborn", "/bin/sh", []string{"-c", `trap "" TERM; sleep 60 & sleep 60; wait`}, nil, filepath.Join(t.TempDir(), "p.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitGroupSize(t, p.Pid(), 3)
+	return p
+}
+
+// assertGone fails unless p is reaped and nothing is left in its group.
+func assertGone(t *testing.T, p *Proc) {
+	t.Helper()
+	if left := liveInGroup(p.Pid()); len(left) > 0 {
+		t.Fatalf("processes left in group: %v", left)
+	}
+	if done, _ := p.Exited(); !done {
+		t.Fatal("not reaped")
+	}
+}
+
 func TestStopTerminatesTheWholeGroup(t *testing.T) {
 	log := filepath.Join(t.TempDir(), "p.log")
 	p, err := StartProc("pair", "/bin/sh", []string{"-c", "sleep 60 & sleep 60"}, nil, log)
@@ -34,12 +56,7 @@ func TestStopTerminatesTheWholeGroup(t *testing.T) {
 	if d := time.Since(start); d > 2*time.Second {
 		t.Fatalf("stop took %v", d)
 	}
-	if left := liveInGroup(p.Pid()); len(left) > 0 {
-		t.Fatalf("processes left in group: %v", left)
-	}
-	if done, _ := p.Exited(); !done {
-		t.Fatal("not reaped")
-	}
+	assertGone(t, p)
 	p.Stop(time.Second) // idempotent
 	data, _ := os.ReadFile(log)
 	if !strings.HasPrefix(string(data), "# /bin/sh -c sleep 60 & sleep 60") {
@@ -48,11 +65,7 @@ func TestStopTerminatesTheWholeGroup(t *testing.T) {
 }
 
 func TestStopKillsWhatIgnoresSIGTERM(t *testing.T) {
-	p, err := StartProc("stubborn", "/bin/sh", []string{"-c", `trap "" TERM; sleep 60 & sleep 60; wait`}, nil, filepath.Join(t.TempDir(), "p.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitGroupSize(t, p.Pid(), 3)
+	p := startStubborn(t)
 	start := time.Now()
 	if killed := p.Stop(300 * time.Millisecond); !killed {
 		t.Fatal("a process ignoring SIGTERM stopped without SIGKILL")
@@ -123,5 +136,21 @@ func TestCPUCountsWhatTheProcessBurned(t *testing.T) {
 	p.Stop(time.Second)
 	if _, ok := p.CPU(); ok {
 		t.Fatal("CPU of a reaped process")
+	}
+}
+
+func TestKillTakesTheGroupAwayAtOnce(t *testing.T) {
+	p := startStubborn(t)
+	start := time.Now()
+	p.Kill()
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("kill took %v", d)
+	}
+	assertGone(t, p)
+	if !p.dead.Load() {
+		t.Fatal("a killed process is not marked as taken away on purpose")
+	}
+	if killed := p.Stop(time.Second); killed {
+		t.Fatal("Stop after Kill reported needing SIGKILL again")
 	}
 }

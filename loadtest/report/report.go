@@ -14,6 +14,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strings"
 	"text/tabwriter"
 	"time"
 )
@@ -182,6 +183,9 @@ type Summary struct {
 	// of them failed because their stored response was not found.
 	FollowUps        int `json:"follow_ups,omitempty"`
 	FollowUpsMissing int `json:"follow_ups_missing,omitempty"`
+	// Killed names the engine processes a fault run killed during the
+	// replay (loadtest --kill-at).
+	Killed []string `json:"killed,omitempty"`
 }
 
 // Percentile returns the nearest-rank p-th percentile (0 < p ≤ 100) of
@@ -357,6 +361,12 @@ func (r Report) WriteTable(w io.Writer) error {
 	}
 	if err := r.writeDecode(w); err != nil {
 		return err
+	}
+	for _, name := range r.Order {
+		if s := r.Policies[name]; len(s.Killed) > 0 {
+			fmt.Fprintf(w, "%s: killed %s during the run; %d of %d requests served, %d failed\n",
+				name, strings.Join(s.Killed, ", "), s.Served, s.Requests, s.Errors)
+		}
 	}
 	return r.writeGroups(w)
 }
