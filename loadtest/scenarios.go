@@ -63,6 +63,13 @@ func (s Scenario) AtRate(rate float64) (Scenario, error) {
 	return s, nil
 }
 
+// tenantsOf is a Generate of the Tenants workload p at its own rates.
+func tenantsOf(name string, p workload.TenantsParams) func(uint64, time.Duration) (workload.Workload, error) {
+	return func(seed uint64, sim time.Duration) (workload.Workload, error) {
+		return workload.Tenants(name, p, seed, sim)
+	}
+}
+
 // tenantsAt is a Rated generator of the Tenants workload p.
 func tenantsAt(name string, p workload.TenantsParams) func(uint64, time.Duration, float64) (workload.Workload, error) {
 	return func(seed uint64, sim time.Duration, rate float64) (workload.Workload, error) {
@@ -251,9 +258,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			// cores sustain; faster would also magnify CPU stalls.
 			Replicas: 8, TimeScale: 1, Duration: 40 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			Policies: AllPolicies,
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("tenants", TenantsParams, seed, d)
-			},
+			Generate: tenantsOf("tenants", TenantsParams),
 		},
 		"hot": {
 			Name: "hot", About: "16 tenants × 3,000-token context, tenant 0 sends half of 64 req/s",
@@ -264,9 +269,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Replicas: 8, TimeScale: 1, Duration: 12 * time.Second, FleetFill: 0.25, MinKVBlocks: 512,
 			EngineArgs: []string{"--max-model-len", "8192"},
 			Policies:   []string{"least-loaded", "prefix-pin", "kvaware"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("hot", HotParams, seed, d)
-			},
+			Generate:   tenantsOf("hot", HotParams),
 		},
 		"tiers": {
 			Name: "tiers", About: "128 groups × 3,000-token context, 4 users each asking 200-token questions, 12→36 req/s; working set 4× the GPU KV cache, all of it in each engine's CPU tier",
@@ -274,9 +277,7 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			EngineArgs:  []string{"--max-model-len", "8192", "--cpu-offload-blocks", tiersHostBlocks},
 			SidecarArgs: []string{"--offload-capacity", tiersHostBlocks},
 			Policies:    []string{"kvaware", "kvaware+blind", "least-loaded"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("tiers", TiersParams, seed, d)
-			},
+			Generate:    tenantsOf("tiers", TiersParams),
 		},
 		"multiturn": {
 			Name: "multiturn", About: "chats of 4–12 turns 1–3 s apart, 8 new per second, history resent each turn",
@@ -299,39 +300,31 @@ func Scenarios(traceFile string, tp workload.TraceParams) map[string]Scenario {
 			Name: "dp", About: "tenants (64 groups × 6,000-token context, 10→30 req/s) on 2 servers × 4 data-parallel ranks; +noheader: routers without X-data-parallel-rank",
 			Replicas: 2, DataParallelSize: 4, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			Policies: []string{"kvaware", "kvaware+noheader"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("dp", DPParams, seed, d)
-			},
+			Generate: tenantsOf("dp", DPParams),
 		},
 		"pd": {
 			Name: "pd", About: "prefill/decode disaggregation: 3 prefill + 5 decode replicas (+aggregated: the same 8 serving whole requests), 2,000-token group contexts + 6,000-token documents, 256-token answers, 6 req/s; +always / +never: --split always / never",
 			Replicas: 8, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 4096,
 			EngineArgs: []string{"--max-model-len", "16384"}, KVRoles: pdRoles,
 			Policies: []string{"kvaware+aggregated", "kvaware"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("pd", PDParams, seed, d)
-			},
-			Rated: tenantsAt("pd", PDParams),
+			Generate: tenantsOf("pd", PDParams),
+			Rated:    tenantsAt("pd", PDParams),
 		},
 		"pd-chunked": {
 			Name: "pd-chunked", About: "the pd requests at 8 req/s on engines chunking prefills at a 512-token step budget (memory-bound decode cost): 4 prefill + 4 decode against the same 8 aggregated, where chunked prefills slow many decode steps",
 			Replicas: 8, TimeScale: 1, Duration: 30 * time.Second, FleetFill: 0.7, MinKVBlocks: 4096,
 			EngineArgs: pdChunkedEngine, KVRoles: Pools(4, 8),
 			Policies: []string{"kvaware+aggregated", "kvaware"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("pd-chunked", PDChunkedParams, seed, d)
-			},
-			Rated: tenantsAt("pd-chunked", PDChunkedParams),
+			Generate: tenantsOf("pd-chunked", PDChunkedParams),
+			Rated:    tenantsAt("pd-chunked", PDChunkedParams),
 		},
 		"pd-short": {
 			Name: "pd-short", About: "the pd pools on short chats (300-token system prompts, 200-token questions, 128-token answers, 12 req/s): auto splitting against aggregated and always-split",
 			Replicas: 8, TimeScale: 1, Duration: 20 * time.Second, FleetFill: 0.7, MinKVBlocks: 2048,
 			EngineArgs: []string{"--max-model-len", "8192"}, KVRoles: pdRoles,
 			Policies: []string{"kvaware+aggregated", "kvaware", "kvaware+always"},
-			Generate: func(seed uint64, d time.Duration) (workload.Workload, error) {
-				return workload.Tenants("pd-short", PDShortParams, seed, d)
-			},
-			Rated: tenantsAt("pd-short", PDShortParams),
+			Generate: tenantsOf("pd-short", PDShortParams),
+			Rated:    tenantsAt("pd-short", PDShortParams),
 		},
 		"nocache": {
 			Name: "nocache", About: "unique ≈2,000-token prompts at 40 req/s",
